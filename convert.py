@@ -1,0 +1,352 @@
+"""Convert a Hugging Face T5 checkpoint (hub id or local folder) to MLX weights.
+
+    python convert.py --model t5-small
+    python convert.py --model google/flan-t5-large --dtype float16 --out my_models/flan
+
+Memory stays bounded by about one tensor: each tensor is read (memory-mapped),
+cast and appended to a safetensors shard whose header was written up front
+from the shapes alone. The output folder appears only when complete.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import blas  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from model import FORMAT_KEY, T5, ModelArgs
+
+# dtype choice: bfloat16 by default. T5 was trained in bfloat16 on TPUs, so it
+# keeps fp32's range (v1.0 models overflow float16 without clamping) at half
+# the memory and bandwidth: T5-11B is 45 GB in float32, 22 GB in bfloat16.
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+SHARD_BYTES = 4 << 30
+
+TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"]
+CONFIG_FILES = ["config.json", "generation_config.json"]
+SAFETENSORS_PATTERNS = ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
+TORCH_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json"]
+
+# Hugging Face name -> our name: the one mapping table.
+RENAMES = [
+    (r"^(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.", r"\1.relative_attention_bias.embeddings."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"encoder.layers.\1.attention."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"encoder.layers.\1.attention_norm."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.", r"encoder.layers.\1.ffn."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"encoder.layers.\1.ffn_norm."),
+    (r"^decoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"decoder.layers.\1.self_attention."),
+    (r"^decoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"decoder.layers.\1.self_attention_norm."),
+    (r"^decoder\.block\.(\d+)\.layer\.1\.EncDecAttention\.", r"decoder.layers.\1.cross_attention."),
+    (r"^decoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"decoder.layers.\1.cross_attention_norm."),
+    (r"^decoder\.block\.(\d+)\.layer\.2\.DenseReluDense\.", r"decoder.layers.\1.ffn."),
+    (r"^decoder\.block\.(\d+)\.layer\.2\.layer_norm\.", r"decoder.layers.\1.ffn_norm."),
+    (r"^(encoder|decoder)\.final_layer_norm\.", r"\1.final_norm."),
+    (r"^(shared|lm_head)\.weight$", r"\1.weight"),
+]
+# Copies of the shared embedding some checkpoints store instead of (or besides) it.
+EMBEDDING_ALIASES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
+
+
+class ConversionError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def rename(hf_name: str) -> str | None:
+    for pattern, replacement in RENAMES:
+        if re.match(pattern, hf_name):
+            return re.sub(pattern, replacement, hf_name)
+    return None
+
+
+# ---------------------------------------------------------------- sources
+
+
+def download(repo_id: str) -> Path:
+    """Only the files conversion needs; safetensors when the repo has them."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=CONFIG_FILES + TOKENIZER_FILES + SAFETENSORS_PATTERNS))
+        if not any(folder.glob("model*.safetensors")):
+            folder = Path(snapshot_download(repo_id, allow_patterns=CONFIG_FILES + TOKENIZER_FILES + TORCH_PATTERNS))
+    except GatedRepoError:
+        raise ConversionError(f"{repo_id} is gated on the Hugging Face hub: accept its terms and run `hf auth login`")
+    except RepositoryNotFoundError:
+        raise ConversionError(f"{repo_id} is neither a local folder nor a model on the Hugging Face hub")
+    except LocalEntryNotFoundError:
+        raise ConversionError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (no network?) and no copy is cached")
+    return folder
+
+
+def resolve_source(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConversionError(f"{model} is a file; give the folder holding a Hugging Face T5 checkpoint")
+        return path
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) or model.startswith((".", "/")):
+        raise ConversionError(f"{model} is neither a folder nor a Hugging Face hub id (like t5-small or google/flan-t5-base)")
+    return download(model)
+
+
+def read_source_config(folder: Path) -> dict:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{folder} holds no T5 checkpoint (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{config_file} is not valid JSON ({e})")
+    model_type = config.get("model_type")
+    if model_type not in ("t5", "mt5"):
+        raise ConversionError(f"{folder} holds a '{model_type}' model, not T5 (only T5, FLAN-T5 and mT5 convert)")
+    return config
+
+
+def weight_files(folder: Path) -> tuple[str, list[Path]]:
+    """('safetensors' | 'torch', files), preferring safetensors."""
+    for kind, single, index in [
+        ("safetensors", "model.safetensors", "model.safetensors.index.json"),
+        ("torch", "pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ]:
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConversionError(f"{folder / index} is corrupt ({e})")
+            missing = [s for s in shards if not (folder / s).is_file()]
+            if missing:
+                raise ConversionError(f"{folder} is missing weight shard {missing[0]} named in {index}")
+            return kind, [folder / s for s in shards]
+        if (folder / single).is_file():
+            return kind, [folder / single]
+    raise ConversionError(f"{folder} holds no T5 weights (model.safetensors or pytorch_model.bin)")
+
+
+class SafetensorsReader:
+    """name -> shape and memory-mapped tensors, without torch."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import SafetensorError, safe_open
+
+        self.handles = {}
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="mlx")
+            except (SafetensorError, OSError) as e:
+                raise ConversionError(f"{file} is truncated or corrupt ({e})")
+            for name in handle.keys():
+                self.handles[name] = handle
+
+    def names(self) -> list[str]:
+        return list(self.handles)
+
+    def shape(self, name: str) -> list[int]:
+        return self.handles[name].get_slice(name).get_shape()
+
+    def tensor(self, name: str) -> mx.array:
+        return self.handles[name].get_tensor(name)
+
+
+class TorchReader:
+    """pytorch_model.bin files, loaded memory-mapped (needs PyTorch)."""
+
+    def __init__(self, files: list[Path]):
+        try:
+            import torch
+        except ImportError:
+            raise ConversionError("this checkpoint is pytorch_model.bin: install PyTorch (pip install torch) to convert it")
+        self.tensors = {}
+        for file in files:
+            try:
+                self.tensors.update(torch.load(str(file), map_location="cpu", mmap=True, weights_only=True))
+            except Exception as e:  # torch raises many types for a bad file
+                raise ConversionError(f"{file} is truncated or corrupt ({str(e).splitlines()[0]})")
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name].shape)
+
+    def tensor(self, name: str) -> mx.array:
+        import torch
+
+        return mx.array(self.tensors[name].to(torch.float32).numpy())
+
+
+# ---------------------------------------------------------------- mapping
+
+
+def output_config(config: dict, has_lm_head: bool, dtype: str, weight_names: list[str], source: str) -> dict:
+    # transformers >= 5 always writes tie_word_embeddings=True and keeps the
+    # v1.0 head scaling in scale_decoder_outputs; older configs signal both
+    # with tie_word_embeddings (False for v1.1).
+    scale = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True) is not False)
+    out = dict(config)
+    out["tie_word_embeddings"] = not has_lm_head
+    out["scale_decoder_outputs"] = bool(scale)
+    out[FORMAT_KEY] = {"dtype": dtype, "source": source, "weight_files": weight_names}
+    return out
+
+
+def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
+    """Our name -> Hugging Face name for every weight, checked against the model's shapes."""
+    names = set(reader.names())
+    untied = config.get("tie_word_embeddings") is False or config.get("scale_decoder_outputs") is False
+    has_lm_head = untied and "lm_head.weight" in names
+    mapping = {}
+    embedding = next((n for n in EMBEDDING_ALIASES if n in names), None)
+    if embedding is None:
+        raise ConversionError("the checkpoint has no token embedding (shared.weight)")
+    mapping["shared.weight"] = embedding
+    for hf_name in sorted(names):
+        ours = rename(hf_name)
+        if ours is None or ours == "shared.weight" or (ours == "lm_head.weight" and not has_lm_head):
+            continue
+        mapping[ours] = hf_name
+
+    args = ModelArgs.from_dict({**config, "tie_word_embeddings": not has_lm_head})
+    expected = {name: list(p.shape) for name, p in tree_flatten(T5(args).parameters())}
+    missing = sorted(set(expected) - set(mapping))
+    if missing:
+        raise ConversionError(f"the checkpoint does not match its config: no weight for {missing[0]} ({len(missing)} missing)")
+    for ours, hf_name in mapping.items():
+        if ours not in expected:
+            raise ConversionError(f"unexpected weight {hf_name}: does the config match the checkpoint?")
+        if list(reader.shape(hf_name)) != expected[ours]:
+            raise ConversionError(f"{hf_name} has shape {reader.shape(hf_name)}, the config implies {expected[ours]}")
+    return mapping, args
+
+
+# ---------------------------------------------------------------- writing
+
+
+def shard(mapping: dict, reader, itemsize: int) -> list[list[str]]:
+    shards, size = [[]], 0
+    for name in mapping:
+        nbytes = itemsize * int(_prod(reader.shape(mapping[name])))
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, progress) -> None:
+    """A safetensors file written tensor by tensor: the header needs only shapes."""
+    itemsize = dtype.size
+    header, offset = {}, 0
+    for name in names:
+        shape = reader.shape(mapping[name])
+        nbytes = itemsize * _prod(shape)
+        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "mlx"}
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for name in names:
+            array = reader.tensor(mapping[name]).astype(dtype)
+            if dtype == mx.bfloat16:  # numpy has no bfloat16: write its bits
+                array = array.view(mx.uint16)
+            data = memoryview(array)
+            f.write(data)
+            progress.update(data.nbytes)
+            del array, data
+            mx.clear_cache()
+
+
+def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
+    if out.exists() and not force:
+        raise ConversionError(f"{out} already exists (use --force to replace it)")
+    source = resolve_source(model)
+    config = read_source_config(source)
+    kind, files = weight_files(source)
+    reader = SafetensorsReader(files) if kind == "safetensors" else TorchReader(files)
+    tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
+    if not tokenizer_files:
+        raise ConversionError(f"{source} has no tokenizer files (spiece.model or tokenizer.json)")
+    mapping, args = plan(reader, config)
+    dtype = DTYPES[dtype_name]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        shards = shard(mapping, reader, dtype.size)
+        total = sum(dtype.size * _prod(reader.shape(hf)) for hf in mapping.values())
+        names = ["model.safetensors"] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+        ]
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Converting to {dtype_name}") as progress:
+            for file_name, shard_names in zip(names, shards):
+                write_shard(partial / file_name, shard_names, mapping, reader, dtype, progress)
+        for file in tokenizer_files + [source / "generation_config.json"]:
+            if file.is_file():
+                shutil.copy(file, partial / file.name)
+        # config.json last: a folder without it never loads as a model.
+        result = output_config(config, not args.tie_word_embeddings, dtype_name, names, model)
+        (partial / "config.json").write_text(json.dumps(result, indent=2))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old)
+        else:
+            partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def default_out(model: str) -> Path:
+    return Path("mlx_models") / Path(model.rstrip("/")).name
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder")
+    parser.add_argument("--out", type=Path, help="output folder (default: mlx_models/<name>)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="weight dtype (default bfloat16: T5's training dtype, fp32 range at half the memory; "
+                             "on Linux CPU use float32, the only dtype with a fast BLAS path)")
+    parser.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    args = parser.parse_args(argv)
+    out = args.out or default_out(args.model)
+    try:
+        convert(args.model, out, args.dtype, args.force)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    print(f"Saved {out} ({args.dtype}). Run: python main.py --model {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

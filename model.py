@@ -1,0 +1,349 @@
+"""The T5 encoder-decoder in MLX, with the caches incremental decoding needs.
+
+One module per piece of the paper: relative position bias, attention, the
+feed-forward block, encoder and decoder layers. Covers every public T5 flavour:
+v1.0 (ReLU, head tied to the embedding and scaled by d_model**-0.5) and
+v1.1 / FLAN-T5 / mT5 (gated GELU, separate head, no scaling).
+
+Decoding state is explicit: `DecoderCache` holds, per decoder layer, a growing
+self-attention `KVCache` (trimmable, for speculative rollback) and the
+cross-attention keys/values computed once from the encoder output.
+"""
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import blas  # noqa: F401  (must precede mlx.core: picks a fast BLAS on Linux)
+import mlx.core as mx
+import mlx.nn as nn
+
+FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_heads: int
+    num_layers: int
+    num_decoder_layers: int
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "relu"
+    tie_word_embeddings: bool = True  # no separate lm_head: the embedding is the head
+    scale_decoder_outputs: bool = True  # v1.0 scales the head input by d_model**-0.5
+    decoder_start_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        names = {f.name for f in fields(cls)}
+        args = {k: v for k, v in config.items() if k in names and v is not None}
+        args.setdefault("num_decoder_layers", config["num_layers"])
+        return cls(**args)
+
+
+_ACTIVATIONS = {
+    "relu": nn.relu,
+    "gelu": nn.gelu,  # exact (erf) GELU, as Hugging Face's "gelu"
+    "gelu_new": nn.gelu_approx,  # tanh approximation
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "silu": nn.silu,
+}
+
+
+class RelativePositionBias(nn.Module):
+    """Learned per-head bias indexed by log-spaced buckets of key - query distance."""
+
+    def __init__(self, args: ModelArgs, bidirectional: bool):
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = args.relative_attention_num_buckets
+        self.max_distance = args.relative_attention_max_distance
+        self.embeddings = nn.Embedding(self.num_buckets, args.num_heads)
+
+    def bucket(self, relative_position: mx.array) -> mx.array:
+        num_buckets = self.num_buckets
+        bucket = mx.zeros_like(relative_position)
+        if self.bidirectional:
+            num_buckets //= 2
+            bucket = (relative_position > 0).astype(mx.int32) * num_buckets
+            distance = mx.abs(relative_position)
+        else:
+            distance = mx.maximum(-relative_position, 0)
+        max_exact = num_buckets // 2
+        # Same float32 operation order as the reference, so bucket edges agree.
+        log_ratio = mx.log(distance.astype(mx.float32) / max_exact)
+        scaled = log_ratio / math.log(self.max_distance / max_exact) * (num_buckets - max_exact)
+        far = mx.minimum(max_exact + scaled.astype(mx.int32), num_buckets - 1)
+        return bucket + mx.where(distance < max_exact, distance, far)
+
+    def __call__(self, query_length: int, key_length: int, offset: int = 0) -> mx.array:
+        """Bias of shape (1, heads, query_length, key_length) for queries at offset..."""
+        queries = mx.arange(offset, offset + query_length)[:, None]
+        keys = mx.arange(key_length)[None, :]
+        bias = self.embeddings(self.bucket(keys - queries))
+        return bias.transpose(2, 0, 1)[None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads = args.num_heads
+        inner = args.num_heads * args.d_kv
+        self.q = nn.Linear(args.d_model, inner, bias=False)
+        self.k = nn.Linear(args.d_model, inner, bias=False)
+        self.v = nn.Linear(args.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, args.d_model, bias=False)
+
+    def split_heads(self, x: mx.array) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
+
+    def project_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.split_heads(self.k(x)), self.split_heads(self.v(x))
+
+    def __call__(self, x, bias=None, cache=None, keys_values=None) -> mx.array:
+        """Self-attention over x (appending to `cache` if given), or
+        cross-attention over precomputed `keys_values`."""
+        B, L, _ = x.shape
+        queries = self.split_heads(self.q(x))
+        if keys_values is None:
+            keys, values = self.project_keys_values(x)
+            if cache is not None:
+                keys, values = cache.update_and_fetch(keys, values)
+        else:
+            keys, values = keys_values
+        # T5 folds the 1/sqrt(d_kv) scaling into its initialisation: scale 1.
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
+        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gated = args.feed_forward_proj.startswith("gated-")
+        # Hugging Face maps "gated-gelu" to the tanh approximation ("gelu_new").
+        name = "gelu_new" if args.feed_forward_proj == "gated-gelu" else args.feed_forward_proj.split("-")[-1]
+        self.act = _ACTIVATIONS[name]
+        if self.gated:
+            self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
+            self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
+        else:
+            self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        hidden = self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))
+        return self.wo(hidden)
+
+
+def _clamp_float16(x: mx.array) -> mx.array:
+    """Large v1.0 models overflow float16 in the residual stream; clamp as Hugging Face does."""
+    if x.dtype != mx.float16:
+        return x
+    limit = float(mx.finfo(mx.float16).max) - 1000
+    return mx.clip(x, -limit, limit)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.ffn = FeedForward(args)
+
+    def __call__(self, x: mx.array, bias: mx.array) -> mx.array:
+        x = _clamp_float16(x + self.attention(self.attention_norm(x), bias))
+        return _clamp_float16(x + self.ffn(self.ffn_norm(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.self_attention = Attention(args)
+        self.cross_attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.cross_attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.ffn = FeedForward(args)
+
+    def __call__(self, x, self_bias, cross_bias, self_cache, cross_keys_values) -> mx.array:
+        x = _clamp_float16(x + self.self_attention(self.self_attention_norm(x), self_bias, cache=self_cache))
+        h = self.cross_attention(self.cross_attention_norm(x), cross_bias, keys_values=cross_keys_values)
+        x = _clamp_float16(x + h)
+        return _clamp_float16(x + self.ffn(self.ffn_norm(x)))
+
+
+class KVCache:
+    """Self-attention keys/values, preallocated in blocks so appends are amortised O(1).
+
+    `trim(n)` forgets the last n positions (rejected speculative drafts); the
+    storage is kept and overwritten by the next append.
+    """
+
+    block = 256
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        B, H, L, D = keys.shape
+        if self.keys is None or self.offset + L > self.keys.shape[2]:
+            blocks = (self.offset + L + self.block - 1) // self.block
+            new_keys = mx.zeros((B, H, blocks * self.block, D), keys.dtype)
+            new_values = mx.zeros((B, H, blocks * self.block, D), values.dtype)
+            if self.keys is not None:
+                new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
+                new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
+            self.keys, self.values = new_keys, new_values
+        self.keys[..., self.offset : self.offset + L, :] = keys
+        self.values[..., self.offset : self.offset + L, :] = values
+        self.offset += L
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def trim(self, n: int) -> None:
+        assert 0 <= n <= self.offset, (n, self.offset)
+        self.offset -= n
+
+
+class DecoderCache:
+    """Everything the decoder keeps between steps for one batch of prompts."""
+
+    def __init__(self, cross_keys_values: list, cross_bias: mx.array | None):
+        self.self_attention = [KVCache() for _ in cross_keys_values]
+        self.cross_keys_values = cross_keys_values
+        self.cross_bias = cross_bias  # encoder padding mask, None for a single prompt
+
+    @property
+    def offset(self) -> int:
+        return self.self_attention[0].offset
+
+    def trim(self, n: int) -> None:
+        for cache in self.self_attention:
+            cache.trim(n)
+
+
+def padding_bias(mask: mx.array | None, dtype) -> mx.array | None:
+    """(B, S) mask of 1 for tokens, 0 for padding -> additive (B, 1, 1, S) bias."""
+    if mask is None:
+        return None
+    return mx.where(mask.astype(mx.bool_), 0.0, -mx.inf)[:, None, None, :].astype(dtype)
+
+
+class Encoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.relative_attention_bias = RelativePositionBias(args, bidirectional=True)
+        self.layers = [EncoderLayer(args) for _ in range(args.num_layers)]
+        self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        L = x.shape[1]
+        bias = self.relative_attention_bias(L, L)
+        if mask is not None:
+            bias = bias + padding_bias(mask, bias.dtype)
+        for layer in self.layers:
+            x = layer(x, bias)
+        return self.final_norm(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.relative_attention_bias = RelativePositionBias(args, bidirectional=False)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_decoder_layers)]
+        self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+
+    def __call__(self, x: mx.array, cache: DecoderCache) -> mx.array:
+        L, offset = x.shape[1], cache.offset
+        # Bias only for the new query positions against every cached key.
+        bias = self.relative_attention_bias(L, offset + L, offset)
+        if L > 1:  # several new positions (speculative verify): mask the future
+            future = mx.arange(offset + L)[None, :] > mx.arange(offset, offset + L)[:, None]
+            bias = bias + mx.where(future, -mx.inf, 0.0).astype(bias.dtype)
+        for layer, self_cache, cross_kv in zip(self.layers, cache.self_attention, cache.cross_keys_values):
+            x = layer(x, bias, cache.cross_bias, self_cache, cross_kv)
+        return self.final_norm(x)
+
+
+class T5(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.shared = nn.Embedding(args.vocab_size, args.d_model)
+        self.encoder = Encoder(args)
+        self.decoder = Decoder(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+
+    def encode(self, tokens: mx.array, mask: mx.array | None = None) -> mx.array:
+        """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model)."""
+        return self.encoder(self.shared(tokens), mask)
+
+    def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None) -> DecoderCache:
+        """Cross-attention keys/values are computed here, once per prompt."""
+        cross = [layer.cross_attention.project_keys_values(encoder_output) for layer in self.decoder.layers]
+        return DecoderCache(cross, padding_bias(mask, encoder_output.dtype))
+
+    def decode(self, tokens: mx.array, cache: DecoderCache) -> mx.array:
+        """(B, L) new decoder ids -> (B, L, vocab) logits; appends L positions to the cache."""
+        x = self.decoder(self.shared(tokens), cache)
+        if self.args.scale_decoder_outputs:
+            x = x * self.args.d_model**-0.5
+        if self.args.tie_word_embeddings:
+            return self.shared.as_linear(x)
+        return self.lm_head(x)
+
+
+class NotAConvertedModel(Exception):
+    pass
+
+
+def read_config(folder: str | Path) -> dict:
+    """The config of a folder written by convert.py; NotAConvertedModel otherwise."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not folder.is_dir():
+        raise NotAConvertedModel(f"{folder} is not a folder")
+    if not config_file.is_file():
+        raise NotAConvertedModel(f"{folder} has no config.json: not a converted model")
+    config = json.loads(config_file.read_text())
+    if FORMAT_KEY not in config:
+        raise NotAConvertedModel(
+            f"{folder} is not a converted MLX model (a Hugging Face checkpoint? run: python convert.py --model {folder})"
+        )
+    return config
+
+
+def weight_files(folder: Path, config: dict) -> list[Path]:
+    return [folder / name for name in config[FORMAT_KEY]["weight_files"]]
+
+
+def load_model(folder: str | Path) -> T5:
+    """Load a converted folder. mx.load maps the safetensors lazily: weights are
+    read on first use, never copied through numpy."""
+    folder = Path(folder)
+    config = read_config(folder)
+    model = T5(ModelArgs.from_dict(config))
+    weights = {}
+    for path in weight_files(folder, config):
+        weights.update(mx.load(str(path)))
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    return model
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer  # slow import: only when needed
+
+    return AutoTokenizer.from_pretrained(str(folder))

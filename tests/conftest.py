@@ -1,0 +1,68 @@
+"""Session fixtures: a local tokenizer and converted random checkpoints of each T5 flavour."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import convert  # noqa: E402
+from checkpoints import PROMPT, make_checkpoint, t5_config, train_tokenizer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+# name -> (config, separate lm_head, seed). Seeds were picked so that greedy
+# output is varied (each fixture asserts it) rather than one repeated token.
+FLAVOURS = {
+    "v1_0_tied": (t5_config(), False, 4),
+    "v1_1_gated_untied": (t5_config(feed_forward_proj="gated-gelu"), True, 2),
+    "deeper_decoder": (t5_config(num_layers=1, num_decoder_layers=3), False, 2),
+    "many_heads": (t5_config(num_heads=16, d_kv=8), True, 1),
+}
+
+
+class Checkpoint:
+    """A Hugging Face checkpoint, its transformers model and its MLX conversion."""
+
+    def __init__(self, name, hf_dir, mlx_dir, hf_model, tokenizer):
+        self.name, self.hf_dir, self.mlx_dir, self.hf_model, self.tokenizer = name, hf_dir, mlx_dir, hf_model, tokenizer
+        self.prompt_ids = tokenizer(PROMPT).input_ids
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def build(name, tmp_path_factory, tokenizer_dir, tokenizer, initializer_factor=None) -> Checkpoint:
+    config, untied, seed = FLAVOURS[name]
+    if initializer_factor is not None:
+        config = t5_config(**{**config.to_dict(), "initializer_factor": initializer_factor})
+    root = tmp_path_factory.mktemp(name)
+    hf_model = make_checkpoint(root / "hf", config, seed, tokenizer_dir, untied_head=untied)
+    convert.convert(str(root / "hf"), root / "mlx", "float32", force=False)
+    return Checkpoint(name, root / "hf", root / "mlx", hf_model, tokenizer)
+
+
+@pytest.fixture(scope="session", params=list(FLAVOURS))
+def checkpoint(request, tmp_path_factory, tokenizer_dir, tokenizer) -> Checkpoint:
+    return build(request.param, tmp_path_factory, tokenizer_dir, tokenizer)
+
+
+@pytest.fixture(scope="session", params=list(FLAVOURS))
+def unit_scale_checkpoint(request, tmp_path_factory, tokenizer_dir, tokenizer) -> Checkpoint:
+    """initializer_factor 1: values of order one, where float32 agreement to 1e-4
+    is meaningful (at factor 10 attention scores are so large that summation
+    order alone moves the softmax by ~1e-4 per layer)."""
+    return build(request.param, tmp_path_factory, tokenizer_dir, tokenizer, initializer_factor=1.0)
+
+
+@pytest.fixture(scope="session")
+def v1_1_checkpoint(tmp_path_factory, tokenizer_dir, tokenizer) -> Checkpoint:
+    return build("v1_1_gated_untied", tmp_path_factory, tokenizer_dir, tokenizer)

@@ -1,0 +1,112 @@
+"""model.py against Hugging Face transformers (PyTorch, float32)."""
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import reference_greedy
+
+import mlx.core as mx
+from model import KVCache, RelativePositionBias, ModelArgs, load_model
+
+
+def assert_within(ours: mx.array, reference: np.ndarray, tolerance=1e-4) -> None:
+    error = np.abs(np.array(ours, dtype=np.float32) - reference).max()
+    assert error < tolerance, f"max abs error {error:.2e} (reference scale {np.abs(reference).max():.2f})"
+
+
+def hf_logits(checkpoint, decoder_ids):
+    with torch.no_grad():
+        out = checkpoint.hf_model(input_ids=torch.tensor([checkpoint.prompt_ids]), decoder_input_ids=torch.tensor([decoder_ids]))
+    return out.logits.numpy()
+
+
+def test_reference_greedy_output_is_varied(checkpoint):
+    """Guards every equality test: a degenerate fixture would make them vacuous."""
+    ids = reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 64)
+    assert len(ids) == 64 and len(set(ids)) >= 20, ids
+
+
+def test_encoder_output_matches_transformers(unit_scale_checkpoint):
+    checkpoint = unit_scale_checkpoint
+    model = load_model(checkpoint.mlx_dir)
+    ours = model.encode(mx.array([checkpoint.prompt_ids]))
+    with torch.no_grad():
+        ref = checkpoint.hf_model.get_encoder()(input_ids=torch.tensor([checkpoint.prompt_ids])).last_hidden_state.numpy()
+    assert_within(ours, ref)
+
+
+def test_decoder_logits_match_transformers(unit_scale_checkpoint):
+    checkpoint = unit_scale_checkpoint
+    model = load_model(checkpoint.mlx_dir)
+    decoder_ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 24)
+    cache = model.make_cache(model.encode(mx.array([checkpoint.prompt_ids])))
+    assert_within(model.decode(mx.array([decoder_ids]), cache), hf_logits(checkpoint, decoder_ids))
+
+
+def test_incremental_decoding_equals_full_forward(checkpoint):
+    """One token at a time, and chunks of 3, through the cache == one pass over all."""
+    model = load_model(checkpoint.mlx_dir)
+    encoded = model.encode(mx.array([checkpoint.prompt_ids]))
+    ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 20)
+    full = model.decode(mx.array([ids]), model.make_cache(encoded))
+    for chunk in (1, 3):
+        cache = model.make_cache(encoded)
+        steps = [model.decode(mx.array([ids[i : i + chunk]]), cache) for i in range(0, len(ids), chunk)]
+        np.testing.assert_allclose(np.array(mx.concatenate(steps, axis=1)), np.array(full), rtol=0, atol=1e-4 * np.abs(np.array(full)).max())
+
+
+def test_trimmed_cache_gives_logits_of_a_fresh_run(checkpoint):
+    """After decoding wrong tokens and trimming them, the cache is as if they never came."""
+    model = load_model(checkpoint.mlx_dir)
+    encoded = model.encode(mx.array([checkpoint.prompt_ids]))
+    ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 10)
+    cache = model.make_cache(encoded)
+    model.decode(mx.array([ids[:6]]), cache)
+    model.decode(mx.array([[5, 6, 7, 8]]), cache)  # rejected drafts
+    cache.trim(4)
+    resumed = model.decode(mx.array([ids[6:]]), cache)
+    fresh = model.decode(mx.array([ids]), model.make_cache(encoded))[:, 6:]
+    np.testing.assert_allclose(np.array(resumed), np.array(fresh), rtol=0, atol=1e-4 * np.abs(np.array(fresh)).max())
+
+
+def test_padded_batch_matches_single_prompts(checkpoint):
+    """A batch padded on the right, with its mask, gives each prompt's own result."""
+    model = load_model(checkpoint.mlx_dir)
+    short = checkpoint.prompt_ids[:9] + [1]
+    long = checkpoint.prompt_ids
+    batch = mx.array([long, short + [0] * (len(long) - len(short))])
+    mask = mx.array([[1] * len(long), [1] * len(short) + [0] * (len(long) - len(short))])
+    encoded = model.encode(batch, mask)
+    cache = model.make_cache(encoded, mask)
+    logits = model.decode(mx.array([[0, 7, 9], [0, 7, 9]]), cache)
+    for row, ids in enumerate([long, short]):
+        single_encoded = model.encode(mx.array([ids]))
+        single = model.decode(mx.array([[0, 7, 9]]), model.make_cache(single_encoded))
+        scale = np.abs(np.array(single)).max()
+        np.testing.assert_allclose(np.array(encoded[row, : len(ids)]), np.array(single_encoded[0]), atol=1e-4 * np.abs(np.array(single_encoded)).max())
+        np.testing.assert_allclose(np.array(logits[row]), np.array(single[0]), atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_buckets_match_transformers(bidirectional):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    args = ModelArgs(vocab_size=8, d_model=8, d_kv=2, d_ff=8, num_heads=4, num_layers=1, num_decoder_layers=1)
+    ours = RelativePositionBias(args, bidirectional).bucket(mx.arange(-3000, 3000))
+    ref = T5Attention._relative_position_bucket(torch.arange(-3000, 3000), bidirectional, 32, 128)
+    np.testing.assert_array_equal(np.array(ours), ref.numpy())
+
+
+def test_kv_cache_appends_without_reallocating_every_token():
+    cache = KVCache()
+    storages = set()
+    for _ in range(300):
+        keys = mx.ones((1, 2, 1, 4))
+        cache.update_and_fetch(keys, keys)
+        storages.add(id(cache.keys))
+    assert cache.offset == 300
+    assert len(storages) <= 2 + 300 // KVCache.block  # grown in blocks, not per token
+    cache.trim(5)
+    assert cache.offset == 295
+    keys, _ = cache.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    assert keys.shape[2] == 296 and float(keys[..., -1, :].sum()) == 0
