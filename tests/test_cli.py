@@ -1,0 +1,125 @@
+"""main.py: greedy ids against transformers, streaming, sampling knobs, bad input."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoints import PROMPT, reference_greedy
+
+import main
+from decoder import Sampling, logits_to_probs, regular_generate
+from model import load_model
+
+import mlx.core as mx
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_greedy_ids_equal_transformers_greedy(checkpoint, capsys):
+    result = run_json(capsys, "--model", str(checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "64", "--prompt", PROMPT)
+    assert result["tokens"] == reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 64)
+    assert result["text"] == checkpoint.tokenizer.decode(result["tokens"])
+    stats = result["stats"]
+    assert stats["generated"] == 64 and stats["draft_calls"] == stats["drafted"] == stats["accepted"] == 0
+    assert stats["target_calls"] >= 64 and stats["seconds"] > 0 and stats["tokens_per_second"] > 0
+
+
+def test_greedy_ids_equal_transformers_generate(checkpoint, capsys):
+    if checkpoint.hf_model.config.num_decoder_layers > checkpoint.hf_model.config.num_layers:
+        pytest.skip("transformers' generate() breaks when the decoder is deeper than the encoder")
+    result = run_json(capsys, "--model", str(checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "64", "--prompt", PROMPT)
+    with torch.no_grad():
+        generated = checkpoint.hf_model.generate(torch.tensor([checkpoint.prompt_ids]), max_new_tokens=64, do_sample=False, num_beams=1)
+    reference = [t for t in generated[0, 1:].tolist() if t != checkpoint.hf_model.config.eos_token_id]
+    assert result["tokens"] == reference
+
+
+def test_streamed_text_equals_decode_of_all_tokens(v1_1_checkpoint):
+    out = io.StringIO()
+    tokens, text = main.stream_text(iter(reference_greedy(v1_1_checkpoint.hf_model, v1_1_checkpoint.prompt_ids, 40)), v1_1_checkpoint.tokenizer, out)
+    assert text == v1_1_checkpoint.tokenizer.decode(tokens)
+    assert out.getvalue() == text + "\n"
+    assert " " in text  # SentencePiece word boundaries became spaces
+
+
+def test_max_tokens_is_respected(v1_1_checkpoint, capsys):
+    result = run_json(capsys, "--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "7")
+    assert len(result["tokens"]) == 7 == result["stats"]["generated"]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(v1_1_checkpoint, capsys):
+    args = ["--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "30", "--temp", "50"]
+    first = run_json(capsys, *args, "--seed", "1")["tokens"]
+    again = run_json(capsys, *args, "--seed", "1")["tokens"]
+    other = run_json(capsys, *args, "--seed", "2")["tokens"]
+    assert first == again and first != other
+
+
+def test_top_k_1_sampling_is_greedy(v1_1_checkpoint):
+    model = load_model(v1_1_checkpoint.mlx_dir)
+    prompt = v1_1_checkpoint.prompt_ids
+    greedy = list(regular_generate(model, prompt, 20, Sampling(temp=0)))
+    assert list(regular_generate(model, prompt, 20, Sampling(temp=3.0, top_k=1))) == greedy
+
+
+def test_logits_to_probs_applies_temperature_top_k_and_top_p():
+    logits = mx.log(mx.array([[0.5, 0.25, 0.15, 0.1]]))
+    assert mx.allclose(logits_to_probs(logits, Sampling(temp=1.0)), mx.array([[0.5, 0.25, 0.15, 0.1]]))
+    top_k = logits_to_probs(logits, Sampling(temp=1.0, top_k=2))
+    assert mx.allclose(top_k, mx.array([[2 / 3, 1 / 3, 0, 0]]))
+    # top_p=0.7: 0.5 alone is short of 0.7, 0.5 + 0.25 reaches it.
+    assert mx.allclose(logits_to_probs(logits, Sampling(temp=1.0, top_p=0.7)), top_k)
+    assert mx.allclose(logits_to_probs(logits, Sampling(temp=1.0, top_p=0.1)), mx.array([[1.0, 0, 0, 0]]))
+    hot = logits_to_probs(logits, Sampling(temp=1e6))
+    assert mx.allclose(hot, mx.full((1, 4), 0.25), atol=1e-4)
+
+
+def test_model_name_resolves_under_mlx_models(v1_1_checkpoint, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlx_models").mkdir()
+    os.symlink(v1_1_checkpoint.mlx_dir, tmp_path / "mlx_models" / "tiny")
+    assert len(run_json(capsys, "--model", "tiny", "--regular-decode", "--max-tokens", "3")["tokens"]) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "  "], "prompt is empty"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--temp", "-0.5"], "--temp must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--model", "no-such-model"], "python convert.py --model no-such-model"),
+    ],
+)
+def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
+    base = ["--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode"]
+    assert main.main(base + argv) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_unconverted_folder_is_refused_with_the_convert_command(v1_1_checkpoint, capsys):
+    assert main.main(["--model", str(v1_1_checkpoint.hf_dir), "--regular-decode"]) != 0
+    err = capsys.readouterr().err
+    assert "not a converted MLX model" in err and "convert.py" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):
+    """The real entry point: exit 0, the decoded text, then the statistics line."""
+    done = subprocess.run(
+        [sys.executable, "main.py", "--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "12"],
+        capture_output=True, text=True, cwd=os.path.dirname(main.__file__),
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    tokens = reference_greedy(v1_1_checkpoint.hf_model, v1_1_checkpoint.prompt_ids, 12)
+    assert lines[0] == v1_1_checkpoint.tokenizer.decode(tokens)
+    assert lines[1].startswith("12 tokens in")
