@@ -1,0 +1,168 @@
+"""convert.py: checkpoint formats, bounded memory, atomic output, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint, t5_config
+
+import convert
+import mlx.core as mx
+from model import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_convert(*argv, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "convert.py", *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def logits(folder, prompt=(5, 6, 7, 1), decoder=(0, 9, 10)):
+    model = load_model(folder)
+    out = model.decode(mx.array([decoder]), model.make_cache(model.encode(mx.array([prompt]))))
+    return np.array(out.astype(mx.float32))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(format="safetensors", max_shard_size=7),
+        dict(format="bin"),
+        dict(format="bin", max_shard_size=7),
+        dict(format="safetensors", untied_head=True),
+    ],
+    ids=["sharded-safetensors", "pytorch-bin", "sharded-pytorch-bin", "untied-head"],
+)
+def test_every_checkpoint_layout_converts_to_the_same_model(layout, tmp_path, tokenizer_dir):
+    config = t5_config(initializer_factor=1.0)
+    hf = make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir, **layout)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([[5, 6, 7, 1]]), decoder_input_ids=torch.tensor([[0, 9, 10]])).logits.numpy()
+    np.testing.assert_allclose(logits(tmp_path / "mlx"), ref, atol=1e-4)
+
+
+def test_duplicated_embedding_and_head_entries_are_accepted(tmp_path, tokenizer_dir):
+    """Old checkpoints store encoder/decoder.embed_tokens and lm_head copies of shared."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_checkpoint(tmp_path / "hf", t5_config(initializer_factor=1.0), 0, tokenizer_dir)
+    file = tmp_path / "hf" / "model.safetensors"
+    state = load_file(str(file))
+    shared = state.pop("shared.weight")
+    for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+        state[name] = shared.clone()
+    save_file(state, str(file))
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    written = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    assert "lm_head.weight" not in written  # tied: one copy
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([[5, 6, 7, 1]]), decoder_input_ids=torch.tensor([[0, 9, 10]])).logits.numpy()
+    np.testing.assert_allclose(logits(tmp_path / "mlx"), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_output_is_close_to_float32(dtype, tmp_path, tokenizer_dir):
+    config = t5_config(feed_forward_proj="gated-gelu", initializer_factor=1.0)
+    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir, untied_head=True)
+    for name in ("float32", dtype):
+        convert.convert(str(tmp_path / "hf"), tmp_path / name, name, force=False)
+    written = json.loads((tmp_path / dtype / "config.json").read_text())
+    assert written["mlx_conversion"]["dtype"] == dtype
+    assert load_model(tmp_path / dtype).shared.weight.dtype == getattr(mx, dtype)
+    full, half = logits(tmp_path / "float32"), logits(tmp_path / dtype)
+    assert np.abs(half - full).max() < 0.02 * np.abs(full).max()
+
+
+def test_converted_folder_loads_without_the_source(v1_1_checkpoint, tmp_path):
+    out = tmp_path / "standalone"
+    convert.convert(str(v1_1_checkpoint.hf_dir), out, "float32", force=False)
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "model.safetensors" in names and "tokenizer.json" in names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folders left
+    np.testing.assert_array_equal(logits(out), logits(v1_1_checkpoint.mlx_dir))
+
+
+def test_failed_conversion_leaves_no_output_folder(v1_1_checkpoint, tmp_path, monkeypatch):
+    def fail_midway(path, *args):
+        path.write_bytes(b"half written")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert, "write_shard", fail_midway)
+    with pytest.raises(OSError):
+        convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "out", "float32", force=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_an_existing_output(v1_1_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale").write_text("old")
+    done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--dtype", "float32")
+    assert done.returncode != 0 and "--force" in done.stderr
+    done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--dtype", "float32", "--force")
+    assert done.returncode == 0, done.stderr
+    assert not (out / "stale").exists() and (out / "config.json").exists()
+
+
+def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir):
+    """A ~650 MB checkpoint converts with far less extra memory than its size."""
+    config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, initializer_factor=1.0)
+    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
+    size = (tmp_path / "hf" / "model.safetensors").stat().st_size
+    script = (
+        "import resource, sys; sys.argv = ['convert.py', '--model', sys.argv[1], '--out', sys.argv[2], '--dtype', 'float32'];"
+        "import convert; before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "code = convert.main(sys.argv[1:]); after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "print(before, after); sys.exit(code)"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "hf"), str(tmp_path / "mlx")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    before_kb, after_kb = map(int, done.stdout.splitlines()[-1].split())
+    growth = (after_kb - before_kb) * 1024
+    assert growth < 0.4 * size, f"peak memory grew {growth / 1e6:.0f} MB converting {size / 1e6:.0f} MB"
+
+
+def make_bert_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    return path
+
+
+def make_truncated_checkpoint(path: Path, tokenizer_dir) -> Path:
+    make_checkpoint(path, t5_config(), 0, tokenizer_dir)
+    weights = path / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("not/a/valid id!", "neither a folder nor a Hugging Face hub id"),
+        ("empty folder", "holds no T5 checkpoint"),
+        ("bert folder", "'bert' model, not T5"),
+        ("truncated", "truncated or corrupt"),
+        ("hub id offline", "hub is unreachable"),
+    ],
+)
+def test_bad_sources_give_one_line_errors(case, message, tmp_path, tokenizer_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    model = {
+        "not/a/valid id!": lambda: "not/a/valid id!",
+        "empty folder": lambda: str((tmp_path / "empty").mkdir() or tmp_path / "empty"),
+        "bert folder": lambda: str(make_bert_folder(tmp_path / "bert")),
+        "truncated": lambda: str(make_truncated_checkpoint(tmp_path / "trunc", tokenizer_dir)),
+        "hub id offline": lambda: "google/flan-t5-small",
+    }[case]()
+    done = run_convert("--model", model, "--out", str(tmp_path / "out"), env=env)
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "out").exists()
