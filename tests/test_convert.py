@@ -110,23 +110,25 @@ def test_force_replaces_an_existing_output(v1_1_checkpoint, tmp_path):
     assert not (out / "stale").exists() and (out / "config.json").exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir):
-    """A ~650 MB checkpoint converts with far less extra memory than its size."""
-    config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, initializer_factor=1.0)
+    """Converting a ~400 MB checkpoint grows memory by a few tensors, not by the file."""
+    config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=12, initializer_factor=1.0)
+    largest_tensor = 32128 * 512 * 4
     make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
     size = (tmp_path / "hf" / "model.safetensors").stat().st_size
+    # VmHWM: the peak resident memory of this process image (ru_maxrss would
+    # inherit the test runner's peak across fork).
     script = (
-        "import resource, sys; sys.argv = ['convert.py', '--model', sys.argv[1], '--out', sys.argv[2], '--dtype', 'float32'];"
-        "import convert; before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "code = convert.main(sys.argv[1:]); after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "print(before, after); sys.exit(code)"
+        "import re, sys; peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]);"
+        "import convert; before = peak(); code = convert.main(sys.argv[1:]); print(before, peak()); sys.exit(code)"
     )
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "hf"), str(tmp_path / "mlx")],
-                          capture_output=True, text=True, cwd=ROOT)
+    argv = ["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "mlx"), "--dtype", "float32"]
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     before_kb, after_kb = map(int, done.stdout.splitlines()[-1].split())
     growth = (after_kb - before_kb) * 1024
-    assert growth < 0.4 * size, f"peak memory grew {growth / 1e6:.0f} MB converting {size / 1e6:.0f} MB"
+    assert growth < 3 * largest_tensor + 50e6 < size, f"peak memory grew {growth / 1e6:.0f} MB converting {size / 1e6:.0f} MB"
 
 
 def make_bert_folder(path: Path) -> Path:
