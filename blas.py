@@ -7,6 +7,10 @@ bundled library, about 8 GB/s with Debian's OpenBLAS and 14-25 GB/s with Intel
 MKL (from PyPI, `pip install mkl`). Loading one of them with RTLD_GLOBAL before
 MLX's own library resolves its symbols makes MLX call it.
 
+The library is set to one thread: a single core reads memory at ~18-20 GB/s
+whatever the BLAS's own threading does for a matrix-vector product, so
+model.py splits each product over several MLX CPU streams (threads) instead.
+
 On macOS MLX uses Accelerate (CPU) and Metal (GPU); nothing is loaded there.
 Set T5_MLX_BLAS to `mkl`, `openblas` or `bundled` to force a choice.
 """
@@ -48,10 +52,13 @@ def _load() -> str:
         if path is None:
             continue
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        return f"{name} ({os.path.basename(path)})"
+        set_threads = {"mkl": "MKL_Set_Num_Threads", "openblas": "openblas_set_num_threads"}[name]
+        if hasattr(library, set_threads):
+            getattr(library, set_threads)(1)
+        return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream)"
     return "bundled reference BLAS (slow: pip install mkl)"
 
 

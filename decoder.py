@@ -79,8 +79,10 @@ def start_decoding(model: T5, prompt: list[int]):
     return cache, mx.array([model.args.decoder_start_token_id])
 
 
-def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sampling, stats: Stats | None = None):
-    """Yield up to max_tokens ids from the model alone, stopping at EOS.
+def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sampling, stats: Stats | None = None,
+                     stop_at_eos: bool = True):
+    """Yield up to max_tokens ids from the model alone, stopping at EOS
+    (benchmarks turn that off to time a fixed number of tokens).
 
     The next step's graph is built and queued before the current token is read
     back, so Python work overlaps the model's compute.
@@ -102,7 +104,7 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
             next_token = step(token)
             mx.async_eval(next_token)
         value = token.item()
-        if value == eos:
+        if value == eos and stop_at_eos:
             break
         stats.generated += 1
         stats.seconds = time.perf_counter() - started
