@@ -5,6 +5,7 @@ Both are generators that yield token ids as they are decided, updating a
 the same `logits_to_probs`.
 """
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -112,3 +113,98 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
         if n + 1 < max_tokens:
             token = next_token
     stats.seconds = time.perf_counter() - started
+
+
+def verify(target_logits, draft_logits, drafts, sampling: Sampling, delta: float):
+    """Decide, on the device, how many drafts the target accepts and the token it adds.
+
+    target_logits (k+1, V): the target's scores after the last accepted token and
+    after each draft; draft_logits (k, V) and drafts (k,): what the draft saw and chose.
+    Returns (number accepted, next token): the correction at the first
+    rejection, or the bonus token after k acceptances.
+
+    Sampling: accept x when max(u - delta, 0) <= p(x) / q(x), u ~ U[0, 1); on
+    rejection sample from max(0, p - q) normalised (p if that is all zeros).
+    With delta = 0 this is exact speculative sampling: output ~ the target.
+    Greedy: accept x when p(x) >= (1 - delta) max p (p at temperature 1); with
+    delta = 0 that is the target's argmax, so output == the target's greedy output.
+    Both: delta = 1 accepts everything, and a larger delta never accepts less.
+    """
+    k = drafts.shape[0]
+    if sampling.temp == 0:
+        # p(x) >= (1 - delta) max p, in log space: logit(x) - max logit >= log(1 - delta)
+        chosen = mx.take_along_axis(target_logits[:k], drafts[:, None], axis=-1)[:, 0]
+        threshold = math.log(1 - delta) if delta < 1 else -math.inf
+        accept = (chosen - target_logits[:k].max(axis=-1)) >= threshold
+        next_tokens = mx.argmax(target_logits, axis=-1)
+    else:
+        p = logits_to_probs(target_logits, sampling)
+        q = logits_to_probs(draft_logits, sampling)
+        p_x = mx.take_along_axis(p[:k], drafts[:, None], axis=-1)[:, 0]
+        q_x = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
+        u = mx.random.uniform(shape=(k,))
+        accept = mx.maximum(u - delta, 0) * q_x <= p_x
+        # Position k (all accepted) has no draft: its residual is p itself.
+        residual = mx.maximum(p - mx.concatenate([q, mx.zeros((1, p.shape[-1]))]), 0)
+        mass = residual.sum(axis=-1, keepdims=True)
+        residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p)
+        next_tokens = mx.random.categorical(mx.log(residual))
+    num_accepted = mx.cumprod(accept.astype(mx.int32)).sum() if k else mx.array(0)
+    return num_accepted, next_tokens[num_accepted]
+
+
+def speculative_generate(target: T5, draft: T5, prompt: list[int], max_tokens: int, sampling: Sampling,
+                         num_draft: int, delta: float, stats: Stats | None = None):
+    """Yield up to max_tokens ids: each round the draft proposes num_draft
+    tokens, the target scores them all in one pass, and both caches are
+    trimmed back to the accepted prefix.
+
+    Invariants between rounds: the target's cache holds every token but
+    `last`; the draft's holds every token but those in `unseen` (`last`,
+    and the final draft after a full acceptance, which it never ran on).
+    """
+    stats = stats if stats is not None else Stats()
+    started = time.perf_counter()
+    target_cache, start = start_decoding(target, prompt)
+    draft_cache = draft.make_cache(draft.encode(mx.array([prompt])))
+    last, unseen = start.item(), [start.item()]
+    eos, produced = target.args.eos_token_id, 0
+    while produced < max_tokens:
+        k = min(num_draft, max_tokens - produced - 1)  # drafts past max_tokens are wasted
+        # 1. Draft k tokens, one draft call each; no host sync in between.
+        drafts, draft_logits, inputs = [], [], mx.array([unseen])
+        for _ in range(k):
+            logits = draft.decode(inputs, draft_cache)[0, -1:]
+            token = sample(logits, sampling)
+            mx.async_eval(token)
+            drafts.append(token)
+            draft_logits.append(logits)
+            inputs = token[None]
+        # 2. The target scores `last` and every draft in one pass.
+        verify_input = mx.concatenate([mx.array([last])] + drafts)[None]
+        target_logits = target.decode(verify_input, target_cache)[0]
+        draft_tokens = mx.concatenate(drafts) if k else mx.zeros((0,), mx.int32)
+        draft_scores = mx.concatenate(draft_logits) if k else None
+        num_accepted, next_token = verify(target_logits, draft_scores, draft_tokens, sampling, delta)
+        accepted = num_accepted.item()
+        new_tokens = draft_tokens[:accepted].tolist() + [next_token.item()]
+        stats.target_calls += 1
+        stats.draft_calls += k
+        stats.drafted += k
+        stats.accepted += accepted
+        # 3. Roll both caches back to the accepted prefix.
+        target_cache.trim(k - accepted)
+        if k:
+            draft_cache.trim(k - 1 - min(accepted, k - 1))
+            unseen = new_tokens[-2:] if accepted == k else new_tokens[-1:]
+        else:
+            unseen = unseen + new_tokens
+        last = new_tokens[-1]
+        for token in new_tokens:
+            if token == eos:
+                stats.seconds = time.perf_counter() - started
+                return
+            produced += 1
+            stats.generated += 1
+            stats.seconds = time.perf_counter() - started
+            yield token

@@ -1,19 +1,22 @@
 """Run T5 in MLX: regular or speculative (draft-and-verify) decoding.
 
     python main.py                                   # t5-11b verifies what t5-small drafts
-    python main.py --regular-decode --prompt "summarize: ..."
-    python main.py --model t5-small --regular-decode --json
+    python main.py --num-draft 4 --delta 0.2 --prompt "summarize: ..."
+    python main.py --compare                         # regular vs speculative, same prompt
+    python main.py --interactive                     # load once, tune knobs at a prompt
+    python main.py --sweep --num-drafts 1,2,4,8 --deltas 0,0.1,0.3 --plot sweep.png
 """
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from decoder import Sampling, Stats, regular_generate
+from decoder import Sampling, Stats, regular_generate, speculative_generate
 from model import NotAConvertedModel, load_model, load_tokenizer, read_config
 
 DEFAULT_PROMPT = (
@@ -39,9 +42,25 @@ def resolve_model(name: str) -> Path:
     raise UsageError(f"no converted model '{name}': run `python convert.py --model {name}` first")
 
 
-def check_args(args) -> None:
-    if not args.prompt.strip():
-        raise UsageError("the prompt is empty")
+@dataclass
+class Settings:
+    """Every knob of one generation; the interactive loop edits a copy."""
+
+    max_tokens: int = 100
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    num_draft: int = 5
+    delta: float = 0.1
+    speculative: bool = True
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temp, self.top_k, self.top_p)
+
+
+def check_settings(args) -> None:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     if args.temp < 0:
@@ -54,6 +73,11 @@ def check_args(args) -> None:
         raise UsageError(f"--num-draft must be at least 1 (got {args.num_draft})")
     if not 0 <= args.delta <= 1:
         raise UsageError(f"--delta must be in [0, 1] (got {args.delta})")
+
+
+def check_prompt(prompt: str) -> None:
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
 
 
 def stream_text(tokens_iter, tokenizer, out=sys.stdout) -> tuple[list[int], str]:
@@ -76,14 +100,244 @@ def stream_text(tokens_iter, tokenizer, out=sys.stdout) -> tuple[list[int], str]
     return tokens, text
 
 
+class Models:
+    """The target, the draft (None for regular decoding only) and their tokenizer."""
+
+    def __init__(self, target_name: str, draft_name: str | None):
+        target_dir = resolve_model(target_name)
+        draft_dir = resolve_model(draft_name) if draft_name else None
+        self.tokenizer = load_tokenizer(target_dir)
+        if draft_dir is not None:
+            draft_tokenizer = load_tokenizer(draft_dir)
+            if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise UsageError(f"{draft_name} and {target_name} have different vocabularies: the draft must share the target's tokenizer")
+        self.target = load_model(target_dir)
+        self.draft = load_model(draft_dir) if draft_dir is not None else None
+        if self.draft is not None and self.draft.args.vocab_size != self.target.args.vocab_size:
+            raise UsageError(f"{draft_name} has {self.draft.args.vocab_size} output tokens, {target_name} {self.target.args.vocab_size}: not a draft for it")
+
+    def generate(self, prompt: str, settings: Settings, stats: Stats):
+        """Token ids as they are decided."""
+        if settings.seed is not None:
+            mx.random.seed(settings.seed)
+        ids = self.tokenizer(prompt).input_ids
+        if settings.speculative:
+            assert self.draft is not None
+            return speculative_generate(self.target, self.draft, ids, settings.max_tokens, settings.sampling,
+                                        settings.num_draft, settings.delta, stats)
+        return regular_generate(self.target, ids, settings.max_tokens, settings.sampling, stats)
+
+    def run(self, prompt: str, settings: Settings) -> tuple[list[int], Stats]:
+        stats = Stats()
+        return list(self.generate(prompt, settings, stats)), stats
+
+    def warm_up(self, prompt: str, settings: Settings) -> None:
+        """One short run of each path, so first-call costs stay out of timings."""
+        for speculative in {False, settings.speculative}:
+            self.run(prompt, replace(settings, max_tokens=4, speculative=speculative))
+
+
 def stats_line(stats: Stats, speculative: bool) -> str:
-    line = f"{stats.generated} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), {stats.target_calls} target steps"
+    line = f"{stats.generated} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s)"
     if speculative:
-        line += (
-            f"; accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}),"
-            f" {stats.tokens_per_target_call:.2f} tokens per target step"
+        return (
+            f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}), "
+            f"{stats.target_calls} decode steps ({stats.tokens_per_target_call:.2f} tokens each), " + line
         )
-    return line
+    return f"{stats.target_calls} decode steps, " + line
+
+
+def show_generation(models: Models, prompt: str, settings: Settings, out=sys.stdout) -> Stats:
+    stats = Stats()
+    stream_text(models.generate(prompt, settings, stats), models.tokenizer, out)
+    print(stats_line(stats, settings.speculative), file=out)
+    return stats
+
+
+def compare(models: Models, prompt: str, settings: Settings, out=sys.stdout) -> None:
+    """Regular then speculative decoding of one prompt, with times and speedup."""
+    models.warm_up(prompt, settings)
+    results = {}
+    for speculative in (False, True):
+        label = "speculative" if speculative else "regular"
+        print(f"--- {label}", file=out)
+        results[label] = show_generation(models, prompt, replace(settings, speculative=speculative), out)
+    regular, spec = results["regular"], results["speculative"]
+    speedup = spec.tokens_per_second / regular.tokens_per_second if regular.tokens_per_second else 0.0
+    print(f"regular {regular.seconds:.2f} s, speculative {spec.seconds:.2f} s: speedup {speedup:.2f}x "
+          f"(num-draft {settings.num_draft}, delta {settings.delta})", file=out)
+
+
+# ---------------------------------------------------------------- interactive
+
+HELP = """Type a prompt to generate. Commands:
+  :num-draft N   :delta X   :temp T   :top-p P   :top-k K   :max-tokens N   :seed S (or :seed none)
+  :regular / :speculative   decoding mode
+  :compare                  regular vs speculative on the last prompt
+  :show                     current settings
+  :help   :quit             (Ctrl-C stops a generation, Ctrl-D exits)"""
+
+KNOBS = {  # command -> (settings field, parser, check)
+    "num-draft": ("num_draft", int, lambda v: v >= 1, "an integer >= 1"),
+    "delta": ("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "temp": ("temp", float, lambda v: v >= 0, "a number >= 0"),
+    "top-p": ("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top-k": ("top_k", int, lambda v: v >= 0, "an integer >= 0"),
+    "max-tokens": ("max_tokens", int, lambda v: v >= 1, "an integer >= 1"),
+    "seed": ("seed", lambda text: None if text == "none" else int(text), lambda v: True, "an integer or none"),
+}
+
+
+def show_settings(settings: Settings, has_draft: bool) -> str:
+    mode = "speculative" if settings.speculative else "regular"
+    return (f"mode {mode}{'' if has_draft else ' (no draft model)'}, num-draft {settings.num_draft}, delta {settings.delta}, "
+            f"temp {settings.temp}, top-k {settings.top_k}, top-p {settings.top_p}, max-tokens {settings.max_tokens}, seed {settings.seed}")
+
+
+def command(line: str, settings: Settings, models: Models, last_prompt: str | None, out) -> Settings | None:
+    """Apply one ':command'; return the new settings, or None to quit."""
+    name, _, value = line[1:].strip().partition(" ")
+    value = value.strip()
+    if name in ("quit", "exit", "q"):
+        return None
+    if name == "help":
+        print(HELP, file=out)
+    elif name == "show":
+        print(show_settings(settings, models.draft is not None), file=out)
+    elif name in ("regular", "speculative"):
+        if name == "speculative" and models.draft is None:
+            print("no draft model loaded (started with --regular-decode and no --draft-model)", file=out)
+        else:
+            settings = replace(settings, speculative=name == "speculative")
+            print(show_settings(settings, models.draft is not None), file=out)
+    elif name == "compare":
+        if models.draft is None:
+            print("no draft model loaded", file=out)
+        elif last_prompt is None:
+            print("type a prompt first", file=out)
+        else:
+            compare(models, last_prompt, settings, out)
+    elif name in KNOBS:
+        field, parse, ok, expected = KNOBS[name]
+        try:
+            parsed = parse(value)
+        except ValueError:
+            parsed = None
+            print(f":{name} takes {expected} (got '{value}')", file=out)
+        else:
+            if ok(parsed):
+                settings = replace(settings, **{field: parsed})
+                print(show_settings(settings, models.draft is not None), file=out)
+            else:
+                print(f":{name} takes {expected} (got '{value}')", file=out)
+    else:
+        print(f"unknown command ':{name}' (:help lists them)", file=out)
+    return settings
+
+
+def interactive(models: Models, settings: Settings, first_prompt: str | None, out=sys.stdout) -> None:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    print(HELP, file=out)
+    print(show_settings(settings, models.draft is not None), file=out)
+    last_prompt = None
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print(file=out)
+            return
+        except KeyboardInterrupt:
+            print(file=out)
+            continue
+        if not line:
+            continue
+        try:
+            if line.startswith(":"):
+                settings = command(line, settings, models, last_prompt, out)
+                if settings is None:
+                    return
+                continue
+            last_prompt = line
+            show_generation(models, line, settings, out)
+        except KeyboardInterrupt:
+            print("\n[stopped]", file=out)
+
+
+# ---------------------------------------------------------------- sweep
+
+
+def parse_list(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes a comma-separated list (got '{text}')")
+
+
+def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
+          plot: str | None, out=sys.stdout) -> list[dict]:
+    """Speculative decoding over a grid of (num_draft, delta), against regular decoding."""
+    for n in num_drafts:
+        if n < 1:
+            raise UsageError(f"--num-drafts values must be >= 1 (got {n})")
+    for d in deltas:
+        if not 0 <= d <= 1:
+            raise UsageError(f"--deltas values must be in [0, 1] (got {d})")
+    models.warm_up(prompts[0], settings)
+
+    def total(run_settings: Settings) -> Stats:
+        combined = Stats()
+        for prompt in prompts:
+            _, stats = models.run(prompt, run_settings)
+            for field in ("generated", "target_calls", "draft_calls", "drafted", "accepted", "seconds"):
+                setattr(combined, field, getattr(combined, field) + getattr(stats, field))
+        return combined
+
+    regular = total(replace(settings, speculative=False))
+    rows = []
+    for num_draft in num_drafts:
+        for delta in deltas:
+            stats = total(replace(settings, speculative=True, num_draft=num_draft, delta=delta))
+            rows.append({"num_draft": num_draft, "delta": delta, "acceptance": stats.acceptance_rate,
+                         "tokens_per_second": stats.tokens_per_second,
+                         "speedup": stats.tokens_per_second / regular.tokens_per_second})
+    best = max(rows, key=lambda row: row["speedup"])
+    print(f"{len(prompts)} prompt(s), regular decoding {regular.tokens_per_second:.1f} tokens/s\n", file=out)
+    print("| num-draft | delta | acceptance | tokens/s | speedup |", file=out)
+    print("|---|---|---|---|---|", file=out)
+    for row in rows:
+        mark = " **best**" if row is best else ""
+        print(f"| {row['num_draft']} | {row['delta']} | {row['acceptance']:.2f} | {row['tokens_per_second']:.1f} | "
+              f"{row['speedup']:.2f}x{mark} |", file=out)
+    if plot:
+        plot_sweep(rows, deltas, plot)
+        print(f"\nplot saved to {plot}", file=out)
+    return rows
+
+
+def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib")
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for delta in deltas:
+        points = [(row["num_draft"], row["speedup"]) for row in rows if row["delta"] == delta]
+        axes.plot(*zip(*points), marker="o", label=f"delta {delta}")
+    axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    axes.set_xlabel("num-draft")
+    axes.set_ylabel("speedup over regular decoding")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------- command line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,29 +354,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, default=0.1, help="acceptance lenience in [0, 1]: 0 exact, 1 accepts every draft")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--compare", action="store_true", help="run regular and speculative decoding and print the speedup")
+    modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands)")
+    modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
+    p.add_argument("--num-drafts", default="1,2,4,8", help="sweep: num-draft values")
+    p.add_argument("--deltas", default="0,0.1,0.3", help="sweep: delta values")
+    p.add_argument("--prompts-file", help="sweep: prompts, one a line (default: --prompt)")
+    p.add_argument("--plot", help="sweep: save speedup against num-draft to this PNG (needs matplotlib)")
     return p
 
 
 def run(args) -> int:
-    check_args(args)
-    if not args.regular_decode:
-        raise UsageError("speculative decoding is not available yet: pass --regular-decode")
-    target_dir = resolve_model(args.model)
-    model = load_model(target_dir)
-    tokenizer = load_tokenizer(target_dir)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    prompt = tokenizer(args.prompt).input_ids
-    sampling = Sampling(args.temp, args.top_k, args.top_p)
-    stats = Stats()
-    tokens_iter = regular_generate(model, prompt, args.max_tokens, sampling, stats)
-    if args.json:
-        tokens = list(tokens_iter)
-        result = {"text": tokenizer.decode(tokens), "tokens": tokens, "stats": stats.to_dict()}
-        print(json.dumps(result))
+    check_settings(args)
+    settings = Settings(args.max_tokens, args.temp, args.top_k, args.top_p, args.seed, args.num_draft, args.delta,
+                        speculative=not args.regular_decode)
+    needs_draft = not args.regular_decode or args.compare or args.sweep
+    if args.json and (args.interactive or args.compare or args.sweep):
+        raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
+    if args.sweep:
+        prompts = [args.prompt]
+        if args.prompts_file:
+            try:
+                prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+            except OSError as e:
+                raise UsageError(f"cannot read --prompts-file: {e.strerror}")
+            if not prompts:
+                raise UsageError(f"{args.prompts_file} has no prompts")
+        num_drafts = parse_list(args.num_drafts, int, "--num-drafts")
+        deltas = parse_list(args.deltas, float, "--deltas")
+        for prompt in prompts:
+            check_prompt(prompt)
+        models = Models(args.model, args.draft_model)
+        sweep(models, prompts, settings, num_drafts, deltas, args.plot)
+        return 0
+    check_prompt(args.prompt)
+    models = Models(args.model, args.draft_model if needs_draft or args.interactive else None)
+    if args.interactive:
+        interactive(models, settings, args.prompt)
+    elif args.compare:
+        compare(models, args.prompt, settings)
+    elif args.json:
+        tokens, stats = models.run(args.prompt, settings)
+        print(json.dumps({"text": models.tokenizer.decode(tokens), "tokens": tokens, "stats": stats.to_dict()}))
     else:
-        stream_text(tokens_iter, tokenizer)
-        print(stats_line(stats, speculative=False))
+        show_generation(models, args.prompt, settings)
     return 0
 
 
