@@ -115,35 +115,44 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
     stats.seconds = time.perf_counter() - started
 
 
+def accept_mask(target_logits, draft_logits, drafts, sampling: Sampling, delta: float, u=None) -> mx.array:
+    """Which of the k drafts pass the acceptance rule, each on its own (k,) bool.
+
+    Sampling: accept x when max(u - delta, 0) <= p(x) / q(x), u ~ U[0, 1), with
+    p, q the target's and draft's distributions after temperature/top-k/top-p.
+    Greedy: accept x when p(x) >= (1 - delta) max p (p at temperature 1).
+    delta = 0 is exact (speculative sampling / the target's argmax); delta = 1
+    accepts everything; a larger delta never accepts less.
+    """
+    k = drafts.shape[0]
+    if sampling.temp == 0:
+        # In log space: logit(x) - max logit >= log(1 - delta).
+        chosen = mx.take_along_axis(target_logits[:k], drafts[:, None], axis=-1)[:, 0]
+        threshold = math.log(1 - delta) if delta < 1 else -math.inf
+        return (chosen - target_logits[:k].max(axis=-1)) >= threshold
+    p_x = mx.take_along_axis(logits_to_probs(target_logits[:k], sampling), drafts[:, None], axis=-1)[:, 0]
+    q_x = mx.take_along_axis(logits_to_probs(draft_logits, sampling), drafts[:, None], axis=-1)[:, 0]
+    u = mx.random.uniform(shape=(k,)) if u is None else u
+    return mx.maximum(u - delta, 0) * q_x <= p_x  # q_x > 0: x was drawn from q
+
+
 def verify(target_logits, draft_logits, drafts, sampling: Sampling, delta: float):
     """Decide, on the device, how many drafts the target accepts and the token it adds.
 
     target_logits (k+1, V): the target's scores after the last accepted token and
     after each draft; draft_logits (k, V) and drafts (k,): what the draft saw and chose.
     Returns (number accepted, next token): the correction at the first
-    rejection, or the bonus token after k acceptances.
-
-    Sampling: accept x when max(u - delta, 0) <= p(x) / q(x), u ~ U[0, 1); on
-    rejection sample from max(0, p - q) normalised (p if that is all zeros).
-    With delta = 0 this is exact speculative sampling: output ~ the target.
-    Greedy: accept x when p(x) >= (1 - delta) max p (p at temperature 1); with
-    delta = 0 that is the target's argmax, so output == the target's greedy output.
-    Both: delta = 1 accepts everything, and a larger delta never accepts less.
+    rejection, or the bonus token after k acceptances. Greedy: the target's
+    argmax. Sampling: drawn from max(0, p - q) normalised (p if that is all
+    zeros), which makes delta = 0 exact speculative sampling.
     """
     k = drafts.shape[0]
+    accept = accept_mask(target_logits, draft_logits, drafts, sampling, delta) if k else mx.zeros((0,), mx.bool_)
     if sampling.temp == 0:
-        # p(x) >= (1 - delta) max p, in log space: logit(x) - max logit >= log(1 - delta)
-        chosen = mx.take_along_axis(target_logits[:k], drafts[:, None], axis=-1)[:, 0]
-        threshold = math.log(1 - delta) if delta < 1 else -math.inf
-        accept = (chosen - target_logits[:k].max(axis=-1)) >= threshold
         next_tokens = mx.argmax(target_logits, axis=-1)
     else:
         p = logits_to_probs(target_logits, sampling)
-        q = logits_to_probs(draft_logits, sampling)
-        p_x = mx.take_along_axis(p[:k], drafts[:, None], axis=-1)[:, 0]
-        q_x = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
-        u = mx.random.uniform(shape=(k,))
-        accept = mx.maximum(u - delta, 0) * q_x <= p_x
+        q = logits_to_probs(draft_logits, sampling) if k else mx.zeros((0, p.shape[-1]))
         # Position k (all accepted) has no draft: its residual is p itself.
         residual = mx.maximum(p - mx.concatenate([q, mx.zeros((1, p.shape[-1]))]), 0)
         mass = residual.sum(axis=-1, keepdims=True)

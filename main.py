@@ -80,9 +80,10 @@ def check_prompt(prompt: str) -> None:
         raise UsageError("the prompt is empty")
 
 
-def stream_text(tokens_iter, tokenizer, out=sys.stdout) -> tuple[list[int], str]:
+def stream_text(tokens_iter, tokenizer, out=None) -> tuple[list[int], str]:
     """Print text as tokens arrive. Decoding the whole prefix each time keeps
     SentencePiece spacing right; an incomplete UTF-8 sequence is held back."""
+    out = out or sys.stdout
     tokens, printed = [], ""
     for token in tokens_iter:
         tokens.append(token)
@@ -107,14 +108,14 @@ class Models:
         target_dir = resolve_model(target_name)
         draft_dir = resolve_model(draft_name) if draft_name else None
         self.tokenizer = load_tokenizer(target_dir)
-        if draft_dir is not None:
-            draft_tokenizer = load_tokenizer(draft_dir)
-            if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
-                raise UsageError(f"{draft_name} and {target_name} have different vocabularies: the draft must share the target's tokenizer")
+        if draft_dir is not None:  # refuse a mismatched pair before loading any weights
+            target_vocab, draft_vocab = read_config(target_dir)["vocab_size"], read_config(draft_dir)["vocab_size"]
+            if draft_vocab != target_vocab:
+                raise UsageError(f"{draft_name} has {draft_vocab} output tokens, {target_name} {target_vocab}: not a draft for it")
+            if load_tokenizer(draft_dir).get_vocab() != self.tokenizer.get_vocab():
+                raise UsageError(f"{draft_name} and {target_name} have different tokenizers: the draft must share the target's")
         self.target = load_model(target_dir)
         self.draft = load_model(draft_dir) if draft_dir is not None else None
-        if self.draft is not None and self.draft.args.vocab_size != self.target.args.vocab_size:
-            raise UsageError(f"{draft_name} has {self.draft.args.vocab_size} output tokens, {target_name} {self.target.args.vocab_size}: not a draft for it")
 
     def generate(self, prompt: str, settings: Settings, stats: Stats):
         """Token ids as they are decided."""
@@ -147,14 +148,14 @@ def stats_line(stats: Stats, speculative: bool) -> str:
     return f"{stats.target_calls} decode steps, " + line
 
 
-def show_generation(models: Models, prompt: str, settings: Settings, out=sys.stdout) -> Stats:
+def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> Stats:
     stats = Stats()
     stream_text(models.generate(prompt, settings, stats), models.tokenizer, out)
     print(stats_line(stats, settings.speculative), file=out)
     return stats
 
 
-def compare(models: Models, prompt: str, settings: Settings, out=sys.stdout) -> None:
+def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
     """Regular then speculative decoding of one prompt, with times and speedup."""
     models.warm_up(prompt, settings)
     results = {}
@@ -235,7 +236,7 @@ def command(line: str, settings: Settings, models: Models, last_prompt: str | No
     return settings
 
 
-def interactive(models: Models, settings: Settings, first_prompt: str | None, out=sys.stdout) -> None:
+def interactive(models: Models, settings: Settings, first_prompt: str | None, out=None) -> None:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -277,7 +278,7 @@ def parse_list(text: str, kind, flag: str) -> list:
 
 
 def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
-          plot: str | None, out=sys.stdout) -> list[dict]:
+          plot: str | None, out=None) -> list[dict]:
     """Speculative decoding over a grid of (num_draft, delta), against regular decoding."""
     for n in num_drafts:
         if n < 1:

@@ -67,3 +67,16 @@ def unit_scale_checkpoint(request, tmp_path_factory, tokenizer_dir, tokenizer) -
 @pytest.fixture(scope="session")
 def v1_1_checkpoint(tmp_path_factory, tokenizer_dir, tokenizer) -> Checkpoint:
     return build("v1_1_gated_untied", tmp_path_factory, tokenizer_dir, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_by_name(tmp_path_factory, tokenizer_dir, tokenizer):
+    """build(name), once per session per name."""
+    built = {}
+
+    def get(name: str) -> Checkpoint:
+        if name not in built:
+            built[name] = build(name, tmp_path_factory, tokenizer_dir, tokenizer)
+        return built[name]
+
+    return get

@@ -122,4 +122,4 @@ def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):
     lines = done.stdout.splitlines()
     tokens = reference_greedy(v1_1_checkpoint.hf_model, v1_1_checkpoint.prompt_ids, 12)
     assert lines[0] == v1_1_checkpoint.tokenizer.decode(tokens)
-    assert lines[1].startswith("12 tokens in")
+    assert lines[1].startswith("12 decode steps, 12 tokens in")

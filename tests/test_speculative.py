@@ -1,0 +1,301 @@
+"""Speculative decoding against independent references (transformers, exact distributions)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import PROMPT, make_checkpoint, reference_greedy, t5_config
+from safetensors.torch import load_file, save_file
+
+import convert
+import main
+import mlx.core as mx
+from decoder import Sampling, Stats, accept_mask, regular_generate, speculative_generate
+from model import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    PROMPT,
+    "summarize: The quick brown fox jumps over the lazy dog near the river bank.",
+    "def parse(text): return [line.split() for line in text.splitlines()]",
+    "translate English to German: The weather is nice today.",
+    "question: what does the os module provide? context: portable operating system interfaces",
+    "class Queue: a first-in first-out list with put and get methods",
+]
+
+
+def perturbed_copy(source: Path, out: Path, noise: float, seed: int) -> Path:
+    """A draft that mostly agrees with its target: the target's weights plus relative noise."""
+    out.mkdir()
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (out / file.name).write_bytes(file.read_bytes())
+    generator = torch.Generator().manual_seed(seed)
+    state = load_file(str(source / "model.safetensors"))
+    for name, tensor in state.items():
+        state[name] = tensor + noise * tensor.std() * torch.randn(tensor.shape, generator=generator)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(v1_1_checkpoint, checkpoint_by_name, tmp_path_factory):
+    """The target and three drafts: itself, a close copy, and an unrelated model."""
+    root = tmp_path_factory.mktemp("drafts")
+    # initializer_factor 10 makes the target chaotic: 0.1% noise already costs
+    # about a third of the drafts.
+    close = perturbed_copy(v1_1_checkpoint.hf_dir, root / "close-hf", noise=0.001, seed=0)
+    convert.convert(str(close), root / "close", "float32", force=False)
+    return {
+        "target": load_model(v1_1_checkpoint.mlx_dir),
+        "drafts": {
+            "same": load_model(v1_1_checkpoint.mlx_dir),
+            "close": load_model(root / "close"),
+            "unrelated": load_model(checkpoint_by_name("v1_0_tied").mlx_dir),
+        },
+        "checkpoint": v1_1_checkpoint,
+    }
+
+
+@pytest.mark.parametrize("draft", ["same", "close", "unrelated"])
+@pytest.mark.parametrize("num_draft", [1, 2, 3, 5, 8])
+def test_greedy_speculative_equals_regular_and_transformers_greedy(pair, draft, num_draft):
+    checkpoint, target = pair["checkpoint"], pair["target"]
+    prompt = checkpoint.prompt_ids
+    stats = Stats()
+    speculative = list(speculative_generate(target, pair["drafts"][draft], prompt, 64, Sampling(), num_draft, 0.0, stats))
+    assert speculative == list(regular_generate(target, prompt, 64, Sampling()))
+    assert speculative == reference_greedy(checkpoint.hf_model, prompt, 64)
+    expected_acceptance = {"same": (1.0, 1.0), "close": (0.4, 0.99), "unrelated": (0.0, 0.2)}[draft]
+    assert expected_acceptance[0] <= stats.acceptance_rate <= expected_acceptance[1], stats
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_delta_one_accepts_every_draft(pair, temp):
+    stats = Stats()
+    mx.random.seed(0)
+    out = list(speculative_generate(pair["target"], pair["drafts"]["unrelated"], pair["checkpoint"].prompt_ids, 40,
+                                    Sampling(temp=temp), 4, 1.0, stats))
+    assert stats.drafted > 0 and stats.acceptance_rate == 1.0
+    assert stats.target_calls == -(-len(out) // 5)  # every verify step yields num_draft + 1 tokens
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_accepted_drafts_only_grow_with_delta(temp):
+    """The rule itself, with p, q and u fixed: a larger delta never rejects what a smaller one accepted."""
+    rng = np.random.default_rng(0)
+    k, vocab = 64, 12
+    target_logits = mx.array(rng.normal(size=(k + 1, vocab)) * 2, mx.float32)
+    draft_logits = mx.array(rng.normal(size=(k, vocab)) * 2, mx.float32)
+    drafts = mx.array(rng.integers(0, vocab, size=k))
+    u = mx.array(rng.uniform(size=k), mx.float32)
+    masks = [np.array(accept_mask(target_logits, draft_logits, drafts, Sampling(temp=temp), delta, u=u))
+             for delta in np.linspace(0, 1, 21)]
+    for smaller, larger in zip(masks, masks[1:]):
+        assert not (smaller & ~larger).any()
+    assert 0 < masks[0].sum() < k and masks[-1].all()
+
+
+@pytest.fixture(scope="module")
+def unit_scale_pair(tmp_path_factory, tokenizer_dir):
+    """initializer_factor 1: the target's distributions are spread out, so
+    delta changes what it accepts (at factor 10 they are one-hot)."""
+    root = tmp_path_factory.mktemp("unit-scale-pair")
+    config = t5_config(feed_forward_proj="gated-gelu", initializer_factor=1.0)
+    make_checkpoint(root / "target-hf", config, 5, tokenizer_dir, untied_head=True)
+    perturbed_copy(root / "target-hf", root / "draft-hf", noise=0.05, seed=0)
+    for name in ("target", "draft"):
+        convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
+    return load_model(root / "target"), load_model(root / "draft")
+
+
+def test_mean_acceptance_rises_with_delta_over_prompts(unit_scale_pair, tokenizer):
+    target, draft = unit_scale_pair
+    means = []
+    for delta in (0.0, 0.2, 0.5, 0.8, 1.0):
+        rates = []
+        for prompt in PROMPTS:
+            stats = Stats()
+            list(speculative_generate(target, draft, tokenizer(prompt).input_ids, 48, Sampling(), 4, delta, stats))
+            rates.append(stats.acceptance_rate)
+        means.append(float(np.mean(rates)))
+    assert all(a <= b for a, b in zip(means, means[1:])), means
+    assert means[0] < means[-1] == 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory, tokenizer_dir):
+    """Target and draft over 8 tokens, with spread-out and different distributions."""
+    root = tmp_path_factory.mktemp("tiny-vocab")
+    models = {}
+    for name, seed in (("target", 0), ("draft", 1)):
+        hf = make_checkpoint(root / f"{name}-hf", t5_config(vocab_size=8, initializer_factor=1.0), seed, tokenizer_dir)
+        convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
+        models[name] = (load_model(root / name), hf)
+    return models
+
+
+def exact_first_token_distribution(hf_model, prompt, temp, top_p) -> np.ndarray:
+    """The target's distribution of its first token, from transformers' logits."""
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[0]])).logits[0, -1].double()
+    probs = torch.softmax(logits / temp, dim=-1).numpy()
+    if top_p < 1:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0) / probs[mask].sum()
+    return probs
+
+
+@pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
+def test_speculative_sampling_first_token_follows_the_target_distribution(tiny_vocab_pair, temp, top_p):
+    """Chi-square goodness of fit over 3000 samples, false-alarm rate 0.1%.
+
+    max_tokens=4 with num_draft=3 makes the first token go through the
+    accept / reject / resample path (the draft disagrees often here)."""
+    (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
+    prompt = [5, 3, 6, 1]
+    expected = exact_first_token_distribution(hf_target, prompt, temp, top_p)
+    mx.random.seed(1234)
+    samples, totals = 3000, Stats()
+    counts = np.zeros(8)
+    for _ in range(samples):
+        out = list(speculative_generate(target, draft, prompt, 4, Sampling(temp=temp, top_p=top_p), 3, 0.0, totals))
+        counts[out[0] if out else 1] += 1  # nothing generated: EOS (id 1) came first
+    assert 0.1 < totals.acceptance_rate < 0.9, "the draft must be rejected sometimes for this to test anything"
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the target's top-p set"
+    chi2 = (((counts - samples * expected) ** 2)[support] / (samples * expected[support])).sum()
+    critical = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]  # chi2 0.999
+    assert chi2 < critical, (chi2, counts / samples, expected)
+
+
+def test_every_verify_pass_sees_the_cache_of_a_fresh_run(pair):
+    """After each rejection and rollback, the target's logits equal a fresh full forward of the accepted prefix."""
+    target, draft = pair["target"], pair["drafts"]["close"]
+    prompt = pair["checkpoint"].prompt_ids
+    calls, original = [], target.decode
+
+    def recording_decode(tokens, cache):
+        offset = cache.offset
+        logits = original(tokens, cache)
+        calls.append((offset, tokens.tolist()[0], np.array(logits[0])))
+        return logits
+
+    target.decode = recording_decode
+    try:
+        stats = Stats()
+        out = list(speculative_generate(target, draft, prompt, 40, Sampling(), 4, 0.0, stats))
+    finally:
+        del target.decode
+    assert 0 < stats.accepted < stats.drafted, "needs both acceptances and rejections"
+    sequence = [0] + out
+    encoded = target.encode(mx.array([prompt]))
+    for offset, tokens, logits in calls:
+        assert tokens[0] == sequence[offset]  # the step starts right after the accepted prefix
+        fresh = original(mx.array([sequence[:offset] + tokens]), target.make_cache(encoded))
+        np.testing.assert_allclose(logits, np.array(fresh[0, offset:]), rtol=0, atol=1e-4 * np.abs(logits).max())
+
+
+class EosAt:
+    """Wraps a model so that its favourite token at decoder position `position` is EOS."""
+
+    def __init__(self, model, position):
+        self.model, self.position, self.args = model, position, model.args
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, tokens, cache):
+        offset = cache.offset
+        logits = self.model.decode(tokens, cache)
+        positions = mx.arange(offset, offset + tokens.shape[1])[None, :, None]
+        is_eos = mx.arange(logits.shape[-1])[None, None, :] == self.args.eos_token_id
+        return mx.where((positions == self.position) & is_eos, logits.max() + 100.0, logits)
+
+
+@pytest.mark.parametrize("num_draft", [1, 3, 5, 8])
+def test_eos_inside_the_drafts_stops_generation_at_eos(pair, num_draft):
+    target = EosAt(pair["target"], position=7)
+    prompt = pair["checkpoint"].prompt_ids
+    regular = list(regular_generate(target, prompt, 40, Sampling()))
+    assert len(regular) == 7
+    assert list(speculative_generate(target, target, prompt, 40, Sampling(), num_draft, 0.0)) == regular
+
+
+@pytest.mark.parametrize("num_draft", [1, 3, 8])
+def test_max_tokens_is_never_exceeded(pair, num_draft):
+    target, prompt = pair["target"], pair["checkpoint"].prompt_ids
+    for max_tokens in range(1, 12):
+        for delta, temp in ((1.0, 0.0), (0.0, 1.0)):
+            out = list(speculative_generate(target, target, prompt, max_tokens, Sampling(temp=temp), num_draft, delta))
+            assert len(out) == max_tokens
+
+
+def test_cli_json_speculative_stats(pair, capsys):
+    checkpoint = pair["checkpoint"]
+    assert main.main(["--model", str(checkpoint.mlx_dir), "--draft-model", str(checkpoint.mlx_dir),
+                      "--num-draft", "4", "--delta", "0", "--max-tokens", "30", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    stats = result["stats"]
+    assert result["tokens"] == reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 30)
+    assert stats["accepted"] == stats["drafted"] == stats["draft_calls"] > 0
+    assert stats["target_calls"] == 6 and stats["generated"] == 30
+
+
+def test_a_draft_with_another_vocabulary_is_refused(pair, tiny_vocab_pair, tmp_path, capsys):
+    checkpoint = pair["checkpoint"]
+    other = tmp_path / "other"
+    other.mkdir()
+    for file in checkpoint.mlx_dir.iterdir():
+        (other / file.name).write_bytes(file.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 2000
+    (other / "config.json").write_text(json.dumps(config))
+    assert main.main(["--model", str(checkpoint.mlx_dir), "--draft-model", str(other), "--max-tokens", "5"]) != 0
+    assert "output tokens" in capsys.readouterr().err
+
+
+def test_interactive_loop_changes_knobs_and_survives_bad_commands(pair):
+    mlx_dir = str(pair["checkpoint"].mlx_dir)
+    script = "\n".join([
+        ":num-draft 3", ":delta 0.5", ":temp 0", ":show", ":delta 7", ":num-draft two", ":bogus",
+        "translate English to French: hello", ":regular", "translate English to French: hello", ":compare", ":quit",
+    ]) + "\n"
+    done = subprocess.run([sys.executable, "main.py", "--model", mlx_dir, "--draft-model", mlx_dir, "--interactive",
+                           "--max-tokens", "8"], input=script, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "mode speculative, num-draft 3, delta 0.5" in out
+    assert ":delta takes a number in [0, 1] (got '7')" in out
+    assert ":num-draft takes an integer >= 1 (got 'two')" in out
+    assert "unknown command ':bogus'" in out
+    assert "Accepted" in out and "decode steps, 8 tokens" in out
+    assert "mode regular" in out and "speedup" in out
+
+
+def test_interactive_loop_exits_on_end_of_input(pair):
+    mlx_dir = str(pair["checkpoint"].mlx_dir)
+    done = subprocess.run([sys.executable, "main.py", "--model", mlx_dir, "--draft-model", mlx_dir, "--interactive"],
+                          input=":show\n", capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0 and "mode speculative" in done.stdout
+
+
+def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    mlx_dir, prompts = str(pair["checkpoint"].mlx_dir), tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n")
+    plot = tmp_path / "sweep.png"
+    assert main.main(["--model", mlx_dir, "--draft-model", mlx_dir, "--sweep", "--num-drafts", "1,3", "--deltas", "0,1",
+                      "--prompts-file", str(prompts), "--max-tokens", "16", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "num-draft" not in line]
+    assert len(rows) == 4 and sum("**best**" in row for row in rows) == 1
+    assert "2 prompt(s)" in out
+    assert plot.stat().st_size > 1000
