@@ -236,7 +236,7 @@ def command(line: str, settings: Settings, models: Models, last_prompt: str | No
     return settings
 
 
-def interactive(models: Models, settings: Settings, first_prompt: str | None, out=None) -> None:
+def interactive(models: Models, settings: Settings, out=None) -> None:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -392,7 +392,7 @@ def run(args) -> int:
     check_prompt(args.prompt)
     models = Models(args.model, args.draft_model if needs_draft or args.interactive else None)
     if args.interactive:
-        interactive(models, settings, args.prompt)
+        interactive(models, settings)
     elif args.compare:
         compare(models, args.prompt, settings)
     elif args.json:
