@@ -73,7 +73,7 @@ def rename(hf_name: str) -> str | None:
 def download(repo_id: str) -> Path:
     """Only the files conversion needs; safetensors when the repo has them."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=CONFIG_FILES + TOKENIZER_FILES + SAFETENSORS_PATTERNS))
@@ -85,6 +85,8 @@ def download(repo_id: str) -> Path:
         raise ConversionError(f"{repo_id} is neither a local folder nor a model on the Hugging Face hub")
     except LocalEntryNotFoundError:
         raise ConversionError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (no network?) and no copy is cached")
+    except (HfHubHTTPError, OSError) as e:
+        raise ConversionError(f"cannot download {repo_id}: {str(e).splitlines()[0]}")
     return folder
 
 
@@ -155,10 +157,13 @@ class SafetensorsReader:
                 header.pop("__metadata__", None)
                 for name, info in header.items():
                     start, end = info["data_offsets"]
-                    if 8 + header_size + end > size:
-                        raise ValueError(f"{name} runs past the end of the file")
                     if info["dtype"] not in self.NUMPY_DTYPES:
                         raise ValueError(f"{name} has unsupported dtype {info['dtype']}")
+                    itemsize = np.dtype(self.NUMPY_DTYPES[info["dtype"]]).itemsize
+                    if not 0 <= start <= end or end - start != itemsize * _prod(info["shape"]):
+                        raise ValueError(f"{name}'s offsets do not match its shape")
+                    if 8 + header_size + end > size:
+                        raise ValueError(f"{name} runs past the end of the file")
                     self.entries[name] = (file, 8 + header_size + start, info["dtype"], info["shape"])
             except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise ConversionError(f"{file} is truncated or corrupt ({e})")
@@ -333,7 +338,7 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
             partial.rename(out)
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
         else:
             partial.rename(out)
     except BaseException:

@@ -89,6 +89,8 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
     back, so Python work overlaps the model's compute.
     """
     stats = stats if stats is not None else Stats()
+    if max_tokens < 1:
+        return
     started = time.perf_counter()
     cache, token = start_decoding(model, prompt)
     eos = model.args.eos_token_id
@@ -126,6 +128,8 @@ def accept_mask(target_logits, draft_logits, drafts, sampling: Sampling, delta: 
     """
     k = drafts.shape[0]
     if sampling.temp == 0:
+        if delta == 0:  # exactly regular greedy's choice, ties included
+            return drafts == mx.argmax(target_logits[:k], axis=-1)
         # In log space: logit(x) - max logit >= log(1 - delta).
         chosen = mx.take_along_axis(target_logits[:k], drafts[:, None], axis=-1)[:, 0]
         threshold = math.log(1 - delta) if delta < 1 else -math.inf

@@ -32,14 +32,15 @@ class UsageError(Exception):
 
 def resolve_model(name: str) -> Path:
     """A converted folder path, else mlx_models/NAME."""
+    problem = None
     for folder in (Path(name).expanduser(), MODELS_DIR / name):
         if folder.is_dir():
             try:
                 read_config(folder)
+                return folder
             except NotAConvertedModel as e:
-                raise UsageError(str(e))
-            return folder
-    raise UsageError(f"no converted model '{name}': run `python convert.py --model {name}` first")
+                problem = problem or str(e)
+    raise UsageError(problem or f"no converted model '{name}': run `python convert.py --model {name}` first")
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Settings:
 def check_settings(args) -> None:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    if args.temp < 0:
+    if not args.temp >= 0:  # also refuses nan
         raise UsageError(f"--temp must be >= 0 (got {args.temp})")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (got {args.top_p})")
@@ -119,11 +120,12 @@ class Models:
 
     def generate(self, prompt: str, settings: Settings, stats: Stats):
         """Token ids as they are decided."""
+        if settings.speculative and self.draft is None:
+            raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         ids = self.tokenizer(prompt).input_ids
         if settings.speculative:
-            assert self.draft is not None
             return speculative_generate(self.target, self.draft, ids, settings.max_tokens, settings.sampling,
                                         settings.num_draft, settings.delta, stats)
         return regular_generate(self.target, ids, settings.max_tokens, settings.sampling, stats)
@@ -134,7 +136,7 @@ class Models:
 
     def warm_up(self, prompt: str, settings: Settings) -> None:
         """One short run of each path, so first-call costs stay out of timings."""
-        for speculative in {False, settings.speculative}:
+        for speculative in (False, True):
             self.run(prompt, replace(settings, max_tokens=4, speculative=speculative))
 
 
@@ -207,7 +209,7 @@ def command(line: str, settings: Settings, models: Models, last_prompt: str | No
         print(show_settings(settings, models.draft is not None), file=out)
     elif name in ("regular", "speculative"):
         if name == "speculative" and models.draft is None:
-            print("no draft model loaded (started with --regular-decode and no --draft-model)", file=out)
+            print("no draft model loaded (started with --regular-decode)", file=out)
         else:
             settings = replace(settings, speculative=name == "speculative")
             print(show_settings(settings, models.draft is not None), file=out)
@@ -270,22 +272,19 @@ def interactive(models: Models, settings: Settings, out=None) -> None:
 # ---------------------------------------------------------------- sweep
 
 
-def parse_list(text: str, kind, flag: str) -> list:
+def parse_list(text: str, kind, flag: str, valid, expected: str) -> list:
     try:
-        return [kind(item) for item in text.split(",") if item.strip()]
+        values = [kind(item) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise UsageError(f"{flag} takes a comma-separated list (got '{text}')")
+        values = []
+    if not values or not all(valid(v) for v in values):
+        raise UsageError(f"{flag} takes a comma-separated list of {expected} (got '{text}')")
+    return values
 
 
 def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
           plot: str | None, out=None) -> list[dict]:
     """Speculative decoding over a grid of (num_draft, delta), against regular decoding."""
-    for n in num_drafts:
-        if n < 1:
-            raise UsageError(f"--num-drafts values must be >= 1 (got {n})")
-    for d in deltas:
-        if not 0 <= d <= 1:
-            raise UsageError(f"--deltas values must be in [0, 1] (got {d})")
     models.warm_up(prompts[0], settings)
 
     def total(run_settings: Settings) -> Stats:
@@ -297,6 +296,8 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
         return combined
 
     regular = total(replace(settings, speculative=False))
+    if regular.generated == 0:
+        raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
     rows = []
     for num_draft in num_drafts:
         for delta in deltas:
@@ -318,7 +319,7 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
     return rows
 
 
-def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
+def import_pyplot():
     try:
         import matplotlib
 
@@ -326,6 +327,11 @@ def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib")
+    return plt
+
+
+def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
+    plt = import_pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     for delta in deltas:
         points = [(row["num_draft"], row["speedup"]) for row in rows if row["delta"] == delta]
@@ -371,6 +377,8 @@ def run(args) -> int:
     settings = Settings(args.max_tokens, args.temp, args.top_k, args.top_p, args.seed, args.num_draft, args.delta,
                         speculative=not args.regular_decode)
     needs_draft = not args.regular_decode or args.compare or args.sweep
+    if needs_draft and not args.draft_model:
+        raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     if args.json and (args.interactive or args.compare or args.sweep):
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
     if args.sweep:
@@ -382,15 +390,17 @@ def run(args) -> int:
                 raise UsageError(f"cannot read --prompts-file: {e.strerror}")
             if not prompts:
                 raise UsageError(f"{args.prompts_file} has no prompts")
-        num_drafts = parse_list(args.num_drafts, int, "--num-drafts")
-        deltas = parse_list(args.deltas, float, "--deltas")
+        num_drafts = parse_list(args.num_drafts, int, "--num-drafts", lambda n: n >= 1, "integers >= 1")
+        deltas = parse_list(args.deltas, float, "--deltas", lambda d: 0 <= d <= 1, "numbers in [0, 1]")
         for prompt in prompts:
             check_prompt(prompt)
+        if args.plot:
+            import_pyplot()  # fail before loading anything
         models = Models(args.model, args.draft_model)
         sweep(models, prompts, settings, num_drafts, deltas, args.plot)
         return 0
     check_prompt(args.prompt)
-    models = Models(args.model, args.draft_model if needs_draft or args.interactive else None)
+    models = Models(args.model, args.draft_model if needs_draft else None)
     if args.interactive:
         interactive(models, settings)
     elif args.compare:

@@ -299,3 +299,30 @@ def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
     assert len(rows) == 4 and sum("**best**" in row for row in rows) == 1
     assert "2 prompt(s)" in out
     assert plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sweep", "--deltas", ""], "--deltas takes a comma-separated list of numbers in [0, 1]"),
+        (["--sweep", "--deltas", "0,1.5"], "--deltas takes a comma-separated list of numbers in [0, 1]"),
+        (["--sweep", "--num-drafts", "0,2"], "--num-drafts takes a comma-separated list of integers >= 1"),
+        (["--draft-model", ""], "speculative decoding needs --draft-model"),
+        (["--num-draft", "0"], "--num-draft must be at least 1"),
+        (["--delta", "1.5"], "--delta must be in [0, 1]"),
+        (["--temp", "nan"], "--temp must be >= 0"),
+    ],
+)
+def test_bad_speculative_input_gives_one_line_error(pair, capsys, argv, message):
+    mlx_dir = str(pair["checkpoint"].mlx_dir)
+    assert main.main(["--model", mlx_dir, "--draft-model", mlx_dir, *argv]) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_greedy_delta_zero_matches_argmax_ties_included():
+    """On an exact tie regular greedy takes the lowest index; so must acceptance at delta 0."""
+    target_logits = mx.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    drafts = mx.array([2])
+    assert not accept_mask(target_logits, None, drafts, Sampling(), 0.0).item()
+    assert accept_mask(target_logits, None, mx.array([1]), Sampling(), 0.0).item()
