@@ -135,8 +135,9 @@ class Models:
         return list(self.generate(prompt, settings, stats)), stats
 
     def warm_up(self, prompt: str, settings: Settings) -> None:
-        """One short run of each path, so first-call costs stay out of timings."""
-        for speculative in (False, True):
+        """One short run of each path, so first-call costs (weights are read
+        from disk lazily, on first use) stay out of timings."""
+        for speculative in (False, True) if self.draft is not None else (False,):
             self.run(prompt, replace(settings, max_tokens=4, speculative=speculative))
 
 
@@ -243,6 +244,8 @@ def interactive(models: Models, settings: Settings, out=None) -> None:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
+    print("Warming up (reading the weights) ...", file=out, flush=True)
+    models.warm_up(DEFAULT_PROMPT, settings)
     print(HELP, file=out)
     print(show_settings(settings, models.draft is not None), file=out)
     last_prompt = None
@@ -347,8 +350,17 @@ def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
 # ---------------------------------------------------------------- command line
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except for flags and options whose help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="t5-11b", help="target model: converted folder, or a name under mlx_models/")
     p.add_argument("--draft-model", default="t5-small", help="draft model for speculative decoding")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="input text")
