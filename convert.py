@@ -9,6 +9,7 @@ from the shapes alone. The output folder appears only when complete.
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -160,7 +161,7 @@ class SafetensorsReader:
                     if info["dtype"] not in self.NUMPY_DTYPES:
                         raise ValueError(f"{name} has unsupported dtype {info['dtype']}")
                     itemsize = np.dtype(self.NUMPY_DTYPES[info["dtype"]]).itemsize
-                    if not 0 <= start <= end or end - start != itemsize * _prod(info["shape"]):
+                    if not 0 <= start <= end or end - start != itemsize * math.prod(info["shape"]):
                         raise ValueError(f"{name}'s offsets do not match its shape")
                     if 8 + header_size + end > size:
                         raise ValueError(f"{name} runs past the end of the file")
@@ -178,7 +179,7 @@ class SafetensorsReader:
         file, offset, dtype, shape = self.entries[name]
         with open(file, "rb") as f:
             f.seek(offset)
-            data = np.fromfile(f, dtype=self.NUMPY_DTYPES[dtype], count=_prod(shape))
+            data = np.fromfile(f, dtype=self.NUMPY_DTYPES[dtype], count=math.prod(shape))
         array = mx.array(data.reshape(shape))
         return array.view(mx.bfloat16) if dtype == "BF16" else array
 
@@ -260,7 +261,7 @@ def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
 def shard(mapping: dict, reader, itemsize: int) -> list[list[str]]:
     shards, size = [[]], 0
     for name in mapping:
-        nbytes = itemsize * int(_prod(reader.shape(mapping[name])))
+        nbytes = itemsize * int(math.prod(reader.shape(mapping[name])))
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -269,20 +270,13 @@ def shard(mapping: dict, reader, itemsize: int) -> list[list[str]]:
     return shards
 
 
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, progress) -> None:
     """A safetensors file written tensor by tensor: the header needs only shapes."""
     itemsize = dtype.size
     header, offset = {}, 0
     for name in names:
         shape = reader.shape(mapping[name])
-        nbytes = itemsize * _prod(shape)
+        nbytes = itemsize * math.prod(shape)
         header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "mlx"}
@@ -321,7 +315,7 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
     partial.mkdir()
     try:
         shards = shard(mapping, reader, dtype.size)
-        total = sum(dtype.size * _prod(reader.shape(hf)) for hf in mapping.values())
+        total = sum(dtype.size * math.prod(reader.shape(hf)) for hf in mapping.values())
         names = ["model.safetensors"] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]

@@ -134,9 +134,14 @@ def accept_mask(target_logits, draft_logits, drafts, sampling: Sampling, delta: 
         chosen = mx.take_along_axis(target_logits[:k], drafts[:, None], axis=-1)[:, 0]
         threshold = math.log(1 - delta) if delta < 1 else -math.inf
         return (chosen - target_logits[:k].max(axis=-1)) >= threshold
-    p_x = mx.take_along_axis(logits_to_probs(target_logits[:k], sampling), drafts[:, None], axis=-1)[:, 0]
-    q_x = mx.take_along_axis(logits_to_probs(draft_logits, sampling), drafts[:, None], axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(k,)) if u is None else u
+    return accept_sampled(logits_to_probs(target_logits[:k], sampling), logits_to_probs(draft_logits, sampling), drafts, delta, u)
+
+
+def accept_sampled(p, q, drafts, delta: float, u=None) -> mx.array:
+    """The sampling rule on distributions already computed: (k, V) each."""
+    p_x = mx.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]
+    q_x = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
+    u = mx.random.uniform(shape=drafts.shape) if u is None else u
     return mx.maximum(u - delta, 0) * q_x <= p_x  # q_x > 0: x was drawn from q
 
 
@@ -151,12 +156,13 @@ def verify(target_logits, draft_logits, drafts, sampling: Sampling, delta: float
     zeros), which makes delta = 0 exact speculative sampling.
     """
     k = drafts.shape[0]
-    accept = accept_mask(target_logits, draft_logits, drafts, sampling, delta) if k else mx.zeros((0,), mx.bool_)
     if sampling.temp == 0:
+        accept = accept_mask(target_logits, draft_logits, drafts, sampling, delta) if k else mx.zeros((0,), mx.bool_)
         next_tokens = mx.argmax(target_logits, axis=-1)
-    else:
+    else:  # each distribution computed once, for the rule and the residual
         p = logits_to_probs(target_logits, sampling)
         q = logits_to_probs(draft_logits, sampling) if k else mx.zeros((0, p.shape[-1]))
+        accept = accept_sampled(p[:k], q, drafts, delta)
         # Position k (all accepted) has no draft: its residual is p itself.
         residual = mx.maximum(p - mx.concatenate([q, mx.zeros((1, p.shape[-1]))]), 0)
         mass = residual.sum(axis=-1, keepdims=True)
