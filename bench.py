@@ -35,7 +35,7 @@ PAIR_DRAFT_SEED = 3  # greedy output of 83 distinct tokens in 100 (most seeds re
 PROMPT_IDS = [13, 52, 999, 81, 7, 402, 33, 91, 18, 640, 22, 5, 77, 301, 9, 1]
 
 
-sys.path.insert(0, str(ROOT / "tests"))  # checkpoints.py: random T5 checkpoints, local tokenizer
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "demo")]  # checkpoints.py (random T5 checkpoints), train.py
 
 
 def tokenizer_folder(root: Path) -> Path:

@@ -55,11 +55,23 @@ def _load() -> str:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        set_threads = {"mkl": "MKL_Set_Num_Threads", "openblas": "openblas_set_num_threads"}[name]
-        if hasattr(library, set_threads):
-            getattr(library, set_threads)(1)
+        setter = {"mkl": "MKL_Set_Num_Threads", "openblas": "openblas_set_num_threads"}[name]
+        if hasattr(library, setter):
+            global _thread_setter
+            _thread_setter = getattr(library, setter)
+            _thread_setter(1)
         return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream)"
     return "bundled reference BLAS (slow: pip install mkl)"
+
+
+_thread_setter = None
+
+
+def set_threads(count: int) -> None:
+    """Let the BLAS use several threads: right for training's large matrix
+    products, where decoding's matrix-vector products gain nothing from it."""
+    if _thread_setter is not None:
+        _thread_setter(count)
 
 
 ACTIVE = _load()

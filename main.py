@@ -5,10 +5,12 @@
     python main.py --compare                         # regular vs speculative, same prompt
     python main.py --interactive                     # load once, tune knobs at a prompt
     python main.py --sweep --num-drafts 1,2,4,8 --deltas 0,0.1,0.3 --plot sweep.png
+    python main.py --demo                            # the small trained pair in demo/, no download
 """
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +26,10 @@ DEFAULT_PROMPT = (
     "including eggs, avocadoes, and bread."
 )
 MODELS_DIR = Path("mlx_models")
+# A small target/draft pair trained on the Python standard library (demo/train.py),
+# with held-out source code whose masked spans they fill in.
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 class UsageError(Exception):
@@ -102,6 +108,28 @@ def stream_text(tokens_iter, tokenizer, out=None) -> tuple[list[int], str]:
     return tokens, text
 
 
+def demo_prompts() -> list[str]:
+    path = DEMO_DIR / "prompts.txt"
+    try:
+        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        raise UsageError(f"{path} is missing: the demo pair ships with the repository (or run python demo/train.py)")
+
+
+def fill_spans(prompt: str, output: str) -> str:
+    """The prompt with each <extra_id_N> replaced by the span the model wrote
+    after it in its output, marked «like this»."""
+    pieces = SENTINEL.split(output)  # text, id, span, id, span, ...
+    spans = {int(pieces[i]): pieces[i + 1].strip() for i in range(1, len(pieces) - 1, 2)}
+    return SENTINEL.sub(lambda m: f"«{spans.get(int(m.group(1)), '?')}»", prompt)
+
+
+def show_filled(prompt: str, output: str, out=None) -> None:
+    """For a span-corruption prompt (T5's pre-training task), the prompt with its spans filled in."""
+    if SENTINEL.search(prompt) and SENTINEL.search(output):
+        print(f"\nFilled in:\n{fill_spans(prompt, output)}", file=out)
+
+
 class Models:
     """The target, the draft (None for regular decoding only) and their tokenizer."""
 
@@ -151,11 +179,11 @@ def stats_line(stats: Stats, speculative: bool) -> str:
     return f"{stats.target_calls} decode steps, " + line
 
 
-def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> Stats:
+def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> tuple[str, Stats]:
     stats = Stats()
-    stream_text(models.generate(prompt, settings, stats), models.tokenizer, out)
+    _, text = stream_text(models.generate(prompt, settings, stats), models.tokenizer, out)
     print(stats_line(stats, settings.speculative), file=out)
-    return stats
+    return text, stats
 
 
 def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
@@ -165,7 +193,7 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
     for speculative in (False, True):
         label = "speculative" if speculative else "regular"
         print(f"--- {label}", file=out)
-        results[label] = show_generation(models, prompt, replace(settings, speculative=speculative), out)
+        _, results[label] = show_generation(models, prompt, replace(settings, speculative=speculative), out)
     regular, spec = results["regular"], results["speculative"]
     speedup = spec.tokens_per_second / regular.tokens_per_second if regular.tokens_per_second else 0.0
     print(f"regular {regular.seconds:.2f} s, speculative {spec.seconds:.2f} s: speedup {speedup:.2f}x "
@@ -239,14 +267,30 @@ def command(line: str, settings: Settings, models: Models, last_prompt: str | No
     return settings
 
 
-def interactive(models: Models, settings: Settings, out=None) -> None:
+def pick_example(line: str, examples: list[str] | None, out) -> str | None:
+    """The prompt that ':demo N' names, or None (with a message)."""
+    if not examples:
+        print(":demo needs the demo pair (start with --demo)", file=out)
+        return None
+    value = line[len(":demo"):].strip() or "1"
+    if not value.isdigit() or not 1 <= int(value) <= len(examples):
+        print(f":demo takes a prompt number from 1 to {len(examples)} (got '{value}')", file=out)
+        return None
+    prompt = examples[int(value) - 1]
+    print(prompt, file=out)
+    return prompt
+
+
+def interactive(models: Models, settings: Settings, out=None, examples: list[str] | None = None) -> None:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
     print("Warming up (reading the weights) ...", file=out, flush=True)
-    models.warm_up(DEFAULT_PROMPT, settings)
+    models.warm_up(examples[0] if examples else DEFAULT_PROMPT, settings)
     print(HELP, file=out)
+    if examples:
+        print(f"  :demo N                   run held-out demo prompt N (1-{len(examples)}): code with masked spans", file=out)
     print(show_settings(settings, models.draft is not None), file=out)
     last_prompt = None
     while True:
@@ -261,13 +305,18 @@ def interactive(models: Models, settings: Settings, out=None) -> None:
         if not line:
             continue
         try:
-            if line.startswith(":"):
+            if line.split()[0] == ":demo":
+                line = pick_example(line, examples, out)
+                if line is None:
+                    continue
+            elif line.startswith(":"):
                 settings = command(line, settings, models, last_prompt, out)
                 if settings is None:
                     return
                 continue
             last_prompt = line
-            show_generation(models, line, settings, out)
+            text, _ = show_generation(models, line, settings, out)
+            show_filled(line, text, out)
         except KeyboardInterrupt:
             print("\n[stopped]", file=out)
 
@@ -361,9 +410,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", default="t5-11b", help="target model: converted folder, or a name under mlx_models/")
-    p.add_argument("--draft-model", default="t5-small", help="draft model for speculative decoding")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="input text")
+    p.add_argument("--model", help="target model: converted folder, or a name under mlx_models/ "
+                   "(default: t5-11b; demo/target with --demo)")
+    p.add_argument("--draft-model", help="draft model for speculative decoding (default: t5-small; demo/draft with --demo)")
+    p.add_argument("--prompt", help="input text (default: a translation prompt; with --demo, held-out code with masked spans)")
+    p.add_argument("--demo", action="store_true",
+                   help="use the small trained pair shipped in demo/ (no download): it fills in masked spans of Python code")
     p.add_argument("--max-tokens", type=int, default=100, help="most tokens to generate")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
@@ -379,12 +431,25 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
     p.add_argument("--num-drafts", default="1,2,4,8", help="sweep: num-draft values")
     p.add_argument("--deltas", default="0,0.1,0.3", help="sweep: delta values")
-    p.add_argument("--prompts-file", help="sweep: prompts, one a line (default: --prompt)")
+    p.add_argument("--prompts-file", help="sweep: prompts, one a line (default: --prompt; with --demo, demo/prompts.txt)")
     p.add_argument("--plot", help="sweep: save speedup against num-draft to this PNG (needs matplotlib)")
     return p
 
 
+def apply_defaults(args) -> list[str] | None:
+    """Fill in --model, --draft-model and --prompt; returns the demo's prompts with --demo."""
+    examples = demo_prompts() if args.demo else None
+    args.model = args.model or (str(DEMO_DIR / "target") if args.demo else "t5-11b")
+    if args.draft_model is None:
+        args.draft_model = str(DEMO_DIR / "draft") if args.demo else "t5-small"
+    if args.prompt is None:
+        args.prompt = examples[0] if args.demo else DEFAULT_PROMPT
+    return examples
+
+
 def run(args) -> int:
+    prompt_given = args.prompt is not None
+    examples = apply_defaults(args)
     check_settings(args)
     settings = Settings(args.max_tokens, args.temp, args.top_k, args.top_p, args.seed, args.num_draft, args.delta,
                         speculative=not args.regular_decode)
@@ -394,7 +459,7 @@ def run(args) -> int:
     if args.json and (args.interactive or args.compare or args.sweep):
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
     if args.sweep:
-        prompts = [args.prompt]
+        prompts = examples if examples and not prompt_given else [args.prompt]
         if args.prompts_file:
             try:
                 prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
@@ -414,14 +479,17 @@ def run(args) -> int:
     check_prompt(args.prompt)
     models = Models(args.model, args.draft_model if needs_draft else None)
     if args.interactive:
-        interactive(models, settings)
+        interactive(models, settings, examples=examples)
     elif args.compare:
         compare(models, args.prompt, settings)
     elif args.json:
         tokens, stats = models.run(args.prompt, settings)
         print(json.dumps({"text": models.tokenizer.decode(tokens), "tokens": tokens, "stats": stats.to_dict()}))
     else:
-        show_generation(models, args.prompt, settings)
+        if args.demo and not prompt_given:
+            print(f"Prompt (held-out code, masked spans):\n{args.prompt}\n\nOutput:", flush=True)
+        text, _ = show_generation(models, args.prompt, settings)
+        show_filled(args.prompt, text)
     return 0
 
 

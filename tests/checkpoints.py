@@ -12,7 +12,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
+import train  # demo/train.py
+from transformers import T5Config, T5ForConditionalGeneration
 
 PROMPT = "translate English to French: Let's go to the store and buy some groceries including eggs, avocadoes, and bread."
 SP_VOCAB = 1000  # + 100 sentinels = 1100 tokenizer entries
@@ -20,20 +21,9 @@ SP_VOCAB = 1000  # + 100 sentinels = 1100 tokenizer entries
 
 def train_tokenizer(folder: Path) -> Path:
     """A T5-convention tokenizer (pad 0, EOS 1, unk 2, 100 <extra_id_N>) saved in folder."""
-    import sentencepiece as spm
-
-    folder.mkdir(parents=True, exist_ok=True)
     files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:80]
     lines = [line for f in files for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines()]
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(folder / "spiece"), vocab_size=SP_VOCAB,
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, model_type="unigram",
-        character_coverage=1.0, num_threads=1, minloglevel=2,
-    )
-    (folder / "spiece.vocab").unlink()
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": 100}))
-    AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(folder))  # adds tokenizer.json
-    return folder
+    return train.train_tokenizer(folder, lines, SP_VOCAB)
 
 
 def t5_config(vocab_size=1104, **overrides) -> T5Config:

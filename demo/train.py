@@ -1,0 +1,320 @@
+"""Train the demo pair: a small T5 target and a much smaller T5 draft.
+
+Both learn T5's span-corruption objective on the Python standard library's
+own sources: spans of a text are replaced by sentinels (<extra_id_0>, ...) in
+the input, and the output spells out each sentinel's span. The SentencePiece
+tokenizer is trained on the same text. Files are split by name into training
+and held-out sets; held-out loss is printed as training goes, and held-out
+prompts are written for `main.py --demo`.
+
+    python demo/train.py                         # ~45 minutes on 2 CPU cores
+    python demo/train.py --steps 20 --out /tmp/demo  # a quick try
+
+Writes, under --out (default: demo/):
+    target/, draft/        converted MLX models (python main.py --model demo/target)
+    prompts.txt            held-out prompts, one a line
+    hf/target, hf/draft    the same models as Hugging Face checkpoints (not committed)
+
+Same seed, same Python version (the corpus is its standard library): same models.
+"""
+
+import argparse
+import itertools
+import json
+import shutil
+import sys
+import sysconfig
+import time
+import zlib
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import blas  # noqa: E402  (before mlx.core)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+import convert  # noqa: E402
+from model import T5, ModelArgs  # noqa: E402
+
+SP_VOCAB = 2000  # SentencePiece pieces; the tokenizer adds 100 sentinels
+NUM_SENTINELS = 100
+# The two models: v1.0-style T5 (ReLU, head tied to the embedding), as
+# t5-small and t5-11b. fp32 weights: about 34 MB and 5 MB.
+SIZES = {
+    "target": dict(d_model=256, d_kv=64, num_heads=4, d_ff=512, num_layers=6, num_decoder_layers=6),
+    "draft": dict(d_model=128, d_kv=32, num_heads=4, d_ff=512, num_layers=2, num_decoder_layers=2),
+}
+# Sized to finish within an hour on 2 cores: ~1.8 s a target step, ~0.4 s a draft step.
+STEPS = {"target": 1100, "draft": 1400}
+BATCH = 16
+LEARNING_RATE = 2e-3
+WARMUP = 100
+
+# Span corruption as in T5, in spans of 3 tokens on average. A quarter of the
+# tokens rather than T5's 15%: more to learn from per encoder pass (the T5
+# paper found 10-50% about equal). Inputs are always 191 tokens, targets 77.
+RAW_LENGTH = 228
+NOISE_DENSITY = 0.25
+MEAN_SPAN = 3.0
+HELDOUT_PERCENT = 10
+SKIP_DIRS = {"site-packages", "encodings"}  # installed packages; codec tables
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(training, held-out) standard-library sources, split by a hash of the name."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in stdlib.rglob("*.py") if not SKIP_DIRS & set(f.relative_to(stdlib).parts[:-1]))
+    heldout = [f for f in files if zlib.crc32(str(f.relative_to(stdlib)).encode()) % 100 < HELDOUT_PERCENT]
+    training = [f for f in files if f not in set(heldout)]
+    return training, heldout
+
+
+def read(file: Path) -> str:
+    return file.read_text(encoding="utf-8", errors="ignore")
+
+
+def train_tokenizer(folder: Path, lines, vocab_size: int) -> Path:
+    """A T5-convention tokenizer (pad 0, EOS 1, unk 2, 100 <extra_id_N>) saved in folder."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    shutil.rmtree(folder, ignore_errors=True)  # a stale tokenizer.json would win over the new model
+    folder.mkdir(parents=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(folder / "spiece"), vocab_size=vocab_size,
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, model_type="unigram",
+        character_coverage=1.0, num_threads=1, minloglevel=2,
+    )
+    (folder / "spiece.vocab").unlink()
+    config = {"tokenizer_class": "T5Tokenizer", "extra_ids": NUM_SENTINELS}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(folder))  # adds tokenizer.json
+    return folder
+
+
+def chunks(tokenizer, files: list[Path]) -> np.ndarray:
+    """(N, RAW_LENGTH) token ids: each file cut into whole pieces, the tail dropped."""
+    ids = tokenizer([read(f) for f in files], add_special_tokens=False).input_ids
+    pieces = [doc[i : i + RAW_LENGTH] for doc in ids for i in range(0, len(doc) - RAW_LENGTH + 1, RAW_LENGTH)]
+    return np.array(pieces, dtype=np.int32)
+
+
+def noise_mask(length: int, rng: np.random.Generator) -> np.ndarray:
+    """T5's random spans: alternating kept and noise runs, starting with kept,
+    with exactly round(length * density) noise tokens."""
+    num_noise = round(length * NOISE_DENSITY)
+    num_spans = round(num_noise / MEAN_SPAN)
+
+    def split(total: int) -> np.ndarray:  # `total` items into num_spans non-empty runs
+        cuts = np.sort(rng.choice(np.arange(1, total), num_spans - 1, replace=False))
+        return np.diff(np.concatenate([[0], cuts, [total]]))
+
+    mask = np.zeros(length, dtype=bool)
+    position = 0
+    for kept, noise in zip(split(length - num_noise), split(num_noise)):
+        position += kept
+        mask[position : position + noise] = True
+        position += noise
+    return mask
+
+
+def corrupt(ids: np.ndarray, mask: np.ndarray, sentinels: list[int], eos: int) -> tuple[list, list]:
+    """Input: ids with each noise span replaced by a sentinel. Target: each
+    sentinel followed by the span it replaced."""
+    inputs, targets, spans = [], [], 0
+    for i, (token, noisy) in enumerate(zip(ids.tolist(), mask)):
+        if noisy:
+            if i == 0 or not mask[i - 1]:
+                inputs.append(sentinels[spans])
+                targets.append(sentinels[spans])
+                spans += 1
+            targets.append(token)
+        else:
+            inputs.append(token)
+    return inputs + [eos], targets + [eos]
+
+
+def batches(pieces: np.ndarray, rng: np.random.Generator, sentinels: list[int], eos: int):
+    """Endless (inputs, decoder inputs, targets) batches; fresh masks every epoch."""
+    while True:
+        order = rng.permutation(len(pieces))
+        for start in range(0, len(order) - BATCH + 1, BATCH):
+            examples = [corrupt(pieces[i], noise_mask(RAW_LENGTH, rng), sentinels, eos) for i in order[start : start + BATCH]]
+            yield to_arrays(examples)
+
+
+def to_arrays(examples):
+    inputs = mx.array([e[0] for e in examples])
+    targets = mx.array([e[1] for e in examples])
+    # The decoder sees the target shifted right behind the start token (pad, 0).
+    decoder_inputs = mx.concatenate([mx.zeros((len(examples), 1), mx.int32), targets[:, :-1]], axis=1)
+    return inputs, decoder_inputs, targets
+
+
+# ---------------------------------------------------------------- training
+
+
+def initialize(model: T5, seed: int) -> None:
+    """T5's initialisation (factor 1): attention scores are not scaled by
+    1/sqrt(d_kv) at run time, so queries start that much smaller."""
+    mx.random.seed(seed)
+    a = model.args
+    scales = {"q": (a.d_model * a.d_kv) ** -0.5, "k": a.d_model**-0.5, "v": a.d_model**-0.5,
+              "o": (a.num_heads * a.d_kv) ** -0.5, "wi": a.d_model**-0.5, "wo": a.d_ff**-0.5,
+              "embeddings": a.d_model**-0.5, "shared": 1.0}
+    weights = []
+    for name, value in tree_flatten(model.parameters()):
+        parts = name.split(".")
+        if "norm" in name:
+            weights.append((name, mx.ones_like(value)))
+        else:
+            scale = scales[parts[-2]]
+            weights.append((name, scale * mx.random.normal(value.shape)))
+    model.load_weights(weights)
+
+
+def loss_fn(model: T5, inputs, decoder_inputs, targets) -> mx.array:
+    cache = model.make_cache(model.encode(inputs))
+    logits = model.decode(decoder_inputs, cache)
+    return nn.losses.cross_entropy(logits, targets, reduction="mean")
+
+
+def train(model: T5, data, heldout: list, steps: int, log) -> list[dict]:
+    warmup = min(WARMUP, steps // 10)
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-6, LEARNING_RATE, warmup), optim.cosine_decay(LEARNING_RATE, steps - warmup, LEARNING_RATE / 20)],
+        [warmup],
+    )
+    optimizer = optim.Adam(learning_rate=schedule)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(inputs, decoder_inputs, targets):
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, inputs, decoder_inputs, targets)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        return loss
+
+    start, recent, history = time.perf_counter(), [], []
+    for number in range(1, steps + 1):
+        loss = step(*next(data))
+        mx.eval(state)
+        recent.append(loss.item())
+        if number % 200 == 0 or number == steps:
+            heldout_loss = sum(loss_fn(model, *batch).item() for batch in heldout) / len(heldout)
+            history.append({"step": number, "train_loss": sum(recent) / len(recent), "heldout_loss": heldout_loss})
+            log(f"  step {number:5d}/{steps}  train loss {history[-1]['train_loss']:.3f}  "
+                f"held-out loss {heldout_loss:.3f}  ({(time.perf_counter() - start) / 60:.1f} min)")
+            recent = []
+    return history
+
+
+# ---------------------------------------------------------------- saving
+
+
+def hf_names(args: ModelArgs) -> list[str]:
+    """Every weight of a Hugging Face v1.0 T5 of these sizes, in its naming."""
+    names = ["shared.weight"]
+    stacks = [("encoder", args.num_layers, ["SelfAttention", "DenseReluDense"]),
+              ("decoder", args.num_decoder_layers, ["SelfAttention", "EncDecAttention", "DenseReluDense"])]
+    for stack, count, sublayers in stacks:
+        names += [f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", f"{stack}.final_layer_norm.weight"]
+        for i in range(count):
+            for j, sublayer in enumerate(sublayers):
+                projections = ["wi", "wo"] if sublayer == "DenseReluDense" else ["q", "k", "v", "o"]
+                names += [f"{stack}.block.{i}.layer.{j}.{sublayer}.{p}.weight" for p in projections]
+                names.append(f"{stack}.block.{i}.layer.{j}.layer_norm.weight")
+    return names
+
+
+def save_hugging_face(model: T5, tokenizer_dir: Path, folder: Path) -> Path:
+    """The model as a Hugging Face checkpoint, named through convert.py's own table."""
+    from transformers import T5Config
+
+    ours = dict(tree_flatten(model.parameters()))
+    weights = {name: ours[convert.rename(name)] for name in hf_names(model.args)}
+    assert {convert.rename(n) for n in weights} == set(ours), "hf_names and convert.RENAMES disagree"
+    a = model.args
+    config = T5Config(
+        vocab_size=a.vocab_size, d_model=a.d_model, d_kv=a.d_kv, d_ff=a.d_ff, num_heads=a.num_heads,
+        num_layers=a.num_layers, num_decoder_layers=a.num_decoder_layers, feed_forward_proj=a.feed_forward_proj,
+        relative_attention_num_buckets=a.relative_attention_num_buckets,
+        relative_attention_max_distance=a.relative_attention_max_distance,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, tie_word_embeddings=True,
+        architectures=["T5ForConditionalGeneration"],
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(folder))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    for file in tokenizer_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    return folder
+
+
+def write_prompts(path: Path, tokenizer, pieces: np.ndarray, count: int, rng, sentinels, eos) -> None:
+    """Held-out text with spans masked: what the models were trained to fill in."""
+    picked = rng.choice(len(pieces), count, replace=False)
+    lines = []
+    for i in picked:
+        inputs, _ = corrupt(pieces[i], noise_mask(RAW_LENGTH, rng), sentinels, eos)
+        lines.append(tokenizer.decode(inputs[:-1]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "demo", help="output folder (default: demo/)")
+    parser.add_argument("--steps", type=int, help="training steps for each model (default: target %d, draft %d)"
+                        % (STEPS["target"], STEPS["draft"]))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="BLAS threads for the matrix products")
+    args = parser.parse_args(argv)
+    blas.set_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    began = time.perf_counter()
+    training_files, heldout_files = corpus_files()
+    print(f"Corpus: {len(training_files)} training and {len(heldout_files)} held-out files of "
+          f"{sysconfig.get_paths()['stdlib']}")
+    tokenizer_dir = args.out / "hf" / "tokenizer"
+    lines = (line for f in training_files for line in read(f).splitlines() if line.strip())
+    train_tokenizer(tokenizer_dir, lines, SP_VOCAB)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(NUM_SENTINELS)])
+    eos = tokenizer.eos_token_id
+    training, heldout = chunks(tokenizer, training_files), chunks(tokenizer, heldout_files)
+    print(f"Tokens: {training.size:,} training, {heldout.size:,} held-out, in pieces of {RAW_LENGTH}")
+    heldout_batches = list(itertools.islice(batches(heldout[:256], np.random.default_rng(args.seed + 1), sentinels, eos), 8))
+
+    summary = {"seed": args.seed, "python": sys.version.split()[0], "sp_vocab": SP_VOCAB, "batch": BATCH}
+    for index, (name, sizes) in enumerate(SIZES.items()):
+        model_args = ModelArgs(vocab_size=len(tokenizer), **sizes)
+        model = T5(model_args)
+        initialize(model, args.seed + index)
+        parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
+        steps = args.steps or STEPS[name]
+        print(f"Training {name}: {parameters / 1e6:.1f}M parameters, {steps} steps of {BATCH} examples")
+        data = batches(training, np.random.default_rng(args.seed + 100 + index), sentinels, eos)
+        history = train(model, data, heldout_batches, steps, print)
+        summary[name] = {**sizes, "parameters": parameters, "steps": steps, **history[-1], "history": history}
+        hf_dir = save_hugging_face(model, tokenizer_dir, args.out / "hf" / name)
+        convert.convert(str(hf_dir), args.out / name, "float32", force=True)
+
+    write_prompts(args.out / "prompts.txt", tokenizer, heldout[256:], 20, np.random.default_rng(args.seed + 2), sentinels, eos)
+    summary["minutes"] = round((time.perf_counter() - began) / 60, 1)
+    (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"Done in {summary['minutes']} min: {args.out / 'target'}, {args.out / 'draft'}, {args.out / 'prompts.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
