@@ -123,3 +123,9 @@ def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):
     tokens = reference_greedy(v1_1_checkpoint.hf_model, v1_1_checkpoint.prompt_ids, 12)
     assert lines[0] == v1_1_checkpoint.tokenizer.decode(tokens)
     assert lines[1].startswith("12 decode steps, 12 tokens in")
+
+
+def test_fill_spans_puts_each_span_where_its_sentinel_was():
+    prompt = "def <extra_id_0>(self): return <extra_id_1>.x"
+    assert main.fill_spans(prompt, "<extra_id_0> area<extra_id_1> self") == "def «area»(self): return «self».x"
+    assert main.fill_spans(prompt, "<extra_id_0> area") == "def «area»(self): return «?».x"
