@@ -5,7 +5,7 @@
     python main.py --compare                         # regular vs speculative, same prompt
     python main.py --interactive                     # load once, tune knobs at a prompt
     python main.py --sweep --num-drafts 1,2,4,8 --deltas 0,0.1,0.3 --plot sweep.png
-    python main.py --demo                            # the small trained pair in demo/, no download
+    python main.py --demo                            # the small trained pair in demo/ (demo/train.py), no download
 """
 
 import argparse
@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", help="draft model for speculative decoding (default: t5-small; demo/draft with --demo)")
     p.add_argument("--prompt", help="input text (default: a translation prompt; with --demo, held-out code with masked spans)")
     p.add_argument("--demo", action="store_true",
-                   help="use the small trained pair shipped in demo/ (no download): it fills in masked spans of Python code")
+                   help="use the small trained pair in demo/ (built by demo/train.py; no download): it fills in masked spans of Python code")
     p.add_argument("--max-tokens", type=int, default=100, help="most tokens to generate")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
