@@ -55,9 +55,10 @@ STEPS = {"target": 1000, "draft": 1200}
 BATCH = 16
 LEARNING_RATE = 1e-2  # relative to each weight's RMS (Adafactor), decayed to a tenth
 
-# Span corruption as in T5, in spans of 3 tokens on average. A quarter of the
-# tokens rather than T5's 15%: more to learn from per encoder pass (the T5
-# paper found 10-50% about equal). Inputs are always 191 tokens, targets 77.
+# Span corruption as in T5, in spans of 3 tokens on average, each starting at
+# a word. A quarter of the tokens rather than T5's 15%: more to learn from per
+# encoder pass (the T5 paper found 10-50% about equal). Inputs are always 191
+# tokens, targets 77.
 RAW_LENGTH = 228
 NOISE_DENSITY = 0.25
 MEAN_SPAN = 3.0
@@ -107,9 +108,21 @@ def chunks(tokenizer, files: list[Path]) -> np.ndarray:
     return np.array(pieces, dtype=np.int32)
 
 
-def noise_mask(length: int, rng: np.random.Generator) -> np.ndarray:
-    """T5's random spans: alternating kept and noise runs, starting with kept,
-    with exactly round(length * density) noise tokens."""
+def word_starts(tokenizer) -> np.ndarray:
+    """For each token id: does it begin a word? (A piece after a space, other
+    than the lone space piece, which begins no word of its own.)"""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return np.array([p.startswith("\u2581") and len(p) > 1 for p in pieces])
+
+
+def noise_mask(can_start: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """T5's random spans, with exactly round(length * density) noise tokens in
+    round(noise / MEAN_SPAN) spans, the first token kept; but each span starts
+    where can_start is True (a word), as near to T5's random start as fits.
+
+    Spans starting anywhere taught the models to begin most spans with the
+    lone space piece, so greedy output filled every span with it."""
+    length = len(can_start)
     num_noise = round(length * NOISE_DENSITY)
     num_spans = round(num_noise / MEAN_SPAN)
 
@@ -117,12 +130,23 @@ def noise_mask(length: int, rng: np.random.Generator) -> np.ndarray:
         cuts = np.sort(rng.choice(np.arange(1, total), num_spans - 1, replace=False))
         return np.diff(np.concatenate([[0], cuts, [total]]))
 
-    mask = np.zeros(length, dtype=bool)
-    position = 0
-    for kept, noise in zip(split(length - num_noise), split(num_noise)):
-        position += kept
-        mask[position : position + noise] = True
-        position += noise
+    spans, kept = split(num_noise), split(length - num_noise)
+    ideal = np.cumsum(kept) + np.concatenate([[0], np.cumsum(spans)[:-1]])  # T5's starts
+    allowed = np.flatnonzero(can_start[1:]) + 1
+    # latest[j]: the last allowed start of span j that leaves room for the spans after it.
+    latest, limit = np.zeros(num_spans, dtype=int), length
+    for j in reversed(range(num_spans)):
+        fits = allowed[allowed + spans[j] <= limit]
+        if len(fits) == 0:  # too few word starts (a long string, say): T5's plain spans
+            return noise_mask(np.ones(length, dtype=bool), rng)
+        latest[j] = fits[-1]
+        limit = latest[j] - 1  # a kept token between spans
+    mask, earliest = np.zeros(length, dtype=bool), 1
+    for j in range(num_spans):
+        choices = allowed[(allowed >= earliest) & (allowed <= latest[j])]
+        start = choices[np.argmin(np.abs(choices - ideal[j]))]
+        mask[start : start + spans[j]] = True
+        earliest = start + spans[j] + 1
     return mask
 
 
@@ -142,12 +166,14 @@ def corrupt(ids: np.ndarray, mask: np.ndarray, sentinels: list[int], eos: int) -
     return inputs + [eos], targets + [eos]
 
 
-def batches(pieces: np.ndarray, rng: np.random.Generator, sentinels: list[int], eos: int):
-    """Endless (inputs, decoder inputs, targets) batches; fresh masks every epoch."""
+def batches(pieces: np.ndarray, word_starts: np.ndarray, rng: np.random.Generator, sentinels: list[int], eos: int):
+    """Endless (inputs, decoder inputs, targets) batches; fresh masks every
+    epoch. word_starts[id]: whether a span may start at token id."""
     while True:
         order = rng.permutation(len(pieces))
         for start in range(0, len(order) - BATCH + 1, BATCH):
-            examples = [corrupt(pieces[i], noise_mask(RAW_LENGTH, rng), sentinels, eos) for i in order[start : start + BATCH]]
+            examples = [corrupt(pieces[i], noise_mask(word_starts[pieces[i]], rng), sentinels, eos)
+                        for i in order[start : start + BATCH]]
             yield to_arrays(examples)
 
 
@@ -258,12 +284,12 @@ def save_hugging_face(model: T5, tokenizer_dir: Path, folder: Path) -> Path:
     return folder
 
 
-def write_prompts(path: Path, tokenizer, pieces: np.ndarray, count: int, rng, sentinels, eos) -> None:
+def write_prompts(path: Path, tokenizer, pieces: np.ndarray, word_starts, count: int, rng, sentinels, eos) -> None:
     """Held-out text with spans masked: what the models were trained to fill in."""
     picked = rng.choice(len(pieces), count, replace=False)
     lines = []
     for i in picked:
-        inputs, _ = corrupt(pieces[i], noise_mask(RAW_LENGTH, rng), sentinels, eos)
+        inputs, _ = corrupt(pieces[i], noise_mask(word_starts[pieces[i]], rng), sentinels, eos)
         lines.append(tokenizer.decode(inputs[:-1]))
     path.write_text("\n".join(lines) + "\n")
 
@@ -289,9 +315,10 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(NUM_SENTINELS)])
     eos = tokenizer.eos_token_id
+    starts = word_starts(tokenizer)
     training, heldout = chunks(tokenizer, training_files), chunks(tokenizer, heldout_files)
     print(f"Tokens: {training.size:,} training, {heldout.size:,} held-out, in pieces of {RAW_LENGTH}")
-    heldout_batches = list(itertools.islice(batches(heldout[:256], np.random.default_rng(args.seed + 1), sentinels, eos), 8))
+    heldout_batches = list(itertools.islice(batches(heldout[:256], starts, np.random.default_rng(args.seed + 1), sentinels, eos), 8))
 
     summary = {"seed": args.seed, "python": sys.version.split()[0], "sp_vocab": SP_VOCAB, "batch": BATCH}
     for index, (name, sizes) in enumerate(SIZES.items()):
@@ -301,13 +328,13 @@ def main(argv=None) -> int:
         parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
         steps = args.steps or STEPS[name]
         print(f"Training {name}: {parameters / 1e6:.1f}M parameters, {steps} steps of {BATCH} examples")
-        data = batches(training, np.random.default_rng(args.seed + 100 + index), sentinels, eos)
+        data = batches(training, starts, np.random.default_rng(args.seed + 100 + index), sentinels, eos)
         history = train(model, data, heldout_batches, steps, print)
         summary[name] = {**sizes, "parameters": parameters, "steps": steps, **history[-1], "history": history}
         hf_dir = save_hugging_face(model, tokenizer_dir, args.out / "hf" / name)
         convert.convert(str(hf_dir), args.out / name, "float32", force=True)
 
-    write_prompts(args.out / "prompts.txt", tokenizer, heldout[256:], 20, np.random.default_rng(args.seed + 2), sentinels, eos)
+    write_prompts(args.out / "prompts.txt", tokenizer, heldout[256:], starts, 20, np.random.default_rng(args.seed + 2), sentinels, eos)
     summary["minutes"] = round((time.perf_counter() - began) / 60, 1)
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"Done in {summary['minutes']} min: {args.out / 'target'}, {args.out / 'draft'}, {args.out / 'prompts.txt'}")

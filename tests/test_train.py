@@ -14,19 +14,36 @@ EOS = 1
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_noise_mask_has_t5s_exact_noise_count_and_span_count(seed):
-    mask = train.noise_mask(train.RAW_LENGTH, np.random.default_rng(seed))
+def test_noise_mask_has_t5s_exact_counts_and_starts_spans_only_at_words(seed):
+    rng = np.random.default_rng(seed)
+    can_start = rng.random(train.RAW_LENGTH) < 0.4  # about code's share of word-start pieces
+    mask = train.noise_mask(can_start, rng)
     noise = round(train.RAW_LENGTH * train.NOISE_DENSITY)
     spans = round(noise / train.MEAN_SPAN)
     assert mask.sum() == noise and not mask[0]
-    starts = np.flatnonzero(mask[1:] & ~mask[:-1])
+    starts = np.flatnonzero(mask[1:] & ~mask[:-1]) + 1
     assert len(starts) == spans
+    assert can_start[starts].all()
+
+
+def test_noise_mask_without_enough_word_starts_falls_back_to_plain_t5_spans():
+    can_start = np.zeros(train.RAW_LENGTH, dtype=bool)
+    can_start[[5, 100]] = True
+    mask = train.noise_mask(can_start, np.random.default_rng(0))
+    assert mask.sum() == round(train.RAW_LENGTH * train.NOISE_DENSITY) and not mask[0]
+
+
+def test_noise_mask_spreads_spans_over_the_text_as_t5_does():
+    rng = np.random.default_rng(0)
+    starts = [np.flatnonzero(train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng))[[0, -1]] for _ in range(200)]
+    first, last = np.mean(starts, axis=0)
+    assert first < 20 and last > train.RAW_LENGTH - 20  # not crowded at one end
 
 
 def test_corrupted_input_and_target_put_back_together_give_the_original():
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 999, train.RAW_LENGTH)
-    inputs, targets = train.corrupt(ids, train.noise_mask(train.RAW_LENGTH, rng), SENTINELS, EOS)
+    inputs, targets = train.corrupt(ids, train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng), SENTINELS, EOS)
     assert inputs[-1] == targets[-1] == EOS
     assert (len(inputs), len(targets)) == (191, 77)  # fixed shapes: one compiled training step
     spans, current = {}, None
@@ -47,7 +64,7 @@ def test_training_lowers_the_loss_on_what_it_sees():
     train.initialize(model, seed=0)
     rng = np.random.default_rng(0)
     pieces = rng.integers(3, 999, (train.BATCH, train.RAW_LENGTH)).astype(np.int32)
-    batch = next(train.batches(pieces, rng, SENTINELS, EOS))
+    batch = next(train.batches(pieces, np.ones(1100, dtype=bool), rng, SENTINELS, EOS))
     before = train.loss_fn(model, *batch).item()
     history = train.train(model, itertools.repeat(batch), [batch], steps=60, log=lambda line: None)
     assert history[-1]["heldout_loss"] < 0.7 * before
