@@ -50,15 +50,17 @@ def test_demo_weights_fit_in_40_mb():
 
 def test_target_fills_each_masked_span_with_varied_text(demo):
     target, _, tokenizer, prompts = demo
-    for prompt in prompts[:5]:
+    outputs = []
+    for prompt in prompts:
         tokens = list(regular_generate(target, prompt, 100, Sampling()))
         assert len(tokens) < 100, "no EOS: the output should end after the last span"
         text = tokenizer.decode(tokens)
         masked = [int(n) for n in SENTINEL.findall(tokenizer.decode(prompt))]
-        filled = [int(n) for n in SENTINEL.findall(text)]
-        assert filled == list(range(len(filled))) and len(filled) >= len(masked) - 1, (masked, text)
+        assert [int(n) for n in SENTINEL.findall(text)] == masked, text  # each span, in order
         words = [t for t in tokens if t not in tokenizer.all_special_ids]
-        assert len(set(words)) >= 10, text
+        assert len(set(words)) >= 4 and max(map(words.count, words)) <= len(words) / 2, text  # not one token repeated
+        outputs.append(text)
+    assert len(set(outputs)) == len(outputs), outputs  # each prompt gets its own filling
 
 
 def test_greedy_acceptance_is_between_half_and_nine_tenths(demo):

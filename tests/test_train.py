@@ -20,32 +20,45 @@ def test_noise_mask_has_t5s_exact_counts_and_starts_spans_only_at_words(seed):
     mask = train.noise_mask(can_start, rng)
     noise = round(train.RAW_LENGTH * train.NOISE_DENSITY)
     spans = round(noise / train.MEAN_SPAN)
-    assert mask.sum() == noise and not mask[0]
+    assert mask.sum() == noise and not mask[0] and not mask[-1]
     starts = np.flatnonzero(mask[1:] & ~mask[:-1]) + 1
     assert len(starts) == spans
     assert can_start[starts].all()
 
 
 def test_noise_mask_without_enough_word_starts_falls_back_to_plain_t5_spans():
-    can_start = np.zeros(train.RAW_LENGTH, dtype=bool)
-    can_start[[5, 100]] = True
-    mask = train.noise_mask(can_start, np.random.default_rng(0))
-    assert mask.sum() == round(train.RAW_LENGTH * train.NOISE_DENSITY) and not mask[0]
+    for words in [[], [train.RAW_LENGTH - 1]]:  # none; only one, too near the end for a span
+        can_start = np.zeros(train.RAW_LENGTH, dtype=bool)
+        can_start[words] = True
+        mask = train.noise_mask(can_start, np.random.default_rng(0))
+        assert mask.sum() == round(train.RAW_LENGTH * train.NOISE_DENSITY) and not mask[0]
 
 
-def test_noise_mask_spreads_spans_over_the_text_as_t5_does():
+def test_noise_mask_places_spans_anywhere_in_the_text_as_t5_does():
     rng = np.random.default_rng(0)
-    starts = [np.flatnonzero(train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng))[[0, -1]] for _ in range(200)]
-    first, last = np.mean(starts, axis=0)
-    assert first < 20 and last > train.RAW_LENGTH - 20  # not crowded at one end
+    masks = [train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng) for _ in range(300)]
+    first = min(np.flatnonzero(m)[0] for m in masks)
+    last = max(np.flatnonzero(m)[-1] for m in masks)
+    assert first <= 3 and last >= train.RAW_LENGTH - 3  # not crowded at one end
 
 
-def test_corrupted_input_and_target_put_back_together_give_the_original():
+def several_spans(length: int) -> np.ndarray:
+    mask = np.zeros(length, dtype=bool)
+    for start, stop in [(3, 6), (10, 11), (20, 25), (length - 4, length)]:
+        mask[start:stop] = True
+    return mask
+
+
+@pytest.mark.parametrize("make_mask", ["noise_mask", "several spans"])
+def test_corrupted_input_and_target_put_back_together_give_the_original(make_mask):
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 999, train.RAW_LENGTH)
-    inputs, targets = train.corrupt(ids, train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng), SENTINELS, EOS)
+    if make_mask == "noise_mask":
+        mask = train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng)
+    else:
+        mask = several_spans(train.RAW_LENGTH)
+    inputs, targets = train.corrupt(ids, mask, SENTINELS, EOS)
     assert inputs[-1] == targets[-1] == EOS
-    assert (len(inputs), len(targets)) == (191, 77)  # fixed shapes: one compiled training step
     spans, current = {}, None
     for token in targets[:-1]:
         if token in SENTINELS:
@@ -56,6 +69,16 @@ def test_corrupted_input_and_target_put_back_together_give_the_original():
     restored = list(itertools.chain.from_iterable(spans[t] if t in SENTINELS else [t] for t in inputs[:-1]))
     assert restored == ids.tolist()
     assert [t for t in targets if t in SENTINELS] == SENTINELS[: len(spans)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_example_has_the_same_shapes_so_one_compiled_step_serves_all(seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 999, train.RAW_LENGTH)
+    inputs, targets = train.corrupt(ids, train.noise_mask(rng.random(train.RAW_LENGTH) < 0.4, rng), SENTINELS, EOS)
+    noise = round(train.RAW_LENGTH * train.NOISE_DENSITY)
+    spans = round(noise / train.MEAN_SPAN)
+    assert (len(inputs), len(targets)) == (train.RAW_LENGTH - noise + spans + 1, noise + spans + 1)
 
 
 def test_training_lowers_the_loss_on_what_it_sees():
