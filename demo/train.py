@@ -323,7 +323,10 @@ def main(argv=None) -> int:
     starts = word_starts(tokenizer)
     training, heldout = chunks(tokenizer, training_files), chunks(tokenizer, heldout_files)
     print(f"Tokens: {training.size:,} training, {heldout.size:,} held-out, in pieces of {RAW_LENGTH}")
-    heldout_batches = list(itertools.islice(batches(heldout[:256], starts, np.random.default_rng(args.seed + 1), sentinels, eos), 8))
+    # Held-out loss on 8 batches drawn from all held-out files (consecutive
+    # pieces would come from two or three files); prompts from the rest.
+    shuffled = heldout[np.random.default_rng(args.seed + 3).permutation(len(heldout))]
+    heldout_batches = list(itertools.islice(batches(shuffled[: 8 * BATCH], starts, np.random.default_rng(args.seed + 1), sentinels, eos), 8))
 
     summary = {"seed": args.seed, "python": sys.version.split()[0], "sp_vocab": SP_VOCAB, "batch": BATCH}
     for index, (name, sizes) in enumerate(SIZES.items()):
@@ -339,7 +342,7 @@ def main(argv=None) -> int:
         hf_dir = save_hugging_face(model, tokenizer_dir, args.out / "hf" / name)
         convert.convert(str(hf_dir), args.out / name, "float32", force=True)
 
-    write_prompts(args.out / "prompts.txt", tokenizer, heldout[256:], starts, 20, np.random.default_rng(args.seed + 2), sentinels, eos)
+    write_prompts(args.out / "prompts.txt", tokenizer, shuffled[8 * BATCH :], starts, 20, np.random.default_rng(args.seed + 2), sentinels, eos)
     summary["minutes"] = round((time.perf_counter() - began) / 60, 1)
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"Done in {summary['minutes']} min: {args.out / 'target'}, {args.out / 'draft'}, {args.out / 'prompts.txt'}")
