@@ -7,7 +7,7 @@ tokenizer is trained on the same text. Files are split by name into training
 and held-out sets; held-out loss is printed as training goes, and held-out
 prompts are written for `main.py --demo`.
 
-    python demo/train.py                         # ~45 minutes on 2 CPU cores
+    python demo/train.py                         # ~40 minutes on 2 CPU cores
     python demo/train.py --steps 20 --out /tmp/demo  # a quick try
 
 Writes, under --out (default: demo/):
@@ -171,13 +171,13 @@ def corrupt(ids: np.ndarray, mask: np.ndarray, sentinels: list[int], eos: int) -
     return inputs + [eos], targets + [eos]
 
 
-def batches(pieces: np.ndarray, word_starts: np.ndarray, rng: np.random.Generator, sentinels: list[int], eos: int):
+def batches(pieces: np.ndarray, is_word_start: np.ndarray, rng: np.random.Generator, sentinels: list[int], eos: int):
     """Endless (inputs, decoder inputs, targets) batches; fresh masks every
-    epoch. word_starts[id]: whether a span may start at token id."""
+    epoch. is_word_start[id]: whether a span may start at token id."""
     while True:
         order = rng.permutation(len(pieces))
         for start in range(0, len(order) - BATCH + 1, BATCH):
-            examples = [corrupt(pieces[i], noise_mask(word_starts[pieces[i]], rng), sentinels, eos)
+            examples = [corrupt(pieces[i], noise_mask(is_word_start[pieces[i]], rng), sentinels, eos)
                         for i in order[start : start + BATCH]]
             yield to_arrays(examples)
 
@@ -289,12 +289,12 @@ def save_hugging_face(model: T5, tokenizer_dir: Path, folder: Path) -> Path:
     return folder
 
 
-def write_prompts(path: Path, tokenizer, pieces: np.ndarray, word_starts, count: int, rng, sentinels, eos) -> None:
+def write_prompts(path: Path, tokenizer, pieces: np.ndarray, is_word_start, count: int, rng, sentinels, eos) -> None:
     """Held-out text with spans masked: what the models were trained to fill in."""
     picked = rng.choice(len(pieces), count, replace=False)
     lines = []
     for i in picked:
-        inputs, _ = corrupt(pieces[i], noise_mask(word_starts[pieces[i]], rng), sentinels, eos)
+        inputs, _ = corrupt(pieces[i], noise_mask(is_word_start[pieces[i]], rng), sentinels, eos)
         lines.append(tokenizer.decode(inputs[:-1]))
     path.write_text("\n".join(lines) + "\n")
 
