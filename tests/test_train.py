@@ -94,6 +94,23 @@ def test_training_lowers_the_loss_on_what_it_sees():
     assert np.isfinite([h["train_loss"] for h in history]).all()
 
 
+def test_a_student_trained_on_a_teachers_predictions_comes_to_agree_with_it():
+    """Distillation: the draft learns what the target predicts, not the text,
+    so their argmax agree, which is what speculative decoding accepts."""
+    small = dict(vocab_size=1100, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
+    teacher, student = T5(ModelArgs(d_model=64, d_ff=128, **small)), T5(ModelArgs(d_model=32, d_ff=64, **small))
+    train.initialize(teacher, seed=1)
+    train.initialize(student, seed=2)
+    rng = np.random.default_rng(0)
+    pieces = rng.integers(3, 999, (train.BATCH, train.RAW_LENGTH)).astype(np.int32)
+    batch = next(train.batches(pieces, np.ones(1100, dtype=bool), rng, SENTINELS, EOS))
+    train.train(teacher, itertools.repeat(batch), [batch], steps=60, log=lambda line: None)
+    before = train.agreement(student, teacher, [batch])  # an untrained v1.0 T5 echoes its input
+    history = train.train(student, itertools.repeat(batch), [batch], steps=60, log=lambda line: None, teacher=teacher)
+    assert before < 0.1 and history[-1]["heldout_agreement"] > 0.8, (before, history[-1])
+    assert history[-1]["heldout_agreement"] == train.agreement(student, teacher, [batch])
+
+
 def test_initialisation_follows_t5():
     args = ModelArgs(vocab_size=1100, d_model=64, d_kv=16, d_ff=256, num_heads=4, num_layers=1, num_decoder_layers=1)
     model = T5(args)
