@@ -313,8 +313,9 @@ def save_hugging_face(model: T5, tokenizer_dir: Path, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
-    for file in tokenizer_dir.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
+    for name in convert.TOKENIZER_FILES:  # tokenizer_dir may be a converted model's folder
+        if (tokenizer_dir / name).is_file():
+            (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
     return folder
 
 
