@@ -11,6 +11,7 @@
 import argparse
 import json
 import re
+import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -335,8 +336,11 @@ def parse_list(text: str, kind, flag: str, valid, expected: str) -> list:
 
 
 def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
-          plot: str | None, out=None) -> list[dict]:
-    """Speculative decoding over a grid of (num_draft, delta), against regular decoding."""
+          plot: str | None, out=None, repeats: int = 1) -> list[dict]:
+    """Speculative decoding over a grid of (num_draft, delta), against regular
+    decoding. With repeats, the whole grid runs that many times; each
+    setting's speedup is the median of its ratios to the same pass's regular
+    decoding, so a slow spell on the machine touches both sides of a ratio."""
     models.warm_up(prompts[0], settings)
 
     def total(run_settings: Settings) -> Stats:
@@ -347,18 +351,24 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
                 setattr(combined, field, getattr(combined, field) + getattr(stats, field))
         return combined
 
-    regular = total(replace(settings, speculative=False))
-    if regular.generated == 0:
-        raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
+    grid = [(num_draft, delta) for num_draft in num_drafts for delta in deltas]
+    passes = []  # each: (regular Stats, {setting: Stats})
+    for _ in range(repeats):
+        regular = total(replace(settings, speculative=False))
+        if regular.generated == 0:
+            raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
+        passes.append((regular, {(n, d): total(replace(settings, speculative=True, num_draft=n, delta=d)) for n, d in grid}))
+    regular_speed = statistics.median(regular.tokens_per_second for regular, _ in passes)
     rows = []
-    for num_draft in num_drafts:
-        for delta in deltas:
-            stats = total(replace(settings, speculative=True, num_draft=num_draft, delta=delta))
-            rows.append({"num_draft": num_draft, "delta": delta, "acceptance": stats.acceptance_rate,
-                         "tokens_per_second": stats.tokens_per_second,
-                         "speedup": stats.tokens_per_second / regular.tokens_per_second})
+    for setting in grid:
+        runs = [(regular, results[setting]) for regular, results in passes]
+        rows.append({"num_draft": setting[0], "delta": setting[1],
+                     "acceptance": sum(s.accepted for _, s in runs) / max(1, sum(s.drafted for _, s in runs)),
+                     "tokens_per_second": statistics.median(s.tokens_per_second for _, s in runs),
+                     "speedup": statistics.median(s.tokens_per_second / r.tokens_per_second for r, s in runs)})
     best = max(rows, key=lambda row: row["speedup"])
-    print(f"{len(prompts)} prompt(s), regular decoding {regular.tokens_per_second:.1f} tokens/s\n", file=out)
+    medians = f", medians of {repeats} passes" if repeats > 1 else ""
+    print(f"{len(prompts)} prompt(s), regular decoding {regular_speed:.1f} tokens/s{medians}\n", file=out)
     print("| num-draft | delta | acceptance | tokens/s | speedup |", file=out)
     print("|---|---|---|---|---|", file=out)
     for row in rows:
@@ -433,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deltas", default="0,0.1,0.3", help="sweep: delta values")
     p.add_argument("--prompts-file", help="sweep: prompts, one a line (default: --prompt; with --demo, demo/prompts.txt)")
     p.add_argument("--plot", help="sweep: save speedup against num-draft to this PNG (needs matplotlib)")
+    p.add_argument("--repeats", type=int, default=1, help="sweep: run the grid this many times and report medians")
     return p
 
 
@@ -469,12 +480,14 @@ def run(args) -> int:
                 raise UsageError(f"{args.prompts_file} has no prompts")
         num_drafts = parse_list(args.num_drafts, int, "--num-drafts", lambda n: n >= 1, "integers >= 1")
         deltas = parse_list(args.deltas, float, "--deltas", lambda d: 0 <= d <= 1, "numbers in [0, 1]")
+        if args.repeats < 1:
+            raise UsageError("--repeats must be at least 1")
         for prompt in prompts:
             check_prompt(prompt)
         if args.plot:
             import_pyplot()  # fail before loading anything
         models = Models(args.model, args.draft_model)
-        sweep(models, prompts, settings, num_drafts, deltas, args.plot)
+        sweep(models, prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats)
         return 0
     check_prompt(args.prompt)
     models = Models(args.model, args.draft_model if needs_draft else None)

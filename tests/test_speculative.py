@@ -307,6 +307,7 @@ def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
         (["--sweep", "--deltas", ""], "--deltas takes a comma-separated list of numbers in [0, 1]"),
         (["--sweep", "--deltas", "0,1.5"], "--deltas takes a comma-separated list of numbers in [0, 1]"),
         (["--sweep", "--num-drafts", "0,2"], "--num-drafts takes a comma-separated list of integers >= 1"),
+        (["--sweep", "--repeats", "0"], "--repeats must be at least 1"),
         (["--draft-model", ""], "speculative decoding needs --draft-model"),
         (["--num-draft", "0"], "--num-draft must be at least 1"),
         (["--delta", "1.5"], "--delta must be in [0, 1]"),
