@@ -114,7 +114,7 @@ def demo_prompts() -> list[str]:
     try:
         return [line.strip() for line in path.read_text().splitlines() if line.strip()]
     except OSError:
-        raise UsageError(f"{path} is missing: build the demo pair with python demo/train.py (about 40 minutes on 2 cores)")
+        raise UsageError(f"{path} is missing: restore demo/ with git checkout demo, or rebuild it with python demo/train.py (about 50 minutes on 2 cores)")
 
 
 def fill_spans(prompt: str, output: str) -> str:
