@@ -205,11 +205,16 @@ def speculative_generate(target: T5, draft: T5, prompt: list[int], max_tokens: i
         draft_tokens = mx.concatenate(drafts) if k else mx.zeros((0,), mx.int32)
         draft_scores = mx.concatenate(draft_logits) if k else None
         num_accepted, next_token = verify(target_logits, draft_scores, draft_tokens, sampling, delta)
+        mx.eval(num_accepted, next_token, draft_tokens)  # the round's one host sync
         accepted = num_accepted.item()
         new_tokens = draft_tokens[:accepted].tolist() + [next_token.item()]
+        drafted = k
+        if eos in new_tokens[:accepted]:  # drafts after an accepted EOS never reach the output: not counted
+            drafted = accepted = new_tokens.index(eos) + 1
+            new_tokens = new_tokens[:accepted]
         stats.target_calls += 1
         stats.draft_calls += k
-        stats.drafted += k
+        stats.drafted += drafted
         stats.accepted += accepted
         # 3. Roll both caches back to the accepted prefix.
         target_cache.trim(k - accepted)

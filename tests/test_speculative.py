@@ -226,7 +226,10 @@ def test_eos_inside_the_drafts_stops_generation_at_eos(pair, num_draft):
     prompt = pair["checkpoint"].prompt_ids
     regular = list(regular_generate(target, prompt, 40, Sampling()))
     assert len(regular) == 7
-    assert list(speculative_generate(target, target, prompt, 40, Sampling(), num_draft, 0.0)) == regular
+    stats = Stats()
+    assert list(speculative_generate(target, target, prompt, 40, Sampling(), num_draft, 0.0, stats)) == regular
+    # Drafts after an accepted EOS are not counted: each counted draft is an output token or the EOS.
+    assert stats.accepted == stats.drafted <= len(regular) + 1
 
 
 @pytest.mark.parametrize("num_draft", [1, 3, 8])
