@@ -338,43 +338,50 @@ def parse_list(text: str, kind, flag: str, valid, expected: str) -> list:
 def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
           plot: str | None, out=None, repeats: int = 1) -> list[dict]:
     """Speculative decoding over a grid of (num_draft, delta), against regular
-    decoding. With repeats, the whole grid runs that many times; each
-    setting's speedup is the median of its ratios to the same pass's regular
-    decoding, so a slow spell on the machine touches both sides of a ratio."""
+    decoding. Prompt by prompt, regular decoding runs just before every
+    setting, so a slow spell on the machine touches both sides of a ratio.
+    With repeats, the whole grid runs that many times: tokens/s and speedup
+    are medians over the passes (each speedup against its own pass's regular
+    decoding), and the speedups' range is shown; acceptance pools the passes."""
     models.warm_up(prompts[0], settings)
 
-    def total(run_settings: Settings) -> Stats:
-        combined = Stats()
-        for prompt in prompts:
-            _, stats = models.run(prompt, run_settings)
-            for field in ("generated", "target_calls", "draft_calls", "drafted", "accepted", "seconds"):
-                setattr(combined, field, getattr(combined, field) + getattr(stats, field))
-        return combined
+    def add(total: Stats, stats: Stats) -> None:
+        for field in ("generated", "target_calls", "draft_calls", "drafted", "accepted", "seconds"):
+            setattr(total, field, getattr(total, field) + getattr(stats, field))
 
     grid = [(num_draft, delta) for num_draft in num_drafts for delta in deltas]
-    passes = []  # each: (regular Stats, {setting: Stats})
+    passes = []  # each: (regular decoding's Stats, {setting: Stats}), summed over the prompts
     for _ in range(repeats):
-        regular = total(replace(settings, speculative=False))
+        regular, results = Stats(), {setting: Stats() for setting in grid}
+        for prompt in prompts:
+            add(regular, models.run(prompt, replace(settings, speculative=False))[1])
+            for num_draft, delta in grid:
+                speculative = replace(settings, speculative=True, num_draft=num_draft, delta=delta)
+                add(results[(num_draft, delta)], models.run(prompt, speculative)[1])
         if regular.generated == 0:
             raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
-        passes.append((regular, {(n, d): total(replace(settings, speculative=True, num_draft=n, delta=d)) for n, d in grid}))
-    regular_speed = statistics.median(regular.tokens_per_second for regular, _ in passes)
+        passes.append((regular, results))
     rows = []
-    for setting in grid:
-        runs = [(regular, results[setting]) for regular, results in passes]
-        rows.append({"num_draft": setting[0], "delta": setting[1],
+    for num_draft, delta in grid:
+        runs = [(regular, results[(num_draft, delta)]) for regular, results in passes]
+        speedups = [s.tokens_per_second / r.tokens_per_second for r, s in runs]
+        rows.append({"num_draft": num_draft, "delta": delta,
                      "acceptance": sum(s.accepted for _, s in runs) / max(1, sum(s.drafted for _, s in runs)),
                      "tokens_per_second": statistics.median(s.tokens_per_second for _, s in runs),
-                     "speedup": statistics.median(s.tokens_per_second / r.tokens_per_second for r, s in runs)})
+                     "speedup": statistics.median(speedups), "speedup_range": (min(speedups), max(speedups))})
     best = max(rows, key=lambda row: row["speedup"])
+    regular_speed = statistics.median(regular.tokens_per_second for regular, _ in passes)
     medians = f", medians of {repeats} passes" if repeats > 1 else ""
     print(f"{len(prompts)} prompt(s), regular decoding {regular_speed:.1f} tokens/s{medians}\n", file=out)
-    print("| num-draft | delta | acceptance | tokens/s | speedup |", file=out)
-    print("|---|---|---|---|---|", file=out)
+    spread = " speedup range |" if repeats > 1 else ""
+    print(f"| num-draft | delta | acceptance | tokens/s | speedup |{spread}", file=out)
+    print("|---|---|---|---|---|" + "---|" * (repeats > 1), file=out)
     for row in rows:
         mark = " **best**" if row is best else ""
+        low, high = row["speedup_range"]
+        spread = f" {low:.2f}-{high:.2f}x |" if repeats > 1 else ""
         print(f"| {row['num_draft']} | {row['delta']} | {row['acceptance']:.2f} | {row['tokens_per_second']:.1f} | "
-              f"{row['speedup']:.2f}x{mark} |", file=out)
+              f"{row['speedup']:.2f}x{mark} |{spread}", file=out)
     if plot:
         plot_sweep(rows, deltas, plot)
         print(f"\nplot saved to {plot}", file=out)
@@ -469,6 +476,10 @@ def run(args) -> int:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     if args.json and (args.interactive or args.compare or args.sweep):
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
+    if args.repeats != 1 and not args.sweep:
+        raise UsageError("--repeats goes with --sweep")
+    if args.repeats < 1:
+        raise UsageError("--repeats must be at least 1")
     if args.sweep:
         prompts = examples if examples and not prompt_given else [args.prompt]
         if args.prompts_file:
@@ -480,8 +491,6 @@ def run(args) -> int:
                 raise UsageError(f"{args.prompts_file} has no prompts")
         num_drafts = parse_list(args.num_drafts, int, "--num-drafts", lambda n: n >= 1, "integers >= 1")
         deltas = parse_list(args.deltas, float, "--deltas", lambda d: 0 <= d <= 1, "numbers in [0, 1]")
-        if args.repeats < 1:
-            raise UsageError("--repeats must be at least 1")
         for prompt in prompts:
             check_prompt(prompt)
         if args.plot:

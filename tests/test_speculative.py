@@ -304,6 +304,39 @@ def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
     assert plot.stat().st_size > 1000
 
 
+class ScriptedModels:
+    """Stands in for main.Models in a sweep: regular decoding of 10 tokens
+    takes 1, 2 then 4 s in passes 1-3; speculative decoding is 1.5x, 3x
+    then 2x faster than the same pass's regular decoding."""
+
+    regular_seconds, speedups = [1.0, 2.0, 4.0], [1.5, 3.0, 2.0]
+
+    def __init__(self):
+        self.calls = []
+
+    def warm_up(self, prompt, settings):
+        pass
+
+    def run(self, prompt, settings):
+        self.calls.append("speculative" if settings.speculative else "regular")
+        done = self.calls.count("regular") - 1  # index of the current pass
+        seconds = self.regular_seconds[done] / (self.speedups[done] if settings.speculative else 1)
+        return [], Stats(generated=10, seconds=seconds, drafted=4 * settings.speculative, accepted=done)
+
+
+def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys):
+    models = ScriptedModels()
+    rows = main.sweep(models, ["one prompt"], main.Settings(), [2], [0.0], plot=None, repeats=3)
+    assert models.calls == ["regular", "speculative"] * 3  # regular decoding right before each setting
+    (row,) = rows
+    # Median of the per-pass ratios: 2x. (Ratio of the medians, 15 / 5 tokens/s, would say 3x.)
+    assert row["speedup"] == pytest.approx(2.0) and row["speedup_range"] == pytest.approx((1.5, 3.0))
+    assert row["tokens_per_second"] == pytest.approx(15.0)
+    assert row["acceptance"] == pytest.approx((0 + 1 + 2) / 12)  # pooled over the passes
+    out = capsys.readouterr().out
+    assert "regular decoding 5.0 tokens/s, medians of 3 passes" in out and "| 2 | 0.0 | 0.25 | 15.0 | 2.00x **best** | 1.50-3.00x |" in out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -311,6 +344,7 @@ def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
         (["--sweep", "--deltas", "0,1.5"], "--deltas takes a comma-separated list of numbers in [0, 1]"),
         (["--sweep", "--num-drafts", "0,2"], "--num-drafts takes a comma-separated list of integers >= 1"),
         (["--sweep", "--repeats", "0"], "--repeats must be at least 1"),
+        (["--repeats", "3"], "--repeats goes with --sweep"),
         (["--draft-model", ""], "speculative decoding needs --draft-model"),
         (["--num-draft", "0"], "--num-draft must be at least 1"),
         (["--delta", "1.5"], "--delta must be in [0, 1]"),
