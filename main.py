@@ -338,8 +338,8 @@ def parse_list(text: str, kind, flag: str, valid, expected: str) -> list:
 def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
           plot: str | None, out=None, repeats: int = 1) -> list[dict]:
     """Speculative decoding over a grid of (num_draft, delta), against regular
-    decoding. Prompt by prompt, regular decoding runs just before every
-    setting, so a slow spell on the machine touches both sides of a ratio.
+    decoding. Prompt by prompt, regular decoding runs just before the grid's
+    settings, so a slow spell on the machine touches both sides of a ratio.
     With repeats, the whole grid runs that many times: tokens/s and speedup
     are medians over the passes (each speedup against its own pass's regular
     decoding), and the speedups' range is shown; acceptance pools the passes."""
