@@ -5,9 +5,9 @@ library's own sources: spans of a text are replaced by sentinels
 (<extra_id_0>, ...) in the input, and the output spells out each sentinel's
 span. The draft then learns the target's predictions on the same kind of
 examples (distillation), so that it proposes what the target would accept.
-The SentencePiece tokenizer is trained on the same text. Files are split by name into training
-and held-out sets; held-out loss is printed as training goes, and held-out
-prompts are written for `main.py --demo`.
+The SentencePiece tokenizer is trained on the same text. Files are split by
+name into training and held-out sets; held-out loss is printed as training
+goes, and held-out prompts are written for `main.py --demo`.
 
     python demo/train.py                         # ~50 minutes on 2 CPU cores
     python demo/train.py --steps 20 --out /tmp/demo  # a quick try
@@ -18,7 +18,8 @@ Writes, under --out (default: demo/):
     training.json          sizes, steps and held-out losses of both models
     hf/target, hf/draft    the same models as Hugging Face checkpoints (not committed)
 
-Same seed, same Python version (the corpus is its standard library): same models.
+Same seed, Python (the corpus is its standard library), package versions and
+thread count: same models.
 """
 
 import argparse
@@ -269,8 +270,8 @@ def train(model: T5, data, heldout: list, steps: int, log, teacher: T5 | None = 
     start, recent, history = time.perf_counter(), [], []
     for number in range(1, steps + 1):
         inputs, decoder_inputs, targets = next(data)
-        last = targets if teacher is None else logits_of(teacher, inputs, decoder_inputs)
-        loss = step(inputs, decoder_inputs, last)
+        labels = targets if teacher is None else logits_of(teacher, inputs, decoder_inputs)
+        loss = step(inputs, decoder_inputs, labels)
         mx.eval(state)
         recent.append(loss.item())
         if number % 200 == 0 or number == steps:
@@ -372,6 +373,7 @@ def main(argv=None) -> int:
     heldout_batches = list(itertools.islice(batches(shuffled[: 8 * BATCH], starts, np.random.default_rng(args.seed + 1), sentinels, eos), 8))
 
     summary = {"seed": args.seed, "python": sys.version.split()[0], "sp_vocab": SP_VOCAB, "batch": BATCH}
+
     def build(name: str, index: int, teacher: T5 | None) -> T5:
         """Train one model of SIZES[name] and save it both ways."""
         sizes = SIZES[name]
