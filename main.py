@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import blas  # noqa: F401  (before mlx.core)
+import blas  # before mlx.core
 import mlx.core as mx
 
 from decoder import Sampling, Stats, regular_generate, speculative_generate
@@ -517,6 +517,8 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if blas.ACTIVE.startswith("bundled"):  # Linux without a fast BLAS: ~10x slower decoding
+        print(f"warning: MLX's CPU backend runs on its {blas.ACTIVE}; see README, Linux", file=sys.stderr)
     try:
         return run(args)
     except UsageError as e:

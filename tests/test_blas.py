@@ -1,5 +1,6 @@
 """blas.py: which BLAS MLX ends up calling on Linux."""
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,13 @@ def test_a_library_that_is_not_installed_is_skipped():
 
 def test_importing_mlx_first_is_reported_not_hidden():
     assert "imported before blas.py" in active(None, import_mlx_first=True)
+
+
+@pytest.mark.parametrize("order, warned", [("bundled", True), (None, False)])
+def test_main_warns_on_stderr_only_when_the_slow_bundled_blas_is_active(order, warned):
+    env = {k: v for k, v in os.environ.items() if k != "T5_MLX_BLAS"} | ({"T5_MLX_BLAS": order} if order else {})
+    done = subprocess.run([sys.executable, "main.py", "--demo", "--max-tokens", "3", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["generated"] == 3  # stdout stays one JSON object
+    assert ("bundled reference BLAS" in done.stderr) == warned
