@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# Training's large matrix products want MKL's threads; decoding prefers BLIS.
-os.environ.setdefault("T5_MLX_BLAS", "mkl,blis,openblas")
+if __name__ == "__main__":  # training's large products want MKL's threads (decoding prefers BLIS)
+    os.environ.setdefault("T5_MLX_BLAS", "mkl,blis,openblas")
 import blas  # noqa: E402  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
