@@ -17,10 +17,14 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="blas.py loads n
 needs_mkl = pytest.mark.skipif(blas._mkl_path() is None, reason="MKL is installed from the requirements on x86-64 only")
 
 
+def env_asking_for(order: str | None) -> dict:
+    return {k: v for k, v in os.environ.items() if k != "T5_MLX_BLAS"} | ({"T5_MLX_BLAS": order} if order is not None else {})
+
+
 def python(code: str, order: str | None = None) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (the BLAS is chosen once per process)."""
-    env = {k: v for k, v in os.environ.items() if k != "T5_MLX_BLAS"} | ({"T5_MLX_BLAS": order} if order is not None else {})
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_asking_for(order),
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done
 
@@ -62,9 +66,8 @@ def test_importing_mlx_first_is_reported_not_hidden():
 
 @pytest.mark.parametrize("order, warned", [("bundled", True), (None, False)])
 def test_main_warns_on_stderr_only_when_the_slow_bundled_blas_is_active(order, warned):
-    env = {k: v for k, v in os.environ.items() if k != "T5_MLX_BLAS"} | ({"T5_MLX_BLAS": order} if order else {})
     done = subprocess.run([sys.executable, "main.py", "--demo", "--max-tokens", "3", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env_asking_for(order), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["stats"]["generated"] == 3  # stdout stays one JSON object
     assert ("bundled reference BLAS" in done.stderr) == warned
