@@ -110,6 +110,8 @@ def read_source_config(folder: Path) -> dict:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ConversionError(f"{config_file} is not valid JSON ({e})")
+    if FORMAT_KEY in config:
+        raise ConversionError(f"{folder} is already converted: run python main.py --model {folder}")
     model_type = config.get("model_type")
     if model_type not in ("t5", "mt5"):
         raise ConversionError(f"{folder} holds a '{model_type}' model, not T5 (only T5, FLAN-T5 and mT5 convert)")
@@ -194,8 +196,13 @@ class TorchReader:
             raise ConversionError("this checkpoint is pytorch_model.bin: install PyTorch (pip install torch) to convert it")
         self.tensors = {}
         for file in files:
+            # Only the zip format (torch >= 1.6) maps; the legacy one is read whole.
+            with file.open("rb") as f:
+                legacy = f.read(2) != b"PK"
+            if legacy:
+                print(f"note: {file.name} is in PyTorch's legacy format: it is read whole into memory", file=sys.stderr)
             try:
-                self.tensors.update(torch.load(str(file), map_location="cpu", mmap=True, weights_only=True))
+                self.tensors.update(torch.load(str(file), map_location="cpu", mmap=not legacy, weights_only=True))
             except Exception as e:  # torch raises many types for a bad file
                 raise ConversionError(f"{file} is truncated or corrupt ({str(e).splitlines()[0]})")
 
@@ -231,6 +238,8 @@ def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
     names = set(reader.names())
     untied = config.get("tie_word_embeddings") is False or config.get("scale_decoder_outputs") is False
     has_lm_head = untied and "lm_head.weight" in names
+    if config.get("tie_word_embeddings") is False and not has_lm_head:
+        raise ConversionError("the config says the output head is untied (tie_word_embeddings false), but the checkpoint has no lm_head.weight")
     mapping = {}
     embedding = next((n for n in EMBEDDING_ALIASES if n in names), None)
     if embedding is None:
@@ -296,9 +305,39 @@ def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, prog
             mx.clear_cache()
 
 
-def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
-    if out.exists() and not force:
+def is_converted_model(folder: Path) -> bool:
+    try:
+        return FORMAT_KEY in json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def check_output(out: Path, force: bool) -> None:
+    """--force replaces an earlier conversion, never some other folder."""
+    if not out.exists():
+        return
+    if not force:
         raise ConversionError(f"{out} already exists (use --force to replace it)")
+    if not out.is_dir() or (any(out.iterdir()) and not is_converted_model(out)):
+        raise ConversionError(f"{out} exists and is not a converted model: --force only replaces those; choose another --out")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Work folders of conversions that were killed (their process is gone)."""
+    for folder in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = folder.name.rpartition("-")
+        if not kind.endswith((".partial", ".old")) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
+    check_output(out, force)
     source = resolve_source(model)
     config = read_source_config(source)
     kind, files = weight_files(source)
@@ -310,6 +349,7 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
     dtype = DTYPES[dtype_name]
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
@@ -342,7 +382,12 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
 
 
 def default_out(model: str) -> Path:
-    return Path("mlx_models") / Path(model.rstrip("/")).name
+    """mlx_models/<the folder's or the hub repo's name>."""
+    path = Path(model).expanduser()
+    name = path.resolve().name if path.exists() else model.rstrip("/").rpartition("/")[2]
+    if not name:
+        raise ConversionError(f"cannot name an output folder after {model!r}: give --out")
+    return Path("mlx_models") / name
 
 
 def main(argv=None) -> int:
@@ -354,8 +399,8 @@ def main(argv=None) -> int:
                              "on Linux CPU use float32, the only dtype with a fast BLAS path)")
     parser.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     args = parser.parse_args(argv)
-    out = args.out or default_out(args.model)
     try:
+        out = args.out or default_out(args.model)
         convert(args.model, out, args.dtype, args.force)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)

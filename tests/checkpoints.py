@@ -42,7 +42,8 @@ def make_checkpoint(folder: Path, config: T5Config, seed: int, tokenizer: Path, 
 
     untied_head: a v1.1-style separate lm_head (transformers 5 can no longer
     build one from a config, so it is written into the checkpoint directly).
-    format: "safetensors" or "bin" (pytorch_model.bin).
+    format: "safetensors", "bin" (pytorch_model.bin) or "legacy-bin" (the
+    pre-zip pickle format of torch < 1.6, which cannot be memory-mapped).
     """
     torch.manual_seed(seed)
     model = T5ForConditionalGeneration(config).eval()
@@ -77,7 +78,7 @@ def _save_weights(folder: Path, state: dict, format: str, max_shard_size) -> Non
         if format == "safetensors":
             save_file(tensors, str(folder / file), metadata={"format": "pt"})
         else:
-            torch.save(tensors, str(folder / file))
+            torch.save(tensors, str(folder / file), _use_new_zipfile_serialization=format == "bin")
         weight_map.update({n: file for n in shard})
     if len(shards) > 1:
         index = {"metadata": {}, "weight_map": weight_map}

@@ -34,9 +34,10 @@ def logits(folder, prompt=(5, 6, 7, 1), decoder=(0, 9, 10)):
         dict(format="safetensors", max_shard_size=7),
         dict(format="bin"),
         dict(format="bin", max_shard_size=7),
+        dict(format="legacy-bin"),
         dict(format="safetensors", untied_head=True),
     ],
-    ids=["sharded-safetensors", "pytorch-bin", "sharded-pytorch-bin", "untied-head"],
+    ids=["sharded-safetensors", "pytorch-bin", "sharded-pytorch-bin", "legacy-pytorch-bin", "untied-head"],
 )
 def test_every_checkpoint_layout_converts_to_the_same_model(layout, tmp_path, tokenizer_dir):
     config = t5_config(initializer_factor=1.0)
@@ -99,15 +100,41 @@ def test_failed_conversion_leaves_no_output_folder(v1_1_checkpoint, tmp_path, mo
     assert list(tmp_path.iterdir()) == []
 
 
-def test_force_replaces_an_existing_output(v1_1_checkpoint, tmp_path):
+def test_force_replaces_an_earlier_conversion(v1_1_checkpoint, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
+    convert.convert(str(v1_1_checkpoint.hf_dir), out, "float32", force=False)
     (out / "stale").write_text("old")
     done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--dtype", "float32")
     assert done.returncode != 0 and "--force" in done.stderr
     done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--dtype", "float32", "--force")
     assert done.returncode == 0, done.stderr
     assert not (out / "stale").exists() and (out / "config.json").exists()
+
+
+def test_force_never_deletes_a_folder_that_is_not_a_converted_model(v1_1_checkpoint, tmp_path):
+    out = tmp_path / "documents"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--force")
+    assert done.returncode != 0 and "not a converted model" in done.stderr and "Traceback" not in done.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_the_default_output_is_named_after_the_source_folder_or_hub_repo(tmp_path, monkeypatch):
+    (tmp_path / "flan-t5-small").mkdir()
+    monkeypatch.chdir(tmp_path / "flan-t5-small")
+    assert convert.default_out(".") == Path("mlx_models/flan-t5-small")  # never mlx_models itself
+    assert convert.default_out("google/flan-t5-large") == Path("mlx_models/flan-t5-large")
+    assert convert.default_out(str(tmp_path / "flan-t5-small") + "/") == Path("mlx_models/flan-t5-small")
+
+
+def test_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f".out.partial-{dead.stdout.strip()}"  # that process has exited
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half written")
+    convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "out", "float32", force=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -144,6 +171,13 @@ def make_truncated_checkpoint(path: Path, tokenizer_dir) -> Path:
     return path
 
 
+def make_untied_config_without_head(path: Path, tokenizer_dir) -> Path:
+    make_checkpoint(path, t5_config(), 0, tokenizer_dir)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return path
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
@@ -152,6 +186,8 @@ def make_truncated_checkpoint(path: Path, tokenizer_dir) -> Path:
         ("bert folder", "'bert' model, not T5"),
         ("truncated", "truncated or corrupt"),
         ("hub id offline", "hub is unreachable"),
+        ("already converted", "is already converted"),
+        ("untied config, no head", "has no lm_head.weight"),
     ],
 )
 def test_bad_sources_give_one_line_errors(case, message, tmp_path, tokenizer_dir):
@@ -162,6 +198,8 @@ def test_bad_sources_give_one_line_errors(case, message, tmp_path, tokenizer_dir
         "bert folder": lambda: str(make_bert_folder(tmp_path / "bert")),
         "truncated": lambda: str(make_truncated_checkpoint(tmp_path / "trunc", tokenizer_dir)),
         "hub id offline": lambda: "google/flan-t5-small",
+        "already converted": lambda: str(ROOT / "demo" / "draft"),
+        "untied config, no head": lambda: str(make_untied_config_without_head(tmp_path / "nohead", tokenizer_dir)),
     }[case]()
     done = run_convert("--model", model, "--out", str(tmp_path / "out"), env=env)
     assert done.returncode != 0
