@@ -44,7 +44,8 @@ class Stats:
         return self.generated / self.target_calls if self.target_calls else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second,
+                "acceptance_rate": self.acceptance_rate, "tokens_per_target_call": self.tokens_per_target_call}
 
 
 def logits_to_probs(logits: mx.array, sampling: Sampling) -> mx.array:
@@ -86,7 +87,8 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
     (benchmarks turn that off to time a fixed number of tokens).
 
     The next step's graph is built and queued before the current token is read
-    back, so Python work overlaps the model's compute.
+    back, so Python work overlaps the model's compute. After EOS that queued
+    step is wasted; target_calls counts only the steps whose token was read.
     """
     stats = stats if stats is not None else Stats()
     if max_tokens < 1:
@@ -96,7 +98,6 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
     eos = model.args.eos_token_id
 
     def step(token: mx.array) -> mx.array:
-        stats.target_calls += 1
         logits = model.decode(token[:, None], cache)[:, -1]
         return sample(logits, sampling)
 
@@ -107,6 +108,7 @@ def regular_generate(model: T5, prompt: list[int], max_tokens: int, sampling: Sa
             next_token = step(token)
             mx.async_eval(next_token)
         value = token.item()
+        stats.target_calls += 1
         if value == eos and stop_at_eos:
             break
         stats.generated += 1

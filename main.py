@@ -10,6 +10,7 @@
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -38,9 +39,10 @@ class UsageError(Exception):
 
 
 def resolve_model(name: str) -> Path:
-    """A converted folder path, else mlx_models/NAME."""
+    """A converted folder path, else mlx_models/NAME (a hub id's
+    mlx_models/REPO is where convert.py puts it by default)."""
     problem = None
-    for folder in (Path(name).expanduser(), MODELS_DIR / name):
+    for folder in (Path(name).expanduser(), MODELS_DIR / name, MODELS_DIR / name.rstrip("/").rpartition("/")[2]):
         if folder.is_dir():
             try:
                 read_config(folder)
@@ -81,6 +83,12 @@ def check_settings(args) -> None:
         raise UsageError(f"--num-draft must be at least 1 (got {args.num_draft})")
     if not 0 <= args.delta <= 1:
         raise UsageError(f"--delta must be in [0, 1] (got {args.delta})")
+    if args.seed is not None and not valid_seed(args.seed):
+        raise UsageError(f"--seed must be in [0, 2**64) (got {args.seed})")
+
+
+def valid_seed(seed: int) -> bool:
+    return 0 <= seed < 2**64  # what mx.random.seed takes
 
 
 def check_prompt(prompt: str) -> None:
@@ -131,21 +139,31 @@ def show_filled(prompt: str, output: str, out=None) -> None:
         print(f"\nFilled in:\n{fill_spans(prompt, output)}", file=out)
 
 
+def tokenizer_of(folder: Path):
+    try:
+        return load_tokenizer(folder)
+    except NotAConvertedModel as e:
+        raise UsageError(str(e))
+
+
 class Models:
     """The target, the draft (None for regular decoding only) and their tokenizer."""
 
     def __init__(self, target_name: str, draft_name: str | None):
         target_dir = resolve_model(target_name)
         draft_dir = resolve_model(draft_name) if draft_name else None
-        self.tokenizer = load_tokenizer(target_dir)
+        self.tokenizer = tokenizer_of(target_dir)
         if draft_dir is not None:  # refuse a mismatched pair before loading any weights
             target_vocab, draft_vocab = read_config(target_dir)["vocab_size"], read_config(draft_dir)["vocab_size"]
             if draft_vocab != target_vocab:
                 raise UsageError(f"{draft_name} has {draft_vocab} output tokens, {target_name} {target_vocab}: not a draft for it")
-            if load_tokenizer(draft_dir).get_vocab() != self.tokenizer.get_vocab():
+            if tokenizer_of(draft_dir).get_vocab() != self.tokenizer.get_vocab():
                 raise UsageError(f"{draft_name} and {target_name} have different tokenizers: the draft must share the target's")
-        self.target = load_model(target_dir)
-        self.draft = load_model(draft_dir) if draft_dir is not None else None
+        try:
+            self.target = load_model(target_dir)
+            self.draft = load_model(draft_dir) if draft_dir is not None else None
+        except NotAConvertedModel as e:
+            raise UsageError(str(e))
 
     def generate(self, prompt: str, settings: Settings, stats: Stats):
         """Token ids as they are decided."""
@@ -210,14 +228,15 @@ HELP = """Type a prompt to generate. Commands:
   :show                     current settings
   :help   :quit             (Ctrl-C stops a generation, Ctrl-D exits)"""
 
-KNOBS = {  # command -> (settings field, parser, check)
+KNOBS = {  # command -> (settings field, parser, check, what the check wants)
     "num-draft": ("num_draft", int, lambda v: v >= 1, "an integer >= 1"),
     "delta": ("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "temp": ("temp", float, lambda v: v >= 0, "a number >= 0"),
     "top-p": ("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "top-k": ("top_k", int, lambda v: v >= 0, "an integer >= 0"),
     "max-tokens": ("max_tokens", int, lambda v: v >= 1, "an integer >= 1"),
-    "seed": ("seed", lambda text: None if text == "none" else int(text), lambda v: True, "an integer or none"),
+    "seed": ("seed", lambda text: None if text == "none" else int(text), lambda v: v is None or valid_seed(v),
+             "an integer in [0, 2**64) or none"),
 }
 
 
@@ -410,7 +429,10 @@ def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
     axes.set_ylabel("speedup over regular decoding")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as e:
+        raise UsageError(f"cannot save the plot to {path}: {e.strerror or e}")
 
 
 # ---------------------------------------------------------------- command line
@@ -420,7 +442,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """Shows defaults, except for flags and options whose help already says it."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -493,8 +515,11 @@ def run(args) -> int:
         deltas = parse_list(args.deltas, float, "--deltas", lambda d: 0 <= d <= 1, "numbers in [0, 1]")
         for prompt in prompts:
             check_prompt(prompt)
-        if args.plot:
-            import_pyplot()  # fail before loading anything
+        if args.plot:  # fail before loading anything
+            import_pyplot()
+            folder = Path(args.plot).resolve().parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                raise UsageError(f"--plot {args.plot}: cannot write in {folder}")
         models = Models(args.model, args.draft_model)
         sweep(models, prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats)
         return 0

@@ -355,7 +355,10 @@ def read_config(folder: str | Path) -> dict:
         raise NotAConvertedModel(f"{folder} is not a folder")
     if not config_file.is_file():
         raise NotAConvertedModel(f"{folder} has no config.json: not a converted model")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise NotAConvertedModel(f"{config_file} is damaged ({e}): convert the model again")
     if FORMAT_KEY not in config:
         raise NotAConvertedModel(
             f"{folder} is not a converted MLX model (a Hugging Face checkpoint? run: python convert.py --model {folder})"
@@ -375,7 +378,10 @@ def load_model(folder: str | Path) -> T5:
     model = T5(ModelArgs.from_dict(config))
     weights = {}
     for path in weight_files(folder, config):
-        weights.update(mx.load(str(path)))
+        try:
+            weights.update(mx.load(str(path)))
+        except RuntimeError as e:  # missing, truncated or corrupt
+            raise NotAConvertedModel(f"{path} cannot be read ({e}): convert the model again")
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model
@@ -384,4 +390,10 @@ def load_model(folder: str | Path) -> T5:
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer  # slow import: only when needed
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    # Without these files transformers quietly builds a tokenizer of special tokens only.
+    if not any((Path(folder) / name).is_file() for name in ("tokenizer.json", "spiece.model")):
+        raise NotAConvertedModel(f"{folder} has no tokenizer (tokenizer.json or spiece.model): convert the model again")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise NotAConvertedModel(f"{folder} has a damaged tokenizer ({str(e).splitlines()[0]}): convert the model again")

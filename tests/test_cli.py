@@ -28,7 +28,8 @@ def test_greedy_ids_equal_transformers_greedy(checkpoint, capsys):
     assert result["text"] == checkpoint.tokenizer.decode(result["tokens"])
     stats = result["stats"]
     assert stats["generated"] == 64 and stats["draft_calls"] == stats["drafted"] == stats["accepted"] == 0
-    assert stats["target_calls"] >= 64 and stats["seconds"] > 0 and stats["tokens_per_second"] > 0
+    assert stats["target_calls"] == 64 and stats["seconds"] > 0 and stats["tokens_per_second"] > 0
+    assert stats["tokens_per_target_call"] == 1.0 and stats["acceptance_rate"] == 0.0
 
 
 def test_greedy_ids_equal_transformers_generate(checkpoint, capsys):
@@ -86,6 +87,14 @@ def test_model_name_resolves_under_mlx_models(v1_1_checkpoint, capsys, tmp_path,
     (tmp_path / "mlx_models").mkdir()
     os.symlink(v1_1_checkpoint.mlx_dir, tmp_path / "mlx_models" / "tiny")
     assert len(run_json(capsys, "--model", "tiny", "--regular-decode", "--max-tokens", "3")["tokens"]) == 3
+    # The hub id a model was converted from: convert.py saved it as mlx_models/<repo name>.
+    assert len(run_json(capsys, "--model", "some-org/tiny", "--regular-decode", "--max-tokens", "3")["tokens"]) == 3
+
+
+def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
+    """Stopping at EOS: one step per generated token, plus the one that gave EOS."""
+    stats = run_json(capsys, "--demo", "--regular-decode", "--max-tokens", "100")["stats"]
+    assert stats["generated"] < 100 and stats["target_calls"] == stats["generated"] + 1
 
 
 @pytest.mark.parametrize(
@@ -97,6 +106,8 @@ def test_model_name_resolves_under_mlx_models(v1_1_checkpoint, capsys, tmp_path,
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--model", "no-such-model"], "python convert.py --model no-such-model"),
+        (["--seed", "-1"], "--seed must be in [0, 2**64)"),
+        (["--seed", str(2**64)], "--seed must be in [0, 2**64)"),
     ],
 )
 def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
@@ -110,6 +121,37 @@ def test_unconverted_folder_is_refused_with_the_convert_command(v1_1_checkpoint,
     assert main.main(["--model", str(v1_1_checkpoint.hf_dir), "--regular-decode"]) != 0
     err = capsys.readouterr().err
     assert "not a converted MLX model" in err and "convert.py" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["config.json", "model.safetensors", "tokenizer files"])
+def test_a_damaged_converted_folder_gives_a_one_line_error(v1_1_checkpoint, capsys, tmp_path, damage):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in v1_1_checkpoint.mlx_dir.iterdir():
+        os.symlink(file, folder / file.name)
+    if damage == "config.json":
+        (folder / "config.json").unlink()
+        (folder / "config.json").write_text('{"mlx_conversion": ')
+    elif damage == "model.safetensors":
+        (folder / "model.safetensors").unlink()
+    else:
+        for name in ("tokenizer.json", "spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / name).unlink(missing_ok=True)
+    assert main.main(["--model", str(folder), "--regular-decode", "--max-tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "convert the model again" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_plot_that_cannot_be_saved_is_refused_before_the_sweep(capsys, tmp_path):
+    argv = ["--demo", "--sweep", "--num-drafts", "1", "--deltas", "0", "--plot", str(tmp_path / "missing" / "sweep.png")]
+    assert main.main(argv) == 2
+    assert "cannot write in" in capsys.readouterr().err
+
+
+def test_help_shows_every_default_including_zero():
+    text = " ".join(main.build_parser().format_help().split())
+    assert "sampling temperature; 0 is greedy (default: 0.0)" in text
+    assert "sample from the k most likely tokens (0: all) (default: 0)" in text
 
 
 def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):

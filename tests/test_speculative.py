@@ -268,7 +268,7 @@ def test_a_draft_with_another_vocabulary_is_refused(pair, tiny_vocab_pair, tmp_p
 def test_interactive_loop_changes_knobs_and_survives_bad_commands(pair):
     mlx_dir = str(pair["checkpoint"].mlx_dir)
     script = "\n".join([
-        ":num-draft 3", ":delta 0.5", ":temp 0", ":show", ":delta 7", ":num-draft two", ":bogus",
+        ":num-draft 3", ":delta 0.5", ":temp 0", ":show", ":delta 7", ":num-draft two", ":seed -5", ":bogus",
         "translate English to French: hello", ":regular", "translate English to French: hello", ":compare", ":quit",
     ]) + "\n"
     done = subprocess.run([sys.executable, "main.py", "--model", mlx_dir, "--draft-model", mlx_dir, "--interactive",
@@ -278,6 +278,7 @@ def test_interactive_loop_changes_knobs_and_survives_bad_commands(pair):
     assert "mode speculative, num-draft 3, delta 0.5" in out
     assert ":delta takes a number in [0, 1] (got '7')" in out
     assert ":num-draft takes an integer >= 1 (got 'two')" in out
+    assert ":seed takes an integer in [0, 2**64) or none (got '-5')" in out
     assert "unknown command ':bogus'" in out
     assert "Accepted" in out and "decode steps, 8 tokens" in out
     assert "mode regular" in out and "speedup" in out
