@@ -301,13 +301,15 @@ def pick_example(line: str, examples: list[str] | None, out) -> str | None:
     return prompt
 
 
-def interactive(models: Models, settings: Settings, out=None, examples: list[str] | None = None) -> None:
+def interactive(models: Models, settings: Settings, out=None, examples: list[str] | None = None,
+                first_prompt: str | None = None) -> None:
+    """The prompt loop; first_prompt (--prompt) runs as if typed first."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
     print("Warming up (reading the weights) ...", file=out, flush=True)
-    models.warm_up(examples[0] if examples else DEFAULT_PROMPT, settings)
+    models.warm_up(first_prompt or (examples[0] if examples else DEFAULT_PROMPT), settings)
     print(HELP, file=out)
     if examples:
         print(f"  :demo N                   run held-out demo prompt N (1-{len(examples)}): code with masked spans", file=out)
@@ -315,7 +317,11 @@ def interactive(models: Models, settings: Settings, out=None, examples: list[str
     last_prompt = None
     while True:
         try:
-            line = input("> ").strip()
+            if first_prompt:
+                line, first_prompt = first_prompt, None
+                print(f"> {line}", file=out)
+            else:
+                line = input("> ").strip()
         except EOFError:
             print(file=out)
             return
@@ -466,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
     modes = p.add_mutually_exclusive_group()
     modes.add_argument("--compare", action="store_true", help="run regular and speculative decoding and print the speedup")
-    modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands)")
+    modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands); --prompt, if given, runs first")
     modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
     p.add_argument("--num-drafts", default="1,2,4,8", help="sweep: num-draft values")
     p.add_argument("--deltas", default="0,0.1,0.3", help="sweep: delta values")
@@ -493,7 +499,9 @@ def run(args) -> int:
     check_settings(args)
     settings = Settings(args.max_tokens, args.temp, args.top_k, args.top_p, args.seed, args.num_draft, args.delta,
                         speculative=not args.regular_decode)
-    needs_draft = not args.regular_decode or args.compare or args.sweep
+    if args.regular_decode and (args.compare or args.sweep):
+        raise UsageError("--compare and --sweep run regular decoding themselves: drop --regular-decode")
+    needs_draft = not args.regular_decode
     if needs_draft and not args.draft_model:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     if args.json and (args.interactive or args.compare or args.sweep):
@@ -526,7 +534,7 @@ def run(args) -> int:
     check_prompt(args.prompt)
     models = Models(args.model, args.draft_model if needs_draft else None)
     if args.interactive:
-        interactive(models, settings, examples=examples)
+        interactive(models, settings, examples=examples, first_prompt=args.prompt if prompt_given else None)
     elif args.compare:
         compare(models, args.prompt, settings)
     elif args.json:

@@ -107,6 +107,8 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--model", "no-such-model"], "python convert.py --model no-such-model"),
         (["--seed", "-1"], "--seed must be in [0, 2**64)"),
+        (["--compare"], "drop --regular-decode"),
+        (["--sweep"], "drop --regular-decode"),
         (["--seed", str(2**64)], "--seed must be in [0, 2**64)"),
     ],
 )

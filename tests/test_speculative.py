@@ -291,6 +291,15 @@ def test_interactive_loop_exits_on_end_of_input(pair):
     assert done.returncode == 0 and "mode speculative" in done.stdout
 
 
+def test_interactive_runs_a_given_prompt_first(pair):
+    mlx_dir = str(pair["checkpoint"].mlx_dir)
+    done = subprocess.run([sys.executable, "main.py", "--model", mlx_dir, "--draft-model", mlx_dir, "--interactive",
+                           "--prompt", PROMPTS[0], "--max-tokens", "5"],
+                          input=":quit\n", capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"> {PROMPTS[0]}" in done.stdout and "Accepted" in done.stdout
+
+
 def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     mlx_dir, prompts = str(pair["checkpoint"].mlx_dir), tmp_path / "prompts.txt"
