@@ -8,8 +8,10 @@ from the shapes alone. The output folder appears only when complete.
 """
 
 import argparse
+import ctypes
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -194,7 +196,7 @@ class TorchReader:
             import torch
         except ImportError:
             raise ConversionError("this checkpoint is pytorch_model.bin: install PyTorch (pip install torch) to convert it")
-        self.tensors = {}
+        self.tensors, self.mapped = {}, set()
         for file in files:
             # Only the zip format (torch >= 1.6) maps; the legacy one is read whole.
             with file.open("rb") as f:
@@ -202,9 +204,12 @@ class TorchReader:
             if legacy:
                 print(f"note: {file.name} is in PyTorch's legacy format: it is read whole into memory", file=sys.stderr)
             try:
-                self.tensors.update(torch.load(str(file), map_location="cpu", mmap=not legacy, weights_only=True))
+                tensors = torch.load(str(file), map_location="cpu", mmap=not legacy, weights_only=True)
             except Exception as e:  # torch raises many types for a bad file
                 raise ConversionError(f"{file} is truncated or corrupt ({str(e).splitlines()[0]})")
+            self.tensors.update(tensors)
+            if not legacy:
+                self.mapped.update(tensors)
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -215,7 +220,25 @@ class TorchReader:
     def tensor(self, name: str) -> mx.array:
         import torch
 
-        return mx.array(self.tensors[name].to(torch.float32).numpy())
+        tensor = self.tensors[name]
+        array = mx.array(tensor.to(torch.float32).numpy())  # a copy
+        if name in self.mapped:
+            release_pages(tensor.untyped_storage())
+        return array
+
+
+def release_pages(storage) -> None:
+    """Drop the mapped file pages a tensor was read from: read pages count
+    as resident, so converting would otherwise grow memory to the file's size.
+    Only for a storage in a read-only file mapping (a page touched again is
+    read from the file); on heap memory this would zero live data."""
+    if sys.platform != "linux" or storage.nbytes() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = storage.data_ptr() // page * page
+    length = -(-(storage.data_ptr() + storage.nbytes() - start) // page) * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
 
 
 # ---------------------------------------------------------------- mapping

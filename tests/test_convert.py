@@ -138,17 +138,19 @@ def test_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tmp_pat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("format", ["safetensors", "bin"])
+def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir, format):
     """Converting a ~400 MB checkpoint grows memory by a few tensors, not by the file."""
     config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=12, initializer_factor=1.0)
     largest_tensor = 32128 * 512 * 4
-    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
-    size = (tmp_path / "hf" / "model.safetensors").stat().st_size
+    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir, format=format)
+    size = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*model.*"))
     # VmHWM: the peak resident memory of this process image (ru_maxrss would
     # inherit the test runner's peak across fork).
     script = (
         "import re, sys; peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]);"
-        "import convert; before = peak(); code = convert.main(sys.argv[1:]); print(before, peak()); sys.exit(code)"
+        f"import convert; {'import torch;' if format == 'bin' else ''} before = peak();"
+        "code = convert.main(sys.argv[1:]); print(before, peak()); sys.exit(code)"
     )
     argv = ["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "mlx"), "--dtype", "float32"]
     done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT)
