@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import shutil
+import socket
 import struct
 import sys
 from pathlib import Path
@@ -208,7 +209,9 @@ class TorchReader:
             except Exception as e:  # torch raises many types for a bad file
                 raise ConversionError(f"{file} is truncated or corrupt ({str(e).splitlines()[0]})")
             self.tensors.update(tensors)
-            if not legacy:
+            if legacy:  # on the heap: never release these pages
+                self.mapped.difference_update(tensors)
+            else:
                 self.mapped.update(tensors)
 
     def names(self) -> list[str]:
@@ -328,35 +331,53 @@ def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, prog
             mx.clear_cache()
 
 
-def is_converted_model(folder: Path) -> bool:
+OUTPUT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + "|".join(map(re.escape, CONFIG_FILES + TOKENIZER_FILES)))
+
+
+def is_earlier_conversion(folder: Path) -> bool:
+    """A folder convert.py wrote: its config says so, or (config damaged or
+    missing) it holds nothing but the files a conversion writes."""
     try:
         return FORMAT_KEY in json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return False
+        names = [p.name for p in folder.iterdir()]
+        return any(n.endswith(".safetensors") for n in names) and all(OUTPUT_FILE.fullmatch(n) for n in names)
 
 
 def check_output(out: Path, force: bool) -> None:
-    """--force replaces an earlier conversion, never some other folder."""
-    if not out.exists():
+    """--force replaces an earlier conversion (or an empty folder), never some other folder."""
+    if not out.exists() and not out.is_symlink():
         return
     if not force:
         raise ConversionError(f"{out} already exists (use --force to replace it)")
-    if not out.is_dir() or (any(out.iterdir()) and not is_converted_model(out)):
+    if out.is_symlink() or out.resolve() in (Path.cwd(), *Path.cwd().parents):
+        raise ConversionError(f"--force does not replace {out} (a link, or the current folder or one holding it): choose another --out")
+    if not out.is_dir() or (any(out.iterdir()) and not is_earlier_conversion(out)):
         raise ConversionError(f"{out} exists and is not a converted model: --force only replaces those; choose another --out")
 
 
+OWNER = ".converting"  # "HOST PID" of the process writing a work folder
+
+
 def remove_leftovers(out: Path) -> None:
-    """Work folders of conversions that were killed (their process is gone)."""
-    for folder in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = folder.name.rpartition("-")
-        if not kind.endswith((".partial", ".old")) or not pid.isdigit():
+    """Work folders of this output whose conversion was killed: written on
+    this host (see OWNER) by a process that is gone."""
+    pattern = re.compile(re.escape(f".{out.name}.partial-") + r"\d{1,9}")
+    for folder in out.parent.iterdir():
+        if not pattern.fullmatch(folder.name):
+            continue
+        try:
+            host, pid = (folder / OWNER).read_text().split()
+        except (OSError, ValueError):
+            continue  # not ours to judge
+        if host != socket.gethostname():
             continue
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
+        except (PermissionError, OverflowError, ValueError):
+            pass
 
 
 def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
@@ -376,6 +397,7 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
+    (partial / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
     try:
         shards = shard(mapping, reader, dtype.size)
         total = sum(dtype.size * math.prod(reader.shape(hf)) for hf in mapping.values())
@@ -391,6 +413,8 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
         # config.json last: a folder without it never loads as a model.
         result = output_config(config, not args.tie_word_embeddings, dtype_name, names, model)
         (partial / "config.json").write_text(json.dumps(result, indent=2))
+        (partial / OWNER).unlink()
+        check_output(out, force)  # again: the output may have appeared meanwhile
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)

@@ -21,7 +21,7 @@ import blas  # before mlx.core
 import mlx.core as mx
 
 from decoder import Sampling, Stats, regular_generate, speculative_generate
-from model import NotAConvertedModel, load_model, load_tokenizer, read_config
+from model import FORMAT_KEY, NotAConvertedModel, load_model, load_tokenizer, read_config
 
 DEFAULT_PROMPT = (
     "translate English to French: Let's go to the store and buy some groceries "
@@ -39,16 +39,24 @@ class UsageError(Exception):
 
 
 def resolve_model(name: str) -> Path:
-    """A converted folder path, else mlx_models/NAME (a hub id's
-    mlx_models/REPO is where convert.py puts it by default)."""
+    """A converted folder path, else mlx_models/NAME, else for a hub id
+    ORG/REPO the mlx_models/REPO that convert.py made from that very id."""
     problem = None
-    for folder in (Path(name).expanduser(), MODELS_DIR / name, MODELS_DIR / name.rstrip("/").rpartition("/")[2]):
+    for folder in (Path(name).expanduser(), MODELS_DIR / name):
         if folder.is_dir():
             try:
                 read_config(folder)
                 return folder
             except NotAConvertedModel as e:
                 problem = problem or str(e)
+    org, _, repo = name.partition("/")
+    if problem is None and org and repo and "/" not in repo:
+        folder = MODELS_DIR / repo
+        try:
+            if read_config(folder)[FORMAT_KEY]["source"] == name:
+                return folder
+        except NotAConvertedModel:
+            pass
     raise UsageError(problem or f"no converted model '{name}': run `python convert.py --model {name}` first")
 
 
@@ -413,6 +421,17 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
     return rows
 
 
+def check_plot_path(path: str) -> None:
+    import_pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    folder, suffix = Path(path).resolve().parent, Path(path).suffix.lstrip(".").lower()
+    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot {path}: cannot write there")
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        raise UsageError(f"--plot {path}: give a .png, .svg or .pdf file name")
+
+
 def import_pyplot():
     try:
         import matplotlib
@@ -524,10 +543,7 @@ def run(args) -> int:
         for prompt in prompts:
             check_prompt(prompt)
         if args.plot:  # fail before loading anything
-            import_pyplot()
-            folder = Path(args.plot).resolve().parent
-            if not folder.is_dir() or not os.access(folder, os.W_OK):
-                raise UsageError(f"--plot {args.plot}: cannot write in {folder}")
+            check_plot_path(args.plot)
         models = Models(args.model, args.draft_model)
         sweep(models, prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats)
         return 0

@@ -87,8 +87,22 @@ def test_model_name_resolves_under_mlx_models(v1_1_checkpoint, capsys, tmp_path,
     (tmp_path / "mlx_models").mkdir()
     os.symlink(v1_1_checkpoint.mlx_dir, tmp_path / "mlx_models" / "tiny")
     assert len(run_json(capsys, "--model", "tiny", "--regular-decode", "--max-tokens", "3")["tokens"]) == 3
-    # The hub id a model was converted from: convert.py saved it as mlx_models/<repo name>.
+
+
+def test_a_hub_id_finds_the_model_converted_from_it_and_no_other(v1_1_checkpoint, capsys, tmp_path, monkeypatch):
+    """convert.py --model some-org/tiny writes mlx_models/tiny, recording its source."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "mlx_models" / "tiny"
+    folder.mkdir(parents=True)
+    for file in v1_1_checkpoint.mlx_dir.iterdir():
+        if file.name != "config.json":
+            os.symlink(file, folder / file.name)
+    config = json.loads((v1_1_checkpoint.mlx_dir / "config.json").read_text())
+    config["mlx_conversion"]["source"] = "some-org/tiny"
+    (folder / "config.json").write_text(json.dumps(config))
     assert len(run_json(capsys, "--model", "some-org/tiny", "--regular-decode", "--max-tokens", "3")["tokens"]) == 3
+    assert main.main(["--model", "other-org/tiny", "--regular-decode"]) == 2
+    assert "python convert.py --model other-org/tiny" in capsys.readouterr().err
 
 
 def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
@@ -144,10 +158,12 @@ def test_a_damaged_converted_folder_gives_a_one_line_error(v1_1_checkpoint, caps
     assert "convert the model again" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_plot_that_cannot_be_saved_is_refused_before_the_sweep(capsys, tmp_path):
-    argv = ["--demo", "--sweep", "--num-drafts", "1", "--deltas", "0", "--plot", str(tmp_path / "missing" / "sweep.png")]
+@pytest.mark.parametrize("plot, message", [("missing/sweep.png", "cannot write there"), (".", "cannot write there"),
+                                           ("sweep.txt", "give a .png, .svg or .pdf")])
+def test_a_plot_that_cannot_be_saved_is_refused_before_the_sweep(capsys, tmp_path, plot, message):
+    argv = ["--demo", "--sweep", "--num-drafts", "1", "--deltas", "0", "--plot", str(tmp_path / plot)]
     assert main.main(argv) == 2
-    assert "cannot write in" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_help_shows_every_default_including_zero():

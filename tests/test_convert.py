@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -111,13 +112,50 @@ def test_force_replaces_an_earlier_conversion(v1_1_checkpoint, tmp_path):
     assert not (out / "stale").exists() and (out / "config.json").exists()
 
 
-def test_force_never_deletes_a_folder_that_is_not_a_converted_model(v1_1_checkpoint, tmp_path):
-    out = tmp_path / "documents"
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
+@pytest.mark.parametrize("existing", ["documents", "a file", "a link to a conversion"])
+def test_force_never_deletes_what_is_not_a_converted_model(v1_1_checkpoint, tmp_path, existing):
+    out = tmp_path / "out"
+    if existing == "documents":
+        out.mkdir()
+        (out / "precious.txt").write_text("keep me")
+    elif existing == "a file":
+        out.write_text("keep me")
+    else:
+        out.symlink_to(v1_1_checkpoint.mlx_dir)
     done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--force")
-    assert done.returncode != 0 and "not a converted model" in done.stderr and "Traceback" not in done.stderr
-    assert (out / "precious.txt").read_text() == "keep me"
+    assert done.returncode != 0 and "--force" in done.stderr and "Traceback" not in done.stderr
+    if existing == "documents":
+        assert (out / "precious.txt").read_text() == "keep me"
+    elif existing == "a file":
+        assert out.read_text() == "keep me"
+    else:
+        assert out.is_symlink() and (v1_1_checkpoint.mlx_dir / "config.json").exists()
+
+
+@pytest.mark.parametrize("earlier", ["empty", "damaged config"])
+def test_force_replaces_an_empty_folder_or_a_conversion_with_a_damaged_config(v1_1_checkpoint, tmp_path, earlier):
+    out = tmp_path / "out"
+    if earlier == "empty":
+        out.mkdir()
+    else:
+        convert.convert(str(v1_1_checkpoint.hf_dir), out, "float32", force=False)
+        (out / "config.json").write_text('{"mlx_conv')
+    convert.convert(str(v1_1_checkpoint.hf_dir), out, "float32", force=True)
+    np.testing.assert_array_equal(logits(out), logits(v1_1_checkpoint.mlx_dir))
+
+
+def test_an_output_that_appears_during_the_conversion_is_not_replaced(v1_1_checkpoint, tmp_path, monkeypatch):
+    out, write_shard = tmp_path / "out", convert.write_shard
+
+    def someone_creates_the_output(*args):
+        write_shard(*args)
+        out.mkdir(exist_ok=True)
+        (out / "notes.txt").write_text("keep me")
+
+    monkeypatch.setattr(convert, "write_shard", someone_creates_the_output)
+    with pytest.raises(convert.ConversionError, match="already exists"):
+        convert.convert(str(v1_1_checkpoint.hf_dir), out, "float32", force=False)
+    assert (out / "notes.txt").read_text() == "keep me"
 
 
 def test_the_default_output_is_named_after_the_source_folder_or_hub_repo(tmp_path, monkeypatch):
@@ -128,13 +166,26 @@ def test_the_default_output_is_named_after_the_source_folder_or_hub_repo(tmp_pat
     assert convert.default_out(str(tmp_path / "flan-t5-small") + "/") == Path("mlx_models/flan-t5-small")
 
 
-def test_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tmp_path):
+def test_only_work_folders_of_killed_conversions_of_this_output_are_removed(v1_1_checkpoint, tmp_path):
+    def work_folder(name: str, pid: int, owner: bool = True):
+        folder = tmp_path / name
+        folder.mkdir()
+        if owner:
+            (folder / convert.OWNER).write_text(f"{socket.gethostname()} {pid}")
+        return folder
+
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    leftover = tmp_path / f".out.partial-{dead.stdout.strip()}"  # that process has exited
-    leftover.mkdir()
-    (leftover / "model.safetensors").write_bytes(b"half written")
+    dead_pid = int(dead.stdout)  # that process has exited
+    killed = work_folder(f".out.partial-{dead_pid}", dead_pid)
+    kept = [
+        work_folder(f".out.partial-{os.getppid()}", os.getppid()),  # a live conversion
+        work_folder(f".out.v2.partial-{dead_pid}", dead_pid),  # another output's
+        work_folder(f".out.old-{dead_pid}", dead_pid),  # not a work folder
+        work_folder(f".out.partial-{dead_pid + 1}", dead_pid, owner=False),  # no owner: not ours to judge
+    ]
     convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "out", "float32", force=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not killed.exists() and all(folder.exists() for folder in kept)
+    assert not (tmp_path / "out" / convert.OWNER).exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
