@@ -53,7 +53,7 @@ def resolve_model(name: str) -> Path:
     if problem is None and org and repo and "/" not in repo:
         folder = MODELS_DIR / repo
         try:
-            if read_config(folder)[FORMAT_KEY]["source"] == name:
+            if read_config(folder)[FORMAT_KEY].get("source") == name:
                 return folder
         except NotAConvertedModel:
             pass
