@@ -147,31 +147,21 @@ def show_filled(prompt: str, output: str, out=None) -> None:
         print(f"\nFilled in:\n{fill_spans(prompt, output)}", file=out)
 
 
-def tokenizer_of(folder: Path):
-    try:
-        return load_tokenizer(folder)
-    except NotAConvertedModel as e:
-        raise UsageError(str(e))
-
-
 class Models:
     """The target, the draft (None for regular decoding only) and their tokenizer."""
 
     def __init__(self, target_name: str, draft_name: str | None):
         target_dir = resolve_model(target_name)
         draft_dir = resolve_model(draft_name) if draft_name else None
-        self.tokenizer = tokenizer_of(target_dir)
+        self.tokenizer = load_tokenizer(target_dir)
         if draft_dir is not None:  # refuse a mismatched pair before loading any weights
             target_vocab, draft_vocab = read_config(target_dir)["vocab_size"], read_config(draft_dir)["vocab_size"]
             if draft_vocab != target_vocab:
                 raise UsageError(f"{draft_name} has {draft_vocab} output tokens, {target_name} {target_vocab}: not a draft for it")
-            if tokenizer_of(draft_dir).get_vocab() != self.tokenizer.get_vocab():
+            if load_tokenizer(draft_dir).get_vocab() != self.tokenizer.get_vocab():
                 raise UsageError(f"{draft_name} and {target_name} have different tokenizers: the draft must share the target's")
-        try:
-            self.target = load_model(target_dir)
-            self.draft = load_model(draft_dir) if draft_dir is not None else None
-        except NotAConvertedModel as e:
-            raise UsageError(str(e))
+        self.target = load_model(target_dir)
+        self.draft = load_model(draft_dir) if draft_dir is not None else None
 
     def generate(self, prompt: str, settings: Settings, stats: Stats):
         """Token ids as they are decided."""
@@ -568,7 +558,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except UsageError as e:
+    except (UsageError, NotAConvertedModel) as e:  # a damaged model folder is the user's to fix too
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
