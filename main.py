@@ -226,6 +226,12 @@ HELP = """Type a prompt to generate. Commands:
   :show                     current settings
   :help   :quit             (Ctrl-C stops a generation, Ctrl-D exits)"""
 
+
+def help_text(examples: list[str] | None) -> str:
+    if not examples:
+        return HELP
+    return HELP + f"\n  :demo N                   run held-out demo prompt N (1-{len(examples)}): code with masked spans"
+
 KNOBS = {  # command -> (settings field, parser, check, what the check wants)
     "num-draft": ("num_draft", int, lambda v: v >= 1, "an integer >= 1"),
     "delta": ("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
@@ -244,14 +250,15 @@ def show_settings(settings: Settings, has_draft: bool) -> str:
             f"temp {settings.temp}, top-k {settings.top_k}, top-p {settings.top_p}, max-tokens {settings.max_tokens}, seed {settings.seed}")
 
 
-def command(line: str, settings: Settings, models: Models, last_prompt: str | None, out) -> Settings | None:
+def command(line: str, settings: Settings, models: Models, last_prompt: str | None, out,
+            examples: list[str] | None = None) -> Settings | None:
     """Apply one ':command'; return the new settings, or None to quit."""
     name, _, value = line[1:].strip().partition(" ")
     value = value.strip()
     if name in ("quit", "exit", "q"):
         return None
     if name == "help":
-        print(HELP, file=out)
+        print(help_text(examples), file=out)
     elif name == "show":
         print(show_settings(settings, models.draft is not None), file=out)
     elif name in ("regular", "speculative"):
@@ -308,9 +315,7 @@ def interactive(models: Models, settings: Settings, out=None, examples: list[str
         pass
     print("Warming up (reading the weights) ...", file=out, flush=True)
     models.warm_up(first_prompt or (examples[0] if examples else DEFAULT_PROMPT), settings)
-    print(HELP, file=out)
-    if examples:
-        print(f"  :demo N                   run held-out demo prompt N (1-{len(examples)}): code with masked spans", file=out)
+    print(help_text(examples), file=out)
     print(show_settings(settings, models.draft is not None), file=out)
     last_prompt = None
     while True:
@@ -334,7 +339,7 @@ def interactive(models: Models, settings: Settings, out=None, examples: list[str
                 if line is None:
                     continue
             elif line.startswith(":"):
-                settings = command(line, settings, models, last_prompt, out)
+                settings = command(line, settings, models, last_prompt, out, examples)
                 if settings is None:
                     return
                 continue

@@ -111,13 +111,14 @@ def test_cli_demo_shows_the_prompt_output_and_filled_in_text():
     assert "«" in filled and "<extra_id_0>" not in filled
 
 
-def test_cli_demo_interactive_runs_a_demo_prompt_by_number():
-    script = ":demo 2\n:demo 99\n:quit\n"
+def test_cli_demo_interactive_runs_a_demo_prompt_by_number_and_help_lists_it():
+    script = ":demo 2\n:demo 99\n:help\n:quit\n"
     done = subprocess.run([sys.executable, "main.py", "--demo", "--interactive", "--max-tokens", "40"],
                           input=script, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert main.demo_prompts()[1] in done.stdout and "Filled in" in done.stdout
     assert ":demo takes a prompt number from 1 to" in done.stdout
+    assert done.stdout.count(":demo N") == 2  # at start-up and after :help
 
 
 def test_cli_demo_sweep_runs_over_the_held_out_prompts_and_repeats(capsys):
