@@ -455,7 +455,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
-    print(f"Saved {out} ({args.dtype}). Run: python main.py --model {out}")
+    print(f"Saved {out} ({args.dtype}). Try it: python main.py --model {out} --regular-decode "
+          f"(or as a speculative pair: --model TARGET --draft-model DRAFT)")
     return 0
 
 

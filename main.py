@@ -10,6 +10,7 @@
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import blas  # before mlx.core
 import mlx.core as mx
+from tqdm import tqdm
 
 from decoder import Sampling, Stats, regular_generate, speculative_generate
 from model import FORMAT_KEY, NotAConvertedModel, load_model, load_tokenizer, read_config
@@ -38,11 +40,13 @@ class UsageError(Exception):
     """Bad input from the user; printed as one line."""
 
 
-def resolve_model(name: str) -> Path:
+def resolve_model(name: str, role: str = "model") -> Path:
     """A converted folder path, else mlx_models/NAME, else for a hub id
-    ORG/REPO the mlx_models/REPO that convert.py made from that very id."""
+    ORG/REPO the mlx_models/REPO that convert.py made from that very id.
+    `role` ("target", "draft") names the model in errors."""
     problem = None
-    for folder in (Path(name).expanduser(), MODELS_DIR / name):
+    candidates = (Path(name).expanduser(), MODELS_DIR / name)
+    for folder in candidates:
         if folder.is_dir():
             try:
                 read_config(folder)
@@ -57,7 +61,14 @@ def resolve_model(name: str) -> Path:
                 return folder
         except NotAConvertedModel:
             pass
-    raise UsageError(problem or f"no converted model '{name}': run `python convert.py --model {name}` first")
+    if problem:
+        raise UsageError(problem)
+    if Path(name).expanduser().is_file():
+        raise UsageError(f"{role} {name} is a file: give a folder written by convert.py")
+    looked = " and ".join(dict.fromkeys(str(folder) for folder in candidates))
+    hint = " (or pass --regular-decode to run the target alone)" if role == "draft" else ""
+    raise UsageError(f"no converted {role} '{name}' (looked for {looked}): "
+                     f"run `python convert.py --model {name}` first{hint}")
 
 
 @dataclass
@@ -81,8 +92,8 @@ class Settings:
 def check_settings(args) -> None:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    if not args.temp >= 0:  # also refuses nan
-        raise UsageError(f"--temp must be >= 0 (got {args.temp})")
+    if not 0 <= args.temp < math.inf:  # also refuses nan
+        raise UsageError(f"--temp must be a finite number >= 0 (got {args.temp})")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (got {args.top_p})")
     if args.top_k < 0:
@@ -151,8 +162,8 @@ class Models:
     """The target, the draft (None for regular decoding only) and their tokenizer."""
 
     def __init__(self, target_name: str, draft_name: str | None):
-        target_dir = resolve_model(target_name)
-        draft_dir = resolve_model(draft_name) if draft_name else None
+        target_dir = resolve_model(target_name, "target")
+        draft_dir = resolve_model(draft_name, "draft") if draft_name else None
         self.tokenizer = load_tokenizer(target_dir)
         if draft_dir is not None:  # refuse a mismatched pair before loading any weights
             target_vocab, draft_vocab = read_config(target_dir)["vocab_size"], read_config(draft_dir)["vocab_size"]
@@ -162,6 +173,11 @@ class Models:
                 raise UsageError(f"{draft_name} and {target_name} have different tokenizers: the draft must share the target's")
         self.target = load_model(target_dir)
         self.draft = load_model(draft_dir) if draft_dir is not None else None
+        # load_model maps the weights lazily; read them now, so that a
+        # generation's time (and tokens/s) is decoding, not disk reads. Said
+        # on stderr (stdout may be --json): T5-11B's weights take a while.
+        print(f"Loading {target_dir}" + (f" and {draft_dir}" if draft_dir else "") + " ...", file=sys.stderr, flush=True)
+        mx.eval(self.target.parameters(), self.draft.parameters() if self.draft is not None else [])
 
     def generate(self, prompt: str, settings: Settings, stats: Stats):
         """Token ids as they are decided."""
@@ -180,8 +196,8 @@ class Models:
         return list(self.generate(prompt, settings, stats)), stats
 
     def warm_up(self, prompt: str, settings: Settings) -> None:
-        """One short run of each path, so first-call costs (weights are read
-        from disk lazily, on first use) stay out of timings."""
+        """One short run of each path, so first-call costs (compiling kernels,
+        growing the allocator's pools) stay out of timings."""
         for speculative in (False, True) if self.draft is not None else (False,):
             self.run(prompt, replace(settings, max_tokens=4, speculative=speculative))
 
@@ -235,7 +251,7 @@ def help_text(examples: list[str] | None) -> str:
 KNOBS = {  # command -> (settings field, parser, check, what the check wants)
     "num-draft": ("num_draft", int, lambda v: v >= 1, "an integer >= 1"),
     "delta": ("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "temp": ("temp", float, lambda v: v >= 0, "a number >= 0"),
+    "temp": ("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
     "top-p": ("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "top-k": ("top_k", int, lambda v: v >= 0, "an integer >= 0"),
     "max-tokens": ("max_tokens", int, lambda v: v >= 1, "an integer >= 1"),
@@ -313,7 +329,7 @@ def interactive(models: Models, settings: Settings, out=None, examples: list[str
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    print("Warming up (reading the weights) ...", file=out, flush=True)
+    print("Warming up ...", file=out, flush=True)
     models.warm_up(first_prompt or (examples[0] if examples else DEFAULT_PROMPT), settings)
     print(help_text(examples), file=out)
     print(show_settings(settings, models.draft is not None), file=out)
@@ -379,16 +395,21 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
 
     grid = [(num_draft, delta) for num_draft in num_drafts for delta in deltas]
     passes = []  # each: (regular decoding's Stats, {setting: Stats}), summed over the prompts
+    # A progress bar on stderr, only when it is a terminal: a sweep takes minutes.
+    progress = tqdm(total=repeats * len(prompts) * (1 + len(grid)), desc="sweep", unit="run", leave=False, disable=None)
     for _ in range(repeats):
         regular, results = Stats(), {setting: Stats() for setting in grid}
         for prompt in prompts:
             add(regular, models.run(prompt, replace(settings, speculative=False))[1])
+            progress.update()
             for num_draft, delta in grid:
                 speculative = replace(settings, speculative=True, num_draft=num_draft, delta=delta)
                 add(results[(num_draft, delta)], models.run(prompt, speculative)[1])
+                progress.update()
         if regular.generated == 0:
             raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
         passes.append((regular, results))
+    progress.close()
     rows = []
     for num_draft, delta in grid:
         runs = [(regular, results[(num_draft, delta)]) for regular, results in passes]
@@ -444,6 +465,7 @@ def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
     for delta in deltas:
         points = [(row["num_draft"], row["speedup"]) for row in rows if row["delta"] == delta]
         axes.plot(*zip(*points), marker="o", label=f"delta {delta}")
+    axes.set_xticks(sorted({row["num_draft"] for row in rows}))  # whole numbers only
     axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     axes.set_xlabel("num-draft")
     axes.set_ylabel("speedup over regular decoding")
@@ -467,10 +489,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+# Options that only --sweep reads, with their defaults (argparse's default is
+# None, so that one given without --sweep is noticed).
+SWEEP_OPTIONS = {"num_drafts": "1,2,4,8", "deltas": "0,0.1,0.3", "prompts_file": None, "plot": None, "repeats": 1}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", help="target model: converted folder, or a name under mlx_models/ "
-                   "(default: t5-11b; demo/target with --demo)")
+    p.add_argument("--model", help="target model: converted folder, a name under mlx_models/, or the hub id it was "
+                   "converted from (default: t5-11b; demo/target with --demo)")
     p.add_argument("--draft-model", help="draft model for speculative decoding (default: t5-small; demo/draft with --demo)")
     p.add_argument("--prompt", help="input text (default: a translation prompt; with --demo, held-out code with masked spans)")
     p.add_argument("--demo", action="store_true",
@@ -488,11 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--compare", action="store_true", help="run regular and speculative decoding and print the speedup")
     modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands); --prompt, if given, runs first")
     modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
-    p.add_argument("--num-drafts", default="1,2,4,8", help="sweep: num-draft values")
-    p.add_argument("--deltas", default="0,0.1,0.3", help="sweep: delta values")
+    p.add_argument("--num-drafts", help=f"sweep: num-draft values (default: {SWEEP_OPTIONS['num_drafts']})")
+    p.add_argument("--deltas", help=f"sweep: delta values (default: {SWEEP_OPTIONS['deltas']})")
     p.add_argument("--prompts-file", help="sweep: prompts, one a line (default: --prompt; with --demo, demo/prompts.txt)")
-    p.add_argument("--plot", help="sweep: save speedup against num-draft to this PNG (needs matplotlib)")
-    p.add_argument("--repeats", type=int, default=1, help="sweep: run the grid this many times and report medians")
+    p.add_argument("--plot", help="sweep: save speedup against num-draft to this image, .png, .svg or .pdf (needs matplotlib)")
+    p.add_argument("--repeats", type=int, help="sweep: run the grid this many times and report medians (default: 1)")
     return p
 
 
@@ -520,8 +547,11 @@ def run(args) -> int:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     if args.json and (args.interactive or args.compare or args.sweep):
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
-    if args.repeats != 1 and not args.sweep:
-        raise UsageError("--repeats goes with --sweep")
+    for name, default in SWEEP_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not args.sweep:
+            raise UsageError(f"--{name.replace('_', '-')} goes with --sweep")
     if args.repeats < 1:
         raise UsageError("--repeats must be at least 1")
     if args.sweep:

@@ -15,6 +15,7 @@ from decoder import Sampling, logits_to_probs, regular_generate
 from model import load_model
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 
 def run_json(capsys, *argv) -> dict:
@@ -116,10 +117,11 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
     [
         (["--prompt", "  "], "prompt is empty"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1"),
-        (["--temp", "-0.5"], "--temp must be >= 0"),
+        (["--temp", "-0.5"], "--temp must be a finite number >= 0"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-        (["--model", "no-such-model"], "python convert.py --model no-such-model"),
+        (["--model", "no-such-model"], "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
+        (["--model", __file__], "is a file: give a folder written by convert.py"),
         (["--seed", "-1"], "--seed must be in [0, 2**64)"),
         (["--compare"], "drop --regular-decode"),
         (["--sweep"], "drop --regular-decode"),
@@ -131,6 +133,17 @@ def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
     assert main.main(base + argv) != 0
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_models_read_every_weight_before_the_first_timed_generation(v1_1_checkpoint, monkeypatch, capsys):
+    """load_model maps weights lazily; a one-shot run's tokens/s must not include reading them."""
+    evaluated = []
+    real_eval = main.mx.eval
+    monkeypatch.setattr(main.mx, "eval", lambda *trees: (evaluated.extend(tree_flatten(trees)), real_eval(*trees))[1])
+    models = main.Models(str(v1_1_checkpoint.mlx_dir), None)
+    read = {id(array) for _, array in evaluated}
+    assert all(id(weight) in read for _, weight in tree_flatten(models.target.parameters()))
+    assert "Loading" in capsys.readouterr().err  # said on stderr, as stdout may be --json
 
 
 def test_unconverted_folder_is_refused_with_the_convert_command(v1_1_checkpoint, capsys):

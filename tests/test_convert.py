@@ -13,6 +13,7 @@ import torch
 from checkpoints import make_checkpoint, t5_config
 
 import convert
+import main
 import mlx.core as mx
 from model import load_model
 
@@ -110,6 +111,9 @@ def test_force_replaces_an_earlier_conversion(v1_1_checkpoint, tmp_path):
     done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--dtype", "float32", "--force")
     assert done.returncode == 0, done.stderr
     assert not (out / "stale").exists() and (out / "config.json").exists()
+    # The command it suggests runs the new model as it is, without a draft model.
+    suggested = done.stdout.split("Try it: python main.py ")[1].split(" (")[0].split()
+    assert main.main([*suggested, "--max-tokens", "3"]) == 0
 
 
 @pytest.mark.parametrize("existing", ["documents", "a file", "a link to a conversion"])

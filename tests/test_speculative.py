@@ -355,10 +355,17 @@ def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys):
         (["--sweep", "--num-drafts", "0,2"], "--num-drafts takes a comma-separated list of integers >= 1"),
         (["--sweep", "--repeats", "0"], "--repeats must be at least 1"),
         (["--repeats", "3"], "--repeats goes with --sweep"),
+        (["--plot", "speedup.png"], "--plot goes with --sweep"),  # not silently ignored
+        (["--prompts-file", "prompts.txt"], "--prompts-file goes with --sweep"),
+        (["--num-drafts", "1,2"], "--num-drafts goes with --sweep"),
+        (["--deltas", "0"], "--deltas goes with --sweep"),
         (["--draft-model", ""], "speculative decoding needs --draft-model"),
+        (["--draft-model", "no-such-draft"], "no converted draft 'no-such-draft' (looked for"),  # and says:
+        (["--draft-model", "no-such-draft"], "(or pass --regular-decode to run the target alone)"),
         (["--num-draft", "0"], "--num-draft must be at least 1"),
         (["--delta", "1.5"], "--delta must be in [0, 1]"),
-        (["--temp", "nan"], "--temp must be >= 0"),
+        (["--temp", "nan"], "--temp must be a finite number >= 0"),
+        (["--temp", "inf"], "--temp must be a finite number >= 0"),
     ],
 )
 def test_bad_speculative_input_gives_one_line_error(pair, capsys, argv, message):
