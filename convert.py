@@ -9,6 +9,7 @@ from the shapes alone. The output folder appears only when complete.
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import mmap
@@ -230,6 +231,11 @@ class TorchReader:
         return array
 
 
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def release_pages(storage) -> None:
     """Drop the mapped file pages a tensor was read from: read pages count
     as resident, so converting would otherwise grow memory to the file's size.
@@ -240,8 +246,7 @@ def release_pages(storage) -> None:
     page = mmap.PAGESIZE
     start = storage.data_ptr() // page * page
     length = -(-(storage.data_ptr() + storage.nbytes() - start) // page) * page
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
 
 
 # ---------------------------------------------------------------- mapping

@@ -248,6 +248,7 @@ def help_text(examples: list[str] | None) -> str:
         return HELP
     return HELP + f"\n  :demo N                   run held-out demo prompt N (1-{len(examples)}): code with masked spans"
 
+
 KNOBS = {  # command -> (settings field, parser, check, what the check wants)
     "num-draft": ("num_draft", int, lambda v: v >= 1, "an integer >= 1"),
     "delta": ("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
@@ -396,20 +397,20 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
     grid = [(num_draft, delta) for num_draft in num_drafts for delta in deltas]
     passes = []  # each: (regular decoding's Stats, {setting: Stats}), summed over the prompts
     # A progress bar on stderr, only when it is a terminal: a sweep takes minutes.
-    progress = tqdm(total=repeats * len(prompts) * (1 + len(grid)), desc="sweep", unit="run", leave=False, disable=None)
-    for _ in range(repeats):
-        regular, results = Stats(), {setting: Stats() for setting in grid}
-        for prompt in prompts:
-            add(regular, models.run(prompt, replace(settings, speculative=False))[1])
-            progress.update()
-            for num_draft, delta in grid:
-                speculative = replace(settings, speculative=True, num_draft=num_draft, delta=delta)
-                add(results[(num_draft, delta)], models.run(prompt, speculative)[1])
+    with tqdm(total=repeats * len(prompts) * (1 + len(grid)), desc="sweep", unit="run", leave=False,
+              disable=None) as progress:
+        for _ in range(repeats):
+            regular, results = Stats(), {setting: Stats() for setting in grid}
+            for prompt in prompts:
+                add(regular, models.run(prompt, replace(settings, speculative=False))[1])
                 progress.update()
-        if regular.generated == 0:
-            raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
-        passes.append((regular, results))
-    progress.close()
+                for num_draft, delta in grid:
+                    speculative = replace(settings, speculative=True, num_draft=num_draft, delta=delta)
+                    add(results[(num_draft, delta)], models.run(prompt, speculative)[1])
+                    progress.update()
+            if regular.generated == 0:
+                raise UsageError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
+            passes.append((regular, results))
     rows = []
     for num_draft, delta in grid:
         runs = [(regular, results[(num_draft, delta)]) for regular, results in passes]
