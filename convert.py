@@ -21,7 +21,7 @@ import struct
 import sys
 from pathlib import Path
 
-import blas  # noqa: F401  (before mlx.core)
+import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten

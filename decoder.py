@@ -1,18 +1,101 @@
-"""Regular decoding and draft-and-verify speculative decoding for T5.
+"""Regular decoding and draft-and-verify speculative decoding for T5, and the text-level API.
 
-Both are generators that yield token ids as they are decided, updating a
-`Stats` object as they go. Both turn logits into a sampling distribution with
-the same `logits_to_probs`.
+    models = model.load("mlx_models/t5-11b", draft="mlx_models/t5-small")
+    text = generate(models, "translate English to German: Good morning.", num_draft=5)
+    for response in stream_generate(models, prompt):
+        print(response.text, end="", flush=True)
+
+Underneath, `regular_generate` and `speculative_generate` are generators of
+token ids that update a `Stats` object as they go. Both turn logits into a
+sampling distribution with the same `logits_to_probs`.
 """
 
 import math
+import numbers
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Callable, Iterator
 
-import blas  # noqa: F401  (before mlx.core)
+import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from model import T5
+from model import T5, Models, T5Error
+
+
+class OptionError(T5Error, ValueError):
+    """A generation option out of its range."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One generation option: its keyword here, `--name-with-dashes` on the
+    command line, `:name-with-dashes` in the interactive loop, and a list of
+    values in a sweep. Errors name it as the caller's `label` does."""
+
+    name: str
+    type: type  # int or float
+    valid: Callable
+    expected: str  # what `valid` accepts, for messages
+    help: str
+    optional: bool = False  # None (or "none") allowed
+
+    @property
+    def flag(self) -> str:
+        return self.name.replace("_", "-")
+
+    def check(self, value, label: str | None = None):
+        """value, if this knob takes it; OptionError otherwise."""
+        if value is None and self.optional:
+            return value
+        kind = numbers.Real if self.type is float else numbers.Integral
+        if not isinstance(value, kind) or isinstance(value, bool) or not self.valid(value):
+            raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})")
+        return value
+
+    def parse(self, text: str, label: str | None = None):
+        """A value from text, checked."""
+        if self.optional and text.strip().lower() == "none":
+            return None
+        try:
+            value = self.type(text)
+        except ValueError:
+            raise OptionError(f"{label or self.name} must be {self.expected} (got '{text}')")
+        return self.check(value, label)
+
+
+KNOBS = {knob.name: knob for knob in [
+    Knob("num_draft", int, lambda v: v >= 1, "an integer >= 1", "draft tokens per verify step"),
+    Knob("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+         "acceptance lenience in [0, 1]: 0 exact, 1 accepts every draft"),
+    Knob("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0", "sampling temperature; 0 is greedy"),
+    Knob("top_k", int, lambda v: v >= 0, "an integer >= 0", "sample from the k most likely tokens (0: all)"),
+    Knob("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", "nucleus sampling mass (1: off)"),
+    Knob("max_tokens", int, lambda v: v >= 1, "an integer >= 1", "most tokens to generate"),
+    Knob("seed", int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)",
+         "random seed for sampling (default: random)", optional=True),
+]}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every option of one generation, each checked against its knob."""
+
+    max_tokens: int = 100
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    num_draft: int = 5
+    delta: float = 0.0
+    speculative: bool = True  # with a draft loaded; False: the target alone
+
+    def __post_init__(self):
+        for name, knob in KNOBS.items():
+            knob.check(getattr(self, name))
+
+    @property
+    def sampling(self) -> "Sampling":
+        return Sampling(self.temp, self.top_k, self.top_p)
 
 
 @dataclass
@@ -30,6 +113,9 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     seconds: float = 0.0
+
+    def __add__(self, other: "Stats") -> "Stats":
+        return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property
     def tokens_per_second(self) -> float:
@@ -234,3 +320,105 @@ def speculative_generate(target: T5, draft: T5, prompt: list[int], max_tokens: i
             stats.generated += 1
             stats.seconds = time.perf_counter() - started
             yield token
+
+
+# ---------------------------------------------------------------- text
+
+
+class Detokenizer:
+    """Text from token ids as they come, equal to decoding them all at once.
+
+    Each token decodes a short window: the tokens since the last piece of
+    text was settled, twice (with and without the new ones). The difference
+    is the new text, held back while it ends in an incomplete character. The
+    window restarts after every emitted piece, so the work per token follows
+    the new piece, not the length of the output. Decoding never "cleans up"
+    spaces before punctuation (an old transformers default, off since v5):
+    that would take back a space already shown."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens = []
+        self.start = 0  # first token of the window
+        self.settled = 0  # tokens already turned into emitted text
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> str:
+        """The text this token adds; "" while it is held back."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.start : self.settled])
+        after = self.decode(self.tokens[self.start :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.start, self.settled = self.settled, len(self.tokens)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end (an incomplete character decodes as \ufffd)."""
+        before = self.decode(self.tokens[self.start : self.settled])
+        after = self.decode(self.tokens[self.start :])
+        self.start = self.settled = len(self.tokens)
+        return after[len(before) :]
+
+
+@dataclass
+class Response:
+    """One step of `stream_generate`: the new piece of text and the token that
+    made it, and the statistics so far (one object, updated as decoding goes).
+    The last response has token None, carries any text held back until the end,
+    and says why generation stopped: finish_reason "eos" or "length"."""
+
+    text: str
+    token: int | None
+    stats: Stats
+    finish_reason: str | None = None
+
+
+def generate_tokens(models: Models, prompt: str, settings: Settings, stats: Stats) -> Iterator[int]:
+    """Token ids as they are decided: speculative decoding when a draft is
+    loaded and settings.speculative, else the target alone."""
+    if not prompt.strip():
+        raise OptionError("the prompt is empty")
+    if settings.seed is not None:
+        mx.random.seed(settings.seed)
+    ids = models.tokenizer(prompt).input_ids
+    if settings.speculative and models.draft is not None:
+        return speculative_generate(models.target, models.draft, ids, settings.max_tokens, settings.sampling,
+                                    settings.num_draft, settings.delta, stats)
+    return regular_generate(models.target, ids, settings.max_tokens, settings.sampling, stats)
+
+
+def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response]:
+    """Yield a Response as each token is decided. Options, all keywords:
+    max_tokens=100, num_draft=5, delta=0.0, temp=0.0, top_k=0, top_p=1.0,
+    seed=None, speculative=True (False: the target alone, even with a draft).
+    OptionError names an option out of its range."""
+    settings = Settings(**options)
+    stats = Stats()
+    detokenizer = Detokenizer(models.tokenizer)
+    for token in generate_tokens(models, prompt, settings, stats):
+        yield Response(detokenizer.add(token), token, stats)
+    finish = "length" if stats.generated == settings.max_tokens else "eos"
+    yield Response(detokenizer.flush(), None, stats, finish)
+
+
+def generate(models: Models, prompt: str, **options) -> str:
+    """The generated text; options as for stream_generate."""
+    return "".join(response.text for response in stream_generate(models, prompt, **options))
+
+
+def measure(models: Models, prompt: str, settings: Settings) -> Stats:
+    """The statistics of one generation, its text unused (for timings)."""
+    stats = Stats()
+    for _ in generate_tokens(models, prompt, settings, stats):
+        pass
+    return stats
+
+
+def warm_up(models: Models, prompt: str, settings: Settings = Settings()) -> None:
+    """A few tokens of each decoding path, so that first-call costs (compiling
+    kernels, growing the allocator's pools) stay out of timings."""
+    for speculative in (False, True) if models.draft is not None else (False,):
+        measure(models, prompt, replace(settings, max_tokens=4, speculative=speculative))

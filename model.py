@@ -8,15 +8,18 @@ v1.1 / FLAN-T5 / mT5 (gated GELU, separate head, no scaling).
 Decoding state is explicit: `DecoderCache` holds, per decoder layer, a growing
 self-attention `KVCache` (trimmable, for speculative rollback) and the
 cross-attention keys/values computed once from the encoder output.
+
+`load` finds converted models by name and reads them with their tokenizer.
 """
 
 import json
 import math
-import os
+import sys
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import blas  # noqa: F401  (must precede mlx.core: picks a fast BLAS on Linux)
+import cpu  # must precede mlx.core: picks a fast BLAS on Linux
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -48,43 +51,6 @@ class ModelArgs:
         args = {k: v for k, v in config.items() if k in names and v is not None}
         args.setdefault("num_decoder_layers", config["num_layers"])
         return cls(**args)
-
-
-def _cpu_streams() -> list:
-    """On the CPU, one stream per core (up to 4) for matrix-vector products;
-    elsewhere (Metal) the device is parallel already and one stream is right."""
-    if mx.default_device() != mx.cpu:
-        return []
-    count = min(os.cpu_count() or 1, 4)
-    return [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(count - 1)] if count > 1 else []
-
-
-_STREAMS = _cpu_streams()
-# Splitting costs a join between threads: worth it from ~8 MB of float32
-# weights (T5-large's FFN and head; every projection of T5-11B). Measured on
-# 2 cores, T5-large decoding: ~5-8% faster than MKL's own 2-thread product.
-_SPLIT_MIN_ELEMENTS = 2_000_000
-
-
-def project(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T. On a multi-core CPU the weight's rows are split over
-    several streams, which run on their own threads: decoding reads every
-    weight once per token, and one core alone cannot saturate memory."""
-    if len(_STREAMS) < 2 or weight.size < _SPLIT_MIN_ELEMENTS:
-        return x @ weight.T
-    rows = -(-weight.shape[0] // len(_STREAMS))
-    parts = [mx.matmul(x, weight[i * rows : (i + 1) * rows].T, stream=s) for i, s in enumerate(_STREAMS)]
-    return mx.concatenate(parts, axis=-1)
-
-
-class Linear(nn.Linear):
-    """nn.Linear without bias, computed by `project`."""
-
-    def __init__(self, input_dims: int, output_dims: int):
-        super().__init__(input_dims, output_dims, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return project(x, self.weight)
 
 
 _ACTIVATIONS = {
@@ -135,10 +101,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = args.num_heads
         inner = args.num_heads * args.d_kv
-        self.q = Linear(args.d_model, inner)
-        self.k = Linear(args.d_model, inner)
-        self.v = Linear(args.d_model, inner)
-        self.o = Linear(inner, args.d_model)
+        self.q = nn.Linear(args.d_model, inner, bias=False)
+        self.k = nn.Linear(args.d_model, inner, bias=False)
+        self.v = nn.Linear(args.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, args.d_model, bias=False)
 
     def split_heads(self, x: mx.array) -> mx.array:
         B, L, _ = x.shape
@@ -171,11 +137,11 @@ class FeedForward(nn.Module):
         name = "gelu_new" if args.feed_forward_proj == "gated-gelu" else args.feed_forward_proj.split("-")[-1]
         self.act = _ACTIVATIONS[name]
         if self.gated:
-            self.wi_0 = Linear(args.d_model, args.d_ff)
-            self.wi_1 = Linear(args.d_model, args.d_ff)
+            self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
+            self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
         else:
-            self.wi = Linear(args.d_model, args.d_ff)
-        self.wo = Linear(args.d_ff, args.d_model)
+            self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         hidden = self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))
@@ -322,7 +288,7 @@ class T5(nn.Module):
         self.encoder = Encoder(args)
         self.decoder = Decoder(args)
         if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.d_model, args.vocab_size)
+            self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
 
     def encode(self, tokens: mx.array, mask: mx.array | None = None) -> mx.array:
         """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model)."""
@@ -339,31 +305,84 @@ class T5(nn.Module):
         if self.args.scale_decoder_outputs:
             x = x * self.args.d_model**-0.5
         if self.args.tie_word_embeddings:
-            return project(x, self.shared.weight)
+            return self.shared.as_linear(x)
         return self.lm_head(x)
 
 
-class NotAConvertedModel(Exception):
-    pass
+# ---------------------------------------------------------------- loading
+
+
+class T5Error(Exception):
+    """A problem the caller can fix: a model that cannot be used, an option out of range."""
+
+
+class LoadError(T5Error):
+    """A model that cannot be loaded: not converted, damaged, or not a draft for its target."""
+
+
+class ModelNotFound(LoadError):
+    def __init__(self, message: str, role: str):
+        super().__init__(message)
+        self.role = role  # "target" or "draft"
+
+
+MODELS_DIR = Path("mlx_models")  # where convert.py writes by default
+REPOSITORY = Path(__file__).resolve().parent
 
 
 def read_config(folder: str | Path) -> dict:
-    """The config of a folder written by convert.py; NotAConvertedModel otherwise."""
+    """The config of a folder written by convert.py; LoadError otherwise."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not folder.is_dir():
-        raise NotAConvertedModel(f"{folder} is not a folder")
+        raise LoadError(f"{folder} is not a folder")
     if not config_file.is_file():
-        raise NotAConvertedModel(f"{folder} has no config.json: not a converted model")
+        raise LoadError(f"{folder} has no config.json: not a converted model")
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
-        raise NotAConvertedModel(f"{config_file} is damaged ({e}): convert the model again")
+        raise LoadError(f"{config_file} is damaged ({e}): convert the model again")
     if FORMAT_KEY not in config:
-        raise NotAConvertedModel(
-            f"{folder} is not a converted MLX model (a Hugging Face checkpoint? run: python convert.py --model {folder})"
-        )
+        raise LoadError(f"{folder} is not a converted MLX model (a Hugging Face checkpoint? run: python convert.py --model {folder})")
     return config
+
+
+def resolve(name: str | Path, role: str = "model") -> Path:
+    """The converted folder a name means: a path; else mlx_models/NAME; else,
+    for a hub id ORG/REPO, the mlx_models/REPO that convert.py made from that
+    very id. A relative name is looked up from the current folder, then from
+    this repository's. `role` ("target", "draft") names the model in errors."""
+    name = str(name)
+    if not name.strip():
+        raise ModelNotFound(f"no {role} named", role)
+    path = Path(name).expanduser()
+    bases = [Path()]
+    if not path.is_absolute() and Path.cwd().resolve() != REPOSITORY:
+        bases.append(REPOSITORY)
+    candidates = list(dict.fromkeys(base / sub / path for base in bases for sub in (Path(), MODELS_DIR)))
+    problem = None
+    for folder in candidates:
+        if folder.is_dir():
+            try:
+                read_config(folder)
+                return folder
+            except LoadError as e:
+                problem = problem or e
+    if problem:
+        raise problem
+    org, _, repo = name.partition("/")
+    if org and repo and "/" not in repo:
+        for base in bases:
+            folder = base / MODELS_DIR / repo
+            try:
+                if read_config(folder)[FORMAT_KEY].get("source") == name:
+                    return folder
+            except LoadError:
+                pass
+    if path.is_file():
+        raise LoadError(f"{role} {name} is a file: give a folder written by convert.py")
+    looked = " and ".join(str(folder) for folder in candidates)
+    raise ModelNotFound(f"no converted {role} '{name}' (looked for {looked}): run `python convert.py --model {name}` first", role)
 
 
 def weight_files(folder: Path, config: dict) -> list[Path]:
@@ -381,10 +400,10 @@ def load_model(folder: str | Path) -> T5:
         try:
             weights.update(mx.load(str(path)))
         except RuntimeError as e:  # missing, truncated or corrupt
-            raise NotAConvertedModel(f"{path} cannot be read ({e}): convert the model again")
+            raise LoadError(f"{path} cannot be read ({e}): convert the model again")
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    return model
+    return cpu.split_products(model)
 
 
 def load_tokenizer(folder: str | Path):
@@ -392,8 +411,50 @@ def load_tokenizer(folder: str | Path):
 
     # Without these files transformers quietly builds a tokenizer of special tokens only.
     if not any((Path(folder) / name).is_file() for name in ("tokenizer.json", "spiece.model")):
-        raise NotAConvertedModel(f"{folder} has no tokenizer (tokenizer.json or spiece.model): convert the model again")
+        raise LoadError(f"{folder} has no tokenizer (tokenizer.json or spiece.model): convert the model again")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
-        raise NotAConvertedModel(f"{folder} has a damaged tokenizer ({str(e).splitlines()[0]}): convert the model again")
+        raise LoadError(f"{folder} has a damaged tokenizer ({str(e).splitlines()[0]}): convert the model again")
+
+
+@dataclass
+class Models:
+    """A target, its draft (None: regular decoding only) and their shared tokenizer."""
+
+    target: T5
+    draft: T5 | None
+    tokenizer: object
+    target_path: Path
+    draft_path: Path | None = None
+
+
+_warned_slow_blas = False
+
+
+def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False) -> Models:
+    """Load a converted target (and draft) by folder, name under mlx_models/,
+    or the hub id it was converted from. Every weight is read now (verbose:
+    saying so on stderr), so the first generation's time is decoding, not
+    disk reads. A draft must share the target's tokenizer; that is checked
+    before any weights load."""
+    global _warned_slow_blas
+    target_path = resolve(target, "target")
+    draft_path = resolve(draft, "draft") if draft is not None else None
+    tokenizer = load_tokenizer(target_path)
+    if draft_path is not None:
+        target_vocab, draft_vocab = read_config(target_path)["vocab_size"], read_config(draft_path)["vocab_size"]
+        if draft_vocab != target_vocab:
+            raise LoadError(f"{draft} has {draft_vocab} output tokens, {target} {target_vocab}: not a draft for it")
+        if load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab():
+            raise LoadError(f"{draft} and {target} have different tokenizers: the draft must share the target's")
+    if cpu.SLOW and not _warned_slow_blas:  # once per process, whatever the warning filters say
+        _warned_slow_blas = True
+        warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}: decoding is several times slower "
+                      "(import model or cpu before mlx.core; README, Linux)", RuntimeWarning, stacklevel=2)
+    target_model = load_model(target_path)
+    draft_model = load_model(draft_path) if draft_path is not None else None
+    if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
+        print(f"Loading {target_path}" + (f" and {draft_path}" if draft_path else "") + " ...", file=sys.stderr, flush=True)
+    mx.eval(target_model.parameters(), draft_model.parameters() if draft_model is not None else [])
+    return Models(target_model, draft_model, tokenizer, target_path, draft_path)

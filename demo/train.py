@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 if __name__ == "__main__":  # training's large products want MKL's threads (decoding prefers BLIS)
     os.environ.setdefault("T5_MLX_BLAS", "mkl,blis,openblas")
-import blas  # noqa: E402  (before mlx.core)
+import cpu  # noqa: E402  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="BLAS threads for the matrix products")
     args = parser.parse_args(argv)
-    blas.set_threads(args.threads)
+    cpu.set_threads(args.threads)
     from transformers import AutoTokenizer
 
     began = time.perf_counter()

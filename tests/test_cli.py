@@ -1,6 +1,5 @@
 """main.py: greedy ids against transformers, streaming, sampling knobs, bad input."""
 
-import io
 import json
 import os
 import subprocess
@@ -10,7 +9,9 @@ import pytest
 import torch
 from checkpoints import PROMPT, reference_greedy
 
+import interactive
 import main
+import model
 from decoder import Sampling, logits_to_probs, regular_generate
 from model import load_model
 
@@ -43,12 +44,13 @@ def test_greedy_ids_equal_transformers_generate(checkpoint, capsys):
     assert result["tokens"] == reference
 
 
-def test_streamed_text_equals_decode_of_all_tokens(v1_1_checkpoint):
-    out = io.StringIO()
-    tokens, text = main.stream_text(iter(reference_greedy(v1_1_checkpoint.hf_model, v1_1_checkpoint.prompt_ids, 40)), v1_1_checkpoint.tokenizer, out)
-    assert text == v1_1_checkpoint.tokenizer.decode(tokens)
-    assert out.getvalue() == text + "\n"
-    assert " " in text  # SentencePiece word boundaries became spaces
+def test_cli_prints_the_streamed_text_and_json_gives_the_same_text(v1_1_checkpoint, capsys):
+    args = ["--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "40"]
+    assert main.main(args) == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    result = run_json(capsys, *args)
+    assert printed == result["text"] == v1_1_checkpoint.tokenizer.decode(result["tokens"])
+    assert " " in printed  # SentencePiece word boundaries became spaces
 
 
 def test_max_tokens_is_respected(v1_1_checkpoint, capsys):
@@ -116,16 +118,17 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
     "argv, message",
     [
         (["--prompt", "  "], "prompt is empty"),
-        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--max-tokens", "0"], "--max-tokens must be an integer >= 1 (got 0)"),
         (["--temp", "-0.5"], "--temp must be a finite number >= 0"),
-        (["--top-p", "0"], "--top-p must be in (0, 1]"),
-        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--top-p", "0"], "--top-p must be a number in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be a number in (0, 1]"),
+        (["--top-k", "-1"], "--top-k must be an integer >= 0"),
         (["--model", "no-such-model"], "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
         (["--model", __file__], "is a file: give a folder written by convert.py"),
-        (["--seed", "-1"], "--seed must be in [0, 2**64)"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**64)"),
         (["--compare"], "drop --regular-decode"),
         (["--sweep"], "drop --regular-decode"),
-        (["--seed", str(2**64)], "--seed must be in [0, 2**64)"),
+        (["--seed", str(2**64)], "--seed must be an integer in [0, 2**64)"),
     ],
 )
 def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
@@ -138,11 +141,12 @@ def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
 def test_models_read_every_weight_before_the_first_timed_generation(v1_1_checkpoint, monkeypatch, capsys):
     """load_model maps weights lazily; a one-shot run's tokens/s must not include reading them."""
     evaluated = []
-    real_eval = main.mx.eval
-    monkeypatch.setattr(main.mx, "eval", lambda *trees: (evaluated.extend(tree_flatten(trees)), real_eval(*trees))[1])
-    models = main.Models(str(v1_1_checkpoint.mlx_dir), None)
+    real_eval = model.mx.eval
+    monkeypatch.setattr(model.mx, "eval", lambda *trees: (evaluated.extend(tree_flatten(trees)), real_eval(*trees))[1])
+    models = model.load(str(v1_1_checkpoint.mlx_dir))
     read = {id(array) for _, array in evaluated}
     assert all(id(weight) in read for _, weight in tree_flatten(models.target.parameters()))
+    assert main.main(["--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "2", "--json"]) == 0
     assert "Loading" in capsys.readouterr().err  # said on stderr, as stdout may be --json
 
 
@@ -200,5 +204,5 @@ def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):
 
 def test_fill_spans_puts_each_span_where_its_sentinel_was():
     prompt = "def <extra_id_0>(self): return <extra_id_1>.x"
-    assert main.fill_spans(prompt, "<extra_id_0> area<extra_id_1> self") == "def «area»(self): return «self».x"
-    assert main.fill_spans(prompt, "<extra_id_0> area") == "def «area»(self): return «?».x"
+    assert interactive.fill_spans(prompt, "<extra_id_0> area<extra_id_1> self") == "def «area»(self): return «self».x"
+    assert interactive.fill_spans(prompt, "<extra_id_0> area") == "def «area»(self): return «?».x"

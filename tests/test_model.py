@@ -115,13 +115,3 @@ def test_kv_cache_appends_without_reallocating_every_token():
     assert cache.offset == 295
     keys, _ = cache.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
     assert keys.shape[2] == 296 and float(keys[..., -1, :].sum()) == 0
-
-
-def test_projection_split_over_cpu_streams_equals_one_matmul():
-    """Large weights are multiplied in row blocks on several streams (model.project)."""
-    import model
-
-    x = mx.random.normal((1, 3, 1024))
-    weight = mx.random.normal((4100, 1024))  # rows not divisible by the stream count
-    assert weight.size >= model._SPLIT_MIN_ELEMENTS
-    np.testing.assert_allclose(np.array(model.project(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)

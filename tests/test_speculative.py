@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 import convert
 import main
 import mlx.core as mx
-from decoder import Sampling, Stats, accept_mask, regular_generate, speculative_generate
+import sweep
+from decoder import Sampling, Settings, Stats, accept_mask, regular_generate, speculative_generate
 from model import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,9 +277,9 @@ def test_interactive_loop_changes_knobs_and_survives_bad_commands(pair):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "mode speculative, num-draft 3, delta 0.5" in out
-    assert ":delta takes a number in [0, 1] (got '7')" in out
-    assert ":num-draft takes an integer >= 1 (got 'two')" in out
-    assert ":seed takes an integer in [0, 2**64) or none (got '-5')" in out
+    assert ":delta must be a number in [0, 1] (got 7.0)" in out
+    assert ":num-draft must be an integer >= 1 (got 'two')" in out
+    assert ":seed must be an integer in [0, 2**64) (got -5)" in out
     assert "unknown command ':bogus'" in out
     assert "Accepted" in out and "decode steps, 8 tokens" in out
     assert "mode regular" in out and "speedup" in out
@@ -314,8 +315,8 @@ def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
     assert plot.stat().st_size > 1000
 
 
-class ScriptedModels:
-    """Stands in for main.Models in a sweep: regular decoding of 10 tokens
+class ScriptedRuns:
+    """Stands in for decoding in a sweep: regular decoding of 10 tokens
     takes 1, 2 then 4 s in passes 1-3; speculative decoding is 1.5x, 3x
     then 2x faster than the same pass's regular decoding."""
 
@@ -324,20 +325,19 @@ class ScriptedModels:
     def __init__(self):
         self.calls = []
 
-    def warm_up(self, prompt, settings):
-        pass
-
-    def run(self, prompt, settings):
+    def __call__(self, models, prompt, settings):
         self.calls.append("speculative" if settings.speculative else "regular")
         done = self.calls.count("regular") - 1  # index of the current pass
         seconds = self.regular_seconds[done] / (self.speedups[done] if settings.speculative else 1)
-        return [], Stats(generated=10, seconds=seconds, drafted=4 * settings.speculative, accepted=done)
+        return Stats(generated=10, seconds=seconds, drafted=4 * settings.speculative, accepted=done)
 
 
-def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys):
-    models = ScriptedModels()
-    rows = main.sweep(models, ["one prompt"], main.Settings(), [2], [0.0], plot=None, repeats=3)
-    assert models.calls == ["regular", "speculative"] * 3  # regular decoding right before each setting
+def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys, monkeypatch):
+    runs = ScriptedRuns()
+    monkeypatch.setattr(sweep, "measure", runs)
+    monkeypatch.setattr(sweep, "warm_up", lambda *args: None)
+    rows = sweep.sweep(None, ["one prompt"], Settings(), [2], [0.0], plot=None, repeats=3)
+    assert runs.calls == ["regular", "speculative"] * 3  # regular decoding right before each setting
     (row,) = rows
     # Median of the per-pass ratios: 2x. (Ratio of the medians, 15 / 5 tokens/s, would say 3x.)
     assert row["speedup"] == pytest.approx(2.0) and row["speedup_range"] == pytest.approx((1.5, 3.0))
@@ -350,9 +350,9 @@ def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--sweep", "--deltas", ""], "--deltas takes a comma-separated list of numbers in [0, 1]"),
-        (["--sweep", "--deltas", "0,1.5"], "--deltas takes a comma-separated list of numbers in [0, 1]"),
-        (["--sweep", "--num-drafts", "0,2"], "--num-drafts takes a comma-separated list of integers >= 1"),
+        (["--sweep", "--deltas", ""], "--deltas must be a comma-separated list, each a number in [0, 1] (got '')"),
+        (["--sweep", "--deltas", "0,1.5"], "--deltas must be a comma-separated list, each a number in [0, 1]"),
+        (["--sweep", "--num-drafts", "0,2"], "--num-drafts must be a comma-separated list, each an integer >= 1"),
         (["--sweep", "--repeats", "0"], "--repeats must be at least 1"),
         (["--repeats", "3"], "--repeats goes with --sweep"),
         (["--plot", "speedup.png"], "--plot goes with --sweep"),  # not silently ignored
@@ -362,8 +362,8 @@ def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys):
         (["--draft-model", ""], "speculative decoding needs --draft-model"),
         (["--draft-model", "no-such-draft"], "no converted draft 'no-such-draft' (looked for"),  # and says:
         (["--draft-model", "no-such-draft"], "(or pass --regular-decode to run the target alone)"),
-        (["--num-draft", "0"], "--num-draft must be at least 1"),
-        (["--delta", "1.5"], "--delta must be in [0, 1]"),
+        (["--num-draft", "0"], "--num-draft must be an integer >= 1 (got 0)"),
+        (["--delta", "1.5"], "--delta must be a number in [0, 1] (got 1.5)"),
         (["--temp", "nan"], "--temp must be a finite number >= 0"),
         (["--temp", "inf"], "--temp must be a finite number >= 0"),
     ],

@@ -1,0 +1,170 @@
+"""MLX's CPU backend made fast: a real BLAS on Linux, and large products split over cores.
+
+Import this module before `mlx.core`: the BLAS can only be chosen before MLX's
+library loads (loaded afterwards, it is never called: MLX has already bound
+its symbols to the bundled one).
+
+The `mlx[cpu]` wheel for Linux links the slow reference BLAS. Decoding is
+matrix-vector products over the weights, so the BLAS decides the speed.
+Loading the chosen library with RTLD_GLOBAL before MLX's own library resolves
+its symbols makes MLX call it. Debian's BLIS (`libblis4-serial`;
+`libblis3-serial` on older releases) and Intel MKL (from PyPI) are both fast
+for one-row products; BLIS is the faster of the two for the few-row products
+of speculative verification (docs/PERFORMANCE.md has the measurements).
+
+The library runs one thread: a single core's matrix-vector product reads memory
+as fast as the BLAS's own threading would, so `split_products` splits each
+large product over several MLX CPU streams (threads) instead.
+
+On macOS MLX uses Accelerate (CPU) and Metal (GPU); nothing is loaded there.
+T5_MLX_BLAS picks the library: `blis`, `mkl`, `openblas` or `bundled`, or a
+comma-separated order of preference (the default is `blis,mkl,openblas`;
+training, whose large products want MKL's threads, asks for `mkl,blis,openblas`).
+"""
+
+import ctypes
+import ctypes.util
+import functools
+import importlib.metadata
+import os
+import sys
+
+
+def _mkl_path():
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name.startswith("libmkl_rt.so"):
+            return str(file.locate())
+    return None
+
+
+# name: (where it is, its thread-count setter, the setter's argument type;
+# BLIS's default build counts in 64-bit dim_t)
+_LIBRARIES = {
+    "blis": (lambda: ctypes.util.find_library("blis"), "bli_thread_set_num_threads", ctypes.c_int64),
+    "mkl": (_mkl_path, "MKL_Set_Num_Threads", ctypes.c_int),
+    "openblas": (lambda: ctypes.util.find_library("openblas"), "openblas_set_num_threads", ctypes.c_int),
+}
+DEFAULT_ORDER = "blis,mkl,openblas"
+MLX_FIRST = "bundled reference BLAS (mlx.core was imported before cpu.py)"
+
+
+def _load() -> str:
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    if "mlx.core" in sys.modules:
+        return MLX_FIRST
+    order = [name.strip() for name in os.environ.get("T5_MLX_BLAS", "").lower().split(",") if name.strip()]
+    if order in ([], ["auto"]):
+        order = DEFAULT_ORDER.split(",")
+    for name in order:
+        if name == "bundled":
+            break
+        if name not in _LIBRARIES:
+            print(f"T5_MLX_BLAS: unknown library {name!r} (blis, mkl, openblas, bundled)", file=sys.stderr)
+            continue
+        find, setter_name, count_type = _LIBRARIES[name]
+        path = find()
+        if path is None:
+            continue
+        try:
+            library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        if hasattr(library, setter_name):
+            global _thread_setter
+            _thread_setter = getattr(library, setter_name)
+            _thread_setter.argtypes, _thread_setter.restype = [count_type], None
+            _thread_setter(1)
+        return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream)"
+    return "bundled reference BLAS (slow: apt install libblis4-serial, or pip install mkl)"
+
+
+_thread_setter = None
+
+
+def set_threads(count: int) -> None:
+    """Let the BLAS use several threads: right for training's large matrix
+    products, where decoding's matrix-vector products gain nothing from it.
+    A single-threaded build (Debian's libblis4-serial) ignores it."""
+    if _thread_setter is not None:
+        _thread_setter(count)
+
+
+ACTIVE = _load()
+SLOW = ACTIVE.startswith("bundled")  # 4-5x slower matrix products than a real BLAS
+
+import mlx.core as mx  # noqa: E402  (after the BLAS is loaded)
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_map  # noqa: E402
+
+# Splitting costs a join between threads: worth it from ~8 MB of float32
+# weights (T5-large's FFN and head; every projection of T5-11B). On 2 cores,
+# T5-large decoding ran ~5-8% faster than MKL's own 2-thread product.
+SPLIT_MIN_ELEMENTS = 2_000_000
+
+
+@functools.cache  # on first use, not at import: the default device may change in between
+def streams() -> tuple:
+    """One stream per core (up to 4) on a multi-core CPU; none on a GPU,
+    which is parallel already."""
+    count = min(os.cpu_count() or 1, 4)
+    if mx.default_device() != mx.cpu or count < 2:
+        return ()
+    return (mx.default_stream(mx.cpu),) + tuple(mx.new_stream(mx.cpu) for _ in range(count - 1))
+
+
+def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """x @ weight.T with the weight's rows split over the CPU streams, which
+    run on their own threads: decoding reads every weight once per token, and
+    one core alone cannot saturate memory."""
+    parts = streams()
+    if len(parts) < 2:
+        return x @ weight.T
+    rows = -(-weight.shape[0] // len(parts))
+    products = [mx.matmul(x, weight[i * rows : (i + 1) * rows].T, stream=s) for i, s in enumerate(parts)]
+    return mx.concatenate(products, axis=-1)
+
+
+class SplitLinear(nn.Module):
+    """A bias-free nn.Linear computed by split_matmul."""
+
+    def __init__(self, weight: mx.array):
+        super().__init__()
+        self.weight = weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return split_matmul(x, self.weight)
+
+
+class SplitEmbedding(nn.Embedding):
+    """An nn.Embedding whose linear form (a tied output head) is split."""
+
+    def __init__(self, weight: mx.array):
+        nn.Module.__init__(self)
+        self.weight = weight
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return split_matmul(x, self.weight)
+
+
+def split_products(model: nn.Module) -> nn.Module:
+    """Swap the model's large float projections (and a tied head) for split
+    ones, in place, as nn.quantize swaps layers; on a GPU or a single core,
+    nothing changes. The weights are the same arrays, under the same names."""
+    if not streams():
+        return model
+
+    def split(module):
+        if type(module) is nn.Linear and "bias" not in module and module.weight.size >= SPLIT_MIN_ELEMENTS:
+            return SplitLinear(module.weight)
+        if type(module) is nn.Embedding and module.weight.size >= SPLIT_MIN_ELEMENTS:
+            return SplitEmbedding(module.weight)
+        return module
+
+    leaves = tree_map(split, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
+    return model

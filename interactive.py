@@ -1,0 +1,209 @@
+"""The interactive loop (`main.py --interactive`), and how a generation is shown at a terminal.
+
+Models load once; prompts generate with the current settings, and commands
+change them: one `:name value` per knob of decoder.KNOBS, plus the mode,
+:compare, :show, :demo N (with --demo) and :quit.
+"""
+
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field, replace
+
+from decoder import KNOBS, OptionError, Settings, Stats, measure, stream_generate, warm_up
+from model import Models
+
+SENTINEL = re.compile(r"<extra_id_(\d+)>")
+
+
+# ---------------------------------------------------------------- showing a generation
+
+
+def stats_line(stats: Stats, speculative: bool) -> str:
+    line = f"{stats.generated} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s)"
+    if speculative:
+        return (
+            f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}), "
+            f"{stats.target_calls} decode steps ({stats.tokens_per_target_call:.2f} tokens each), " + line
+        )
+    return f"{stats.target_calls} decode steps, " + line
+
+
+def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> tuple[str, Stats]:
+    """Stream the text as it comes, then the statistics line."""
+    out = out or sys.stdout
+    pieces = []
+    for response in stream_generate(models, prompt, **vars(settings)):
+        out.write(response.text)
+        out.flush()
+        pieces.append(response.text)
+    print(file=out)
+    speculative = settings.speculative and models.draft is not None
+    print(stats_line(response.stats, speculative), file=out)
+    return "".join(pieces), response.stats
+
+
+def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
+    """Regular then speculative decoding of one prompt, with times and speedup."""
+    warm_up(models, prompt, settings)
+    results = {}
+    for speculative in (False, True):
+        label = "speculative" if speculative else "regular"
+        print(f"--- {label}", file=out)
+        _, results[label] = show_generation(models, prompt, replace(settings, speculative=speculative), out)
+    regular, spec = results["regular"], results["speculative"]
+    speedup = spec.tokens_per_second / regular.tokens_per_second if regular.tokens_per_second else 0.0
+    print(f"regular {regular.seconds:.2f} s, speculative {spec.seconds:.2f} s: speedup {speedup:.2f}x "
+          f"(num-draft {settings.num_draft}, delta {settings.delta})", file=out)
+
+
+def show_speedup(models: Models, prompt: str, settings: Settings, runs: int = 3, out=None) -> float:
+    """Time both modes on the prompt, alternating, and print the speedup of
+    the medians: a short generation's single timing is too noisy to quote."""
+    warm_up(models, prompt, settings)
+    times = {False: [], True: []}
+    for _ in range(runs):
+        for speculative in (False, True):
+            times[speculative].append(measure(models, prompt, replace(settings, speculative=speculative)).tokens_per_second)
+    regular, spec = statistics.median(times[False]), statistics.median(times[True])
+    speedup = spec / regular if regular else 0.0
+    print(f"Speculative decoding ran {speedup:.2f}x as fast as regular decoding on this prompt "
+          f"({spec:.0f} against {regular:.0f} tokens/s, medians of {runs} runs each)", file=out)
+    return speedup
+
+
+def fill_spans(prompt: str, output: str) -> str:
+    """The prompt with each <extra_id_N> replaced by the span the model wrote
+    after it in its output, marked «like this»."""
+    pieces = SENTINEL.split(output)  # text, id, span, id, span, ...
+    spans = {int(pieces[i]): pieces[i + 1].strip() for i in range(1, len(pieces) - 1, 2)}
+    return SENTINEL.sub(lambda m: f"«{spans.get(int(m.group(1)), '?')}»", prompt)
+
+
+def show_filled(prompt: str, output: str, out=None) -> None:
+    """For a span-corruption prompt (T5's pre-training task), the prompt with its spans filled in."""
+    if SENTINEL.search(prompt) and SENTINEL.search(output):
+        print(f"\nFilled in:\n{fill_spans(prompt, output)}", file=out)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def knob_lines() -> str:
+    width = max(len(knob.flag) for knob in KNOBS.values()) + 4
+    return "\n".join(f"  :{knob.flag + (' N' if knob.type is int else ' X'):<{width}} {knob.help}"
+                     + (" (or none)" if knob.optional else "") for knob in KNOBS.values())
+
+
+@dataclass
+class Session:
+    """What the loop carries from one line to the next."""
+
+    models: Models
+    settings: Settings
+    examples: list[str] | None = None  # --demo's held-out prompts, for :demo N
+    last_prompt: str | None = None
+    out: object = field(default=None)
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out)
+
+    def help(self) -> str:
+        lines = ["Type a prompt to generate. Commands:", knob_lines(),
+                 "  :regular / :speculative   decoding mode",
+                 "  :compare                  regular vs speculative on the last prompt",
+                 "  :show                     current settings",
+                 "  :help   :quit             (Ctrl-C stops a generation, Ctrl-D exits)"]
+        if self.examples:
+            lines.append(f"  :demo N                   run held-out demo prompt N (1-{len(self.examples)}): code with masked spans")
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        has_draft = self.models.draft is not None
+        mode = ("speculative" if self.settings.speculative and has_draft else "regular") + ("" if has_draft else " (no draft model)")
+        return f"mode {mode}, " + ", ".join(f"{knob.flag} {getattr(self.settings, name)}" for name, knob in KNOBS.items())
+
+    def generate(self, prompt: str) -> None:
+        self.last_prompt = prompt
+        text, _ = show_generation(self.models, prompt, self.settings, self.out)
+        show_filled(prompt, text, self.out)
+
+    def command(self, line: str) -> bool:
+        """Apply one ':command'; False to quit."""
+        name, _, value = line[1:].strip().partition(" ")
+        value = value.strip()
+        if name in ("quit", "exit", "q"):
+            return False
+        if name == "help":
+            self.say(self.help())
+        elif name == "show":
+            self.say(self.describe())
+        elif name in ("regular", "speculative"):
+            if name == "speculative" and self.models.draft is None:
+                self.say("no draft model loaded (started with --regular-decode)")
+            else:
+                self.settings = replace(self.settings, speculative=name == "speculative")
+                self.say(self.describe())
+        elif name == "compare":
+            if self.models.draft is None:
+                self.say("no draft model loaded")
+            elif self.last_prompt is None:
+                self.say("type a prompt first")
+            else:
+                compare(self.models, self.last_prompt, self.settings, self.out)
+        elif name == "demo":
+            self.run_example(value or "1")
+        elif name.replace("-", "_") in KNOBS:
+            knob = KNOBS[name.replace("-", "_")]
+            try:
+                self.settings = replace(self.settings, **{knob.name: knob.parse(value, f":{name}")})
+                self.say(self.describe())
+            except OptionError as e:
+                self.say(str(e))
+        else:
+            self.say(f"unknown command ':{name}' (:help lists them)")
+        return True
+
+    def run_example(self, number: str) -> None:
+        if not self.examples:
+            self.say(":demo needs the demo pair (start with --demo)")
+        elif not number.isdigit() or not 1 <= int(number) <= len(self.examples):
+            self.say(f":demo takes a prompt number from 1 to {len(self.examples)} (got '{number}')")
+        else:
+            prompt = self.examples[int(number) - 1]
+            self.say(prompt)
+            self.generate(prompt)
+
+    def run(self, first_prompt: str | None = None) -> None:
+        """Read lines until :quit or end of input; first_prompt runs as if typed first."""
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        self.say("Warming up ...")
+        warm_up(self.models, first_prompt or (self.examples[0] if self.examples else "warm up"), self.settings)
+        self.say(self.help())
+        self.say(self.describe())
+        while True:
+            try:
+                if first_prompt:
+                    line, first_prompt = first_prompt, None
+                    self.say(f"> {line}")
+                else:
+                    line = input("> ").strip()
+            except EOFError:
+                self.say("")
+                return
+            except KeyboardInterrupt:
+                self.say("")
+                continue
+            if not line:
+                continue
+            try:
+                if line.startswith(":"):
+                    if not self.command(line):
+                        return
+                else:
+                    self.generate(line)
+            except KeyboardInterrupt:
+                self.say("\n[stopped]")

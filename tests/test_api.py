@@ -1,0 +1,158 @@
+"""The Python API: model.load, decoder.generate and stream_generate, and their errors."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import main
+from decoder import Detokenizer, OptionError, generate, stream_generate
+from model import LoadError, ModelNotFound, T5Error, load, load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "demo"
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    return load(DEMO / "target", draft=DEMO / "draft")
+
+
+@pytest.fixture(scope="module")
+def demo_prompts():
+    return main.demo_prompts()
+
+
+@pytest.mark.parametrize("options, flags", [
+    (dict(), []),
+    (dict(num_draft=3, delta=0.5), ["--num-draft", "3", "--delta", "0.5"]),
+    (dict(speculative=False), ["--regular-decode"]),
+    (dict(temp=0.8, top_p=0.9, seed=7), ["--temp", "0.8", "--top-p", "0.9", "--seed", "7"]),
+])
+def test_streamed_pieces_join_to_generate_text_and_the_cli_json_text(demo_pair, demo_prompts, capsys, options, flags):
+    prompt = demo_prompts[2]
+    responses = list(stream_generate(demo_pair, prompt, **options))
+    *steps, last = responses
+    assert all(r.token is not None for r in steps) and last.token is None and last.finish_reason == "eos"
+    text = "".join(r.text for r in responses)
+    assert text == generate(demo_pair, prompt, **options)
+    assert text == demo_pair.tokenizer.decode([r.token for r in steps])
+    # The CLI's default delta is 0.1, the library's 0.
+    assert main.main(["--demo", "--delta", "0", *flags, "--prompt", prompt, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["text"] == text and result["tokens"] == [r.token for r in steps]
+
+
+def test_the_last_response_says_length_when_max_tokens_stops_it(demo_pair, demo_prompts):
+    responses = list(stream_generate(demo_pair, demo_prompts[0], max_tokens=5))
+    assert len(responses) == 6 and responses[-1].finish_reason == "length" and responses[-1].stats.generated == 5
+
+
+def test_without_a_draft_generation_is_the_targets_own(demo_prompts):
+    alone = load(DEMO / "target")
+    assert alone.draft is None
+    responses = list(stream_generate(alone, demo_prompts[1]))
+    assert responses[-1].stats.drafted == 0
+    assert "".join(r.text for r in responses) == generate(load(DEMO / "target", draft=DEMO / "draft"), demo_prompts[1])
+
+
+@pytest.mark.parametrize("clean_up_spaces", [False, True])
+def test_detokenizer_equals_decoding_everything_at_once_for_any_token_sequence(clean_up_spaces):
+    """Random ids, special tokens, sentinels and punctuation included, streamed
+    one at a time. A tokenizer configured to remove spaces before punctuation
+    (transformers 4's default) is decoded without that, as a stream must be."""
+    tokenizer = load_tokenizer(DEMO / "target")
+    tokenizer.clean_up_tokenization_spaces = clean_up_spaces
+    punctuation = [i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i) in (".", "▁", ",", "?", "'", "n", "s")]
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice(punctuation) if rng.random() < 0.4 else rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        detokenizer = Detokenizer(tokenizer)
+        text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
+        assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False), ids
+
+
+def test_detokenizer_work_per_token_does_not_grow_with_the_output(demo_pair):
+    """Each token decodes a short window, never the whole prefix."""
+    decoded_lengths = []
+
+    class CountingTokenizer:
+        def decode(self, ids, **options):
+            decoded_lengths.append(len(ids))
+            return demo_pair.tokenizer.decode(ids, **options)
+
+    ids = demo_pair.tokenizer(" ".join(main.demo_prompts() * 3)).input_ids
+    assert len(ids) > 3000
+    detokenizer = Detokenizer(CountingTokenizer())
+    text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
+    assert text == demo_pair.tokenizer.decode(ids)
+    assert max(decoded_lengths) <= 4, max(decoded_lengths)
+
+
+def test_load_resolves_names_from_elsewhere_through_the_repository(tmp_path, monkeypatch):
+    """A relative name not found from the current folder is looked up from the repository's."""
+    monkeypatch.chdir(tmp_path)
+    models = load("demo/target", draft="demo/draft")
+    assert models.target_path.resolve() == DEMO / "target" and models.draft is not None
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: load("no-such-model"), ModelNotFound, "no converted target 'no-such-model'"),
+    (lambda: load(DEMO / "target", draft="no-such-draft"), ModelNotFound, "no converted draft 'no-such-draft'"),
+    (lambda: load(DEMO), LoadError, "has no config.json"),
+    (lambda: load(DEMO / "target", draft=""), ModelNotFound, "no draft named"),
+])
+def test_load_errors_are_the_librarys_own_and_name_no_cli_flags(call, error, message):
+    with pytest.raises(error) as raised:
+        call()
+    assert message in str(raised.value) and "--" not in str(raised.value).replace("python convert.py --model", "")
+    assert isinstance(raised.value, T5Error)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_draft=0), "num_draft must be an integer >= 1 (got 0)"),
+    (dict(delta=-0.1), "delta must be a number in [0, 1]"),
+    (dict(temp=float("inf")), "temp must be a finite number >= 0"),
+    (dict(top_p=0), "top_p must be a number in (0, 1]"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer >= 1"),
+    (dict(seed=-1), "seed must be an integer in [0, 2**64)"),
+])
+def test_options_out_of_range_raise_option_error_naming_the_keyword(demo_pair, options, message):
+    with pytest.raises(OptionError) as raised:
+        generate(demo_pair, "def f(x): return <extra_id_0>", **options)
+    assert str(raised.value).startswith(message) and isinstance(raised.value, ValueError)
+
+
+def test_an_empty_prompt_and_an_unknown_option_are_refused(demo_pair):
+    with pytest.raises(OptionError, match="the prompt is empty"):
+        generate(demo_pair, "   ")
+    with pytest.raises(TypeError):
+        generate(demo_pair, "x", num_drafts=3)
+    with pytest.raises(TypeError):  # options are keywords only
+        load(DEMO / "target", DEMO / "draft")
+
+
+def test_a_seed_makes_sampling_reproducible(demo_pair, demo_prompts):
+    options = dict(temp=1.5, seed=3, max_tokens=30)
+    first = generate(demo_pair, demo_prompts[4], **options)
+    assert first == generate(demo_pair, demo_prompts[4], **options)
+    assert first != generate(demo_pair, demo_prompts[4], **{**options, "seed": 4})
+
+
+def readme_api_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n", text.index("## Python API")) + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def test_the_readme_api_example_runs_from_a_script_outside_the_repository(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + readme_api_example())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "<extra_id_0>" in done.stdout and "warning" not in done.stderr.lower(), done.stderr

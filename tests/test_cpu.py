@@ -1,0 +1,127 @@
+"""cpu.py: which BLAS MLX ends up calling on Linux, and products split over CPU streams."""
+
+import json
+import os
+import subprocess
+import sys
+from ctypes.util import find_library
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="cpu.py loads no BLAS outside Linux")
+needs_mkl = pytest.mark.skipif(cpu._mkl_path() is None, reason="MKL is installed from the requirements on x86-64 only")
+
+
+def env_asking_for(order: str | None) -> dict:
+    return {k: v for k, v in os.environ.items() if k != "T5_MLX_BLAS"} | ({"T5_MLX_BLAS": order} if order is not None else {})
+
+
+def python(code: str, order: str | None = None) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter (the BLAS is chosen once per process)."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_asking_for(order),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def active(order: str | None) -> str:
+    return python("import cpu; print(cpu.ACTIVE)", order).stdout.strip()
+
+
+@linux_only
+def test_the_default_is_blis_when_installed_else_another_fast_library():
+    expected = {"blis"} if find_library("blis") else {"mkl", "openblas"}
+    for order in (None, "", "auto"):
+        assert active(order).split()[0] in expected, order
+
+
+@linux_only
+@needs_mkl
+def test_the_first_installed_library_of_the_requested_order_wins():
+    assert active("mkl").startswith("mkl")
+    assert active("mkl,blis").startswith("mkl")
+    assert active("bundled,mkl").startswith("bundled")
+
+
+@linux_only
+@needs_mkl
+def test_an_unknown_name_is_reported_on_stderr_and_skipped():
+    done = python("import cpu; print(cpu.ACTIVE)", "not-a-blas,mkl")
+    assert done.stdout.startswith("mkl") and "unknown library 'not-a-blas'" in done.stderr
+
+
+@linux_only
+@needs_mkl
+def test_a_library_that_is_missing_or_will_not_load_is_skipped():
+    # find_library answers "not found" for BLIS and a file that is no library for OpenBLAS.
+    code = ("import ctypes.util; ctypes.util.find_library = lambda name: {'openblas': '/etc/hostname'}.get(name); "
+            "import cpu; print(cpu.ACTIVE)")
+    assert python(code, "blis,openblas,mkl").stdout.startswith("mkl")
+
+
+@linux_only
+def test_importing_mlx_first_is_reported_not_hidden():
+    assert "imported before cpu.py" in python("import mlx.core; import cpu; print(cpu.ACTIVE)").stdout
+
+
+@linux_only
+def test_the_api_warns_once_when_mlx_was_imported_before_it():
+    """MLX binds its BLAS when it loads, so a fast one loaded later is never called: say so, once."""
+    code = ("import warnings; warnings.simplefilter('always'); import mlx.core; from model import load; "
+            "load('demo/target'); load('demo/target'); print('loaded')")
+    done = python(code)
+    assert done.stdout.strip() == "loaded"
+    assert done.stderr.count("bundled reference BLAS (mlx.core was imported before cpu.py)") == 1, done.stderr
+
+
+@linux_only
+@pytest.mark.parametrize("order, warned", [("bundled", True), (None, False)])
+def test_main_warns_on_stderr_only_when_the_slow_bundled_blas_is_active(order, warned):
+    done = subprocess.run([sys.executable, "main.py", "--demo", "--max-tokens", "3", "--json"],
+                          cwd=ROOT, env=env_asking_for(order), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["generated"] == 3  # stdout stays one JSON object
+    assert ("bundled reference BLAS" in done.stderr) == warned
+    assert done.stderr.count("warning:") == warned  # once, on one line
+
+
+def test_split_matmul_equals_one_matmul():
+    """Large weights are multiplied in row blocks on several streams."""
+    import mlx.core as mx
+
+    x = mx.random.normal((1, 3, 1024))
+    weight = mx.random.normal((4100, 1024))  # rows not divisible by the stream count
+    np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
+
+
+def test_split_products_swaps_only_large_projections_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
+    """A model whose tied head is over the threshold and whose FFN is not: the
+    head is split, the FFN is not, and the logits are the unsplit model's."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from checkpoints import make_checkpoint, t5_config
+
+    import convert
+    from model import load_model
+
+    if not cpu.streams():
+        pytest.skip("one core or a GPU: nothing is split")
+    make_checkpoint(tmp_path / "hf", t5_config(vocab_size=20000, d_model=128, d_ff=256, initializer_factor=1.0), 0, tokenizer_dir)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    split = load_model(tmp_path / "mlx")
+    assert split.shared.weight.size >= cpu.SPLIT_MIN_ELEMENTS and isinstance(split.shared, cpu.SplitEmbedding)
+    assert type(split.decoder.layers[0].ffn.wi) is nn.Linear
+    monkeypatch.setattr(cpu, "split_products", lambda model: model)
+    whole = load_model(tmp_path / "mlx")
+    assert type(whole.shared) is nn.Embedding
+
+    def logits(model):
+        return np.array(model.decode(mx.array([[0, 5, 9]]), model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))))
+
+    np.testing.assert_allclose(logits(split), logits(whole), rtol=1e-5, atol=1e-4)
