@@ -1,24 +1,26 @@
 """Measure decoding speed against Hugging Face transformers.
 
     python bench.py regular          # T5-large-shaped random fp32 checkpoint, 100 tokens
-    python bench.py speculative      # a target/draft pair with controlled agreement
+    python bench.py speculative      # the benchmark pair, on held-out demo prompts
     python bench.py                  # both
 
 Checkpoints are built once under bench_models/ and converted with convert.py.
 Runs of ours and of transformers (PyTorch CPU, same thread count, in a separate
 process so neither library's threading settings touch the other) alternate,
-and the tables report medians.
+and the tables report medians. Every table starts with the machine it ran on.
 
-The speculative pair: random weights make two models never agree, so the
-target embeds the draft exactly (same embeddings, the draft's layers first
-with their FFN zero-padded to a wider d_ff) and adds layers whose output
-projections are scaled by a small epsilon: the draft plus an epsilon-sized
-perturbation, costing what a larger model costs.
+The benchmark pair has trained agreement: the draft is the demo target
+(demo/, 8.4 M parameters), and the target embeds it exactly and adds 18+18
+random layers whose output projections are scaled down, with FFNs widened to
+d_ff 8192 (about 220 M parameters). The draft agrees with it on any prompt,
+as far as the extra layers let it; random weights never agree.
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -27,56 +29,51 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+DEMO = ROOT / "demo"
 T5_LARGE = dict(vocab_size=32128, d_model=1024, d_ff=4096, num_heads=16, d_kv=64, num_layers=24, initializer_factor=1.0)
-PAIR_DRAFT = dict(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, initializer_factor=10.0)
-PAIR_TARGET = dict(PAIR_DRAFT, d_ff=8192, num_layers=24)  # 18 extra layers per stack
-PAIR_EPSILON = 0.001  # greedy acceptance ~0.8 at num-draft 4 (initializer_factor 10 makes the target chaotic)
-PAIR_DRAFT_SEED = 3  # greedy output of 83 distinct tokens in 100 (most seeds repeat a few)
 PROMPT_IDS = [13, 52, 999, 81, 7, 402, 33, 91, 18, 640, 22, 5, 77, 301, 9, 1]
+# The target grown from the demo target. Scale 0.2 gives acceptance ~0.8 at num-draft 4 on the demo prompts,
+# and 11 of the 20 greedy outputs still differ from the draft's (at 0.5: 0.57, and 17 of 20).
+PAIR = dict(extra_layers=18, d_ff=8192, scale=0.2, seed=1)
 
 
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "demo")]  # checkpoints.py (random T5 checkpoints), train.py
+def machine() -> str:
+    """CPU model, cores and BLAS: ratios move from machine to machine."""
+    import cpu
+
+    model = platform.processor() or platform.machine()
+    if sys.platform == "linux":
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    elif sys.platform == "darwin":
+        model = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+    return f"{model}, {os.cpu_count()} cores, BLAS {cpu.ACTIVE.split(' (')[0]}"
 
 
-def tokenizer_folder(root: Path) -> Path:
-    from checkpoints import train_tokenizer
-
-    folder = root / "tokenizer"
-    return folder if (folder / "tokenizer.json").exists() else train_tokenizer(folder)
-
-
-def build_checkpoint(folder: Path) -> Path:
+def build_large(folder: Path) -> Path:
     from checkpoints import make_checkpoint, t5_config
 
     if not (folder / "config.json").exists():
         print(f"building a random T5-large-shaped checkpoint in {folder} ...", file=sys.stderr)
-        make_checkpoint(folder, t5_config(**T5_LARGE), 0, tokenizer_folder(folder.parent))
+        make_checkpoint(folder, t5_config(**T5_LARGE), 0, DEMO / "target")
     return folder
 
 
 def build_pair(root: Path) -> tuple[Path, Path]:
     """(target, draft) Hugging Face checkpoints; see the module docstring."""
-    import torch
-    from checkpoints import make_checkpoint, t5_config
-    from safetensors.torch import load_file, save_file
+    import train
+    from checkpoints import grow_target
+
+    from model import load_model
 
     draft, target = root / "pair-draft", root / "pair-target"
-    if (target / "config.json").exists():
-        return target, draft
-    print(f"building the speculative pair in {root} ...", file=sys.stderr)
-    tokenizer = tokenizer_folder(root)
-    make_checkpoint(draft, t5_config(**PAIR_DRAFT), PAIR_DRAFT_SEED, tokenizer)
-    make_checkpoint(target, t5_config(**PAIR_TARGET), 1, tokenizer)
-    draft_state = load_file(str(draft / "model.safetensors"))
-    state = load_file(str(target / "model.safetensors"))
-    for name, tensor in state.items():
-        if name in draft_state:  # the draft's layers, embeddings and norms, FFN zero-padded
-            padded = torch.zeros_like(tensor)
-            padded[tuple(slice(0, n) for n in draft_state[name].shape)] = draft_state[name]
-            state[name] = padded
-        elif name.endswith(("SelfAttention.o.weight", "EncDecAttention.o.weight", "DenseReluDense.wo.weight")):
-            state[name] = tensor * PAIR_EPSILON  # extra layers: an epsilon-sized perturbation
-    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    if not (draft / "config.json").exists():
+        train.save_hugging_face(load_model(DEMO / "target"), DEMO / "target", draft)
+    if not (target / "config.json").exists():
+        print(f"building the benchmark pair's target in {target} ...", file=sys.stderr)
+        grow_target(draft, target, **PAIR)
     return target, draft
 
 
@@ -109,44 +106,70 @@ def memory_read_bandwidth() -> float:
     return data.nbytes / statistics.median(times)
 
 
-def hf_worker(checkpoint: str, tokens: int, assistant: str | None, num_draft: int) -> None:
-    """Persistent transformers process: one greedy generation per input line,
-    assisted by `assistant` with a constant number of draft tokens if given."""
+def hf_worker(checkpoint: str, assistant: str | None, num_draft: int, cache_fix: bool) -> None:
+    """Persistent transformers process: one greedy generation per input line
+    (JSON: prompt ids, max and min new tokens), assisted by `assistant` with a
+    constant number of draft tokens if given. It counts the candidates the
+    assistant proposed and the target accepted, round by round.
+
+    cache_fix: transformers 5 drafts from a corrupted cache when the assistant
+    is an encoder-decoder model. `_prefill` cuts the already-cached tokens off
+    the assistant's decoder input only when an attention mask as long as that
+    input is given, and none is: each round feeds the whole sequence again on
+    top of the cache. Passing the mask restores drafting from the right
+    context (docs/PERFORMANCE.md has the evidence)."""
     import torch
     from transformers import T5ForConditionalGeneration
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = T5ForConditionalGeneration.from_pretrained(checkpoint).eval()
-    options = {}
+    options, counts = {}, {"proposed": 0, "accepted": 0}
     if assistant:
         draft = T5ForConditionalGeneration.from_pretrained(assistant).eval()
         draft.generation_config.num_assistant_tokens = num_draft
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
         options["assistant_model"] = draft
-    prompt = torch.tensor([PROMPT_IDS])
+        update, get_candidates = AssistedCandidateGenerator.update_candidate_strategy, AssistedCandidateGenerator.get_candidates
+
+        def counting(self, input_ids, scores, num_matches):
+            counts["proposed"] += scores.shape[1] - 1  # the candidates; the last score is the target's own token
+            counts["accepted"] += int(num_matches)
+            return update(self, input_ids, scores, num_matches)
+
+        def with_decoder_mask(self, input_ids, **kwargs):
+            self.assistant_kwargs["decoder_attention_mask"] = torch.ones_like(input_ids)
+            return get_candidates(self, input_ids, **kwargs)
+
+        AssistedCandidateGenerator.update_candidate_strategy = counting
+        if cache_fix:
+            AssistedCandidateGenerator.get_candidates = with_decoder_mask
     print(json.dumps({"ready": torch.__version__}), flush=True)
-    for _ in sys.stdin:
+    for line in sys.stdin:
+        request = json.loads(line)
+        counts.update(proposed=0, accepted=0)
         with torch.no_grad():
             start = time.perf_counter()
-            out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1, **options)
+            out = model.generate(torch.tensor([request["prompt"]]), max_new_tokens=request["tokens"],
+                                 min_new_tokens=request["min_tokens"], do_sample=False, num_beams=1, **options)
             seconds = time.perf_counter() - start
-        print(json.dumps({"seconds": seconds, "tokens": out[0, 1:].tolist()}), flush=True)
+        tokens = [t for t in out[0, 1:].tolist() if t != model.config.eos_token_id]
+        print(json.dumps({"seconds": seconds, "tokens": tokens, **counts}), flush=True)
 
 
 class HFWorker:
-    def __init__(self, checkpoint: Path, tokens: int, assistant: Path | None = None, num_draft: int = 0):
-        command = [sys.executable, __file__, "--hf-worker", str(checkpoint), "--tokens", str(tokens), "--num-draft", str(num_draft)]
+    def __init__(self, checkpoint: Path, assistant: Path | None = None, num_draft: int = 0, cache_fix: bool = False):
+        command = [sys.executable, __file__, "--hf-worker", str(checkpoint), "--num-draft", str(num_draft)]
         if assistant:
-            command += ["--assistant", str(assistant)]
+            command += ["--assistant", str(assistant)] + ["--cache-fix"] * cache_fix
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         self.torch_version = json.loads(self.process.stdout.readline())["ready"]
 
-    def run(self) -> tuple[float, list[int]]:
-        self.process.stdin.write("go\n")
+    def run(self, prompt: list[int], tokens: int, min_tokens: int = 0) -> dict:
+        self.process.stdin.write(json.dumps({"prompt": prompt, "tokens": tokens, "min_tokens": min_tokens}) + "\n")
         self.process.stdin.flush()
-        result = json.loads(self.process.stdout.readline())
-        return result["seconds"], result["tokens"]
+        return json.loads(self.process.stdout.readline())
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -168,10 +191,6 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def median_rate(tokens: int, times: list[float]) -> float:
-    return tokens / statistics.median(times)
-
-
 def print_table(title: str, rows: list[tuple[str, str]]) -> None:
     print(f"\n{title}\n\n| measure | value |\n|---|---|")
     for name, value in rows:
@@ -179,13 +198,12 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def bench_regular(args) -> None:
-    import blas
     import mlx.core as mx
 
     from decoder import Sampling, Stats, regular_generate
     from model import load_model
 
-    hf_dir = build_checkpoint(args.dir / "t5-large-random")
+    hf_dir = build_large(args.dir / "t5-large-random")
     mlx_dir = args.dir / "t5-large-random-mlx"
     convert_start = time.perf_counter()
     convert_peak = convert_measuring_memory(hf_dir, mlx_dir)
@@ -195,36 +213,40 @@ def bench_regular(args) -> None:
     start = time.perf_counter()
     model = load_model(mlx_dir)
     load_seconds = time.perf_counter() - start
-    worker = HFWorker(hf_dir, args.tokens)
+    worker = HFWorker(hf_dir)
 
     def ours():
         stats = Stats()
         tokens = list(regular_generate(model, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
         return stats.seconds, tokens
 
-    ours(), worker.run()  # warm-up
+    def theirs():
+        result = worker.run(PROMPT_IDS, args.tokens, min_tokens=args.tokens)
+        return result["seconds"], result["tokens"]
+
+    ours(), theirs()  # warm-up
     our_times, their_times = [], []
     for _ in range(args.repeats):
         seconds, our_tokens = ours()
         our_times.append(seconds)
-        seconds, their_tokens = worker.run()
+        seconds, their_tokens = theirs()
         their_times.append(seconds)
     worker.close()
 
     bandwidth = memory_read_bandwidth()
     per_token = weight_bytes_per_token(model)
-    our_rate, their_rate = median_rate(args.tokens, our_times), median_rate(args.tokens, their_times)
+    our_rate, their_rate = (args.tokens / statistics.median(times) for times in (our_times, their_times))
     achieved = per_token * our_rate
-    threads = os.cpu_count()
     print_table(f"Regular greedy decoding, {args.tokens} tokens, median of {args.repeats} alternating runs", [
+        ("machine", machine()),
         ("checkpoint", f"random T5-large shapes, float32, {source_bytes / 1e9:.2f} GB"),
-        ("ours: MLX " + mx.__version__ + ", BLAS " + blas.ACTIVE.split(" (")[0], f"{our_rate:.2f} tokens/s"),
-        (f"transformers (PyTorch {worker.torch_version} CPU, {threads} threads)", f"{their_rate:.2f} tokens/s"),
+        (f"ours (MLX {mx.__version__})", f"{our_rate:.2f} tokens/s"),
+        (f"transformers (PyTorch {worker.torch_version} CPU, {os.cpu_count()} threads)", f"{their_rate:.2f} tokens/s"),
         ("speedup over transformers", f"{our_rate / their_rate:.2f}x"),
         ("same greedy tokens", "yes" if our_tokens == their_tokens else "NO"),
         ("weights read per token", f"{per_token / 1e9:.2f} GB"),
         ("achieved weight bandwidth", f"{achieved / 1e9:.1f} GB/s"),
-        (f"machine read bandwidth ({threads} threads)", f"{bandwidth / 1e9:.1f} GB/s"),
+        (f"machine read bandwidth ({os.cpu_count()} threads)", f"{bandwidth / 1e9:.1f} GB/s"),
         ("fraction of the bandwidth limit", f"{achieved / bandwidth:.0%}"),
         ("load converted model (before first forward)", f"{load_seconds:.2f} s"),
         ("conversion: time, peak RSS", f"{convert_seconds:.1f} s, {convert_peak / 1e6:.0f} MB"),
@@ -248,101 +270,106 @@ def step_seconds(model, width: int = 1, steps: int = 20) -> float:
 
 
 def bench_speculative(args) -> None:
-    import mlx.core as mx
-
+    import main
     from decoder import Sampling, Stats, regular_generate, speculative_generate
-    from model import load_model
+    from model import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
-    target_dir, draft_dir = args.dir / "pair-target-mlx", args.dir / "pair-draft-mlx"
-    for source, out in ((target_hf, target_dir), (draft_hf, draft_dir)):
-        if not (out / "config.json").exists():
-            convert_measuring_memory(source, out)
-    target, draft = load_model(target_dir), load_model(draft_dir)
-    worker_regular = HFWorker(target_hf, args.tokens)
-    worker_assisted = HFWorker(target_hf, args.tokens, draft_hf, args.num_draft)
+    target_dir = args.dir / "pair-target-mlx"
+    if not (target_dir / "config.json").exists():
+        convert_measuring_memory(target_hf, target_dir)
+    target, draft = load_model(target_dir), load_model(DEMO / "target")
+    tokenizer = load_tokenizer(DEMO / "target")
+    prompts = [tokenizer(text).input_ids for text in main.demo_prompts()[: args.prompts]]
+    workers = {"hf regular": HFWorker(target_hf), "hf assisted": HFWorker(target_hf, draft_hf, args.num_draft),
+               "hf assisted, fixed": HFWorker(target_hf, draft_hf, args.num_draft, cache_fix=True)}
 
-    def regular():
+    def ours(speculative: bool, prompt: list[int]) -> tuple[Stats, list[int]]:
         stats = Stats()
-        tokens = list(regular_generate(target, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
+        if speculative:
+            tokens = list(speculative_generate(target, draft, prompt, args.tokens, Sampling(), args.num_draft, 0.0, stats))
+        else:
+            tokens = list(regular_generate(target, prompt, args.tokens, Sampling(), stats))
         return stats, tokens
 
-    def speculative():
-        stats = Stats()
-        tokens = list(speculative_generate(target, draft, PROMPT_IDS, args.tokens, Sampling(), args.num_draft, 0.0, stats))
-        return stats, tokens
+    def one_pass() -> dict:
+        """Each decoder over every prompt, alternating prompt by prompt: (seconds, tokens, counts) summed."""
+        totals = {name: {"seconds": 0.0, "tokens": [], "proposed": 0, "accepted": 0}
+                  for name in ("regular", "speculative", *workers)}
+        for prompt in prompts:
+            for name, speculative in (("regular", False), ("speculative", True)):
+                stats, tokens = ours(speculative, prompt)
+                totals[name]["seconds"] += stats.seconds
+                totals[name]["tokens"].append(tokens)
+                totals[name]["proposed"] += stats.drafted
+                totals[name]["accepted"] += stats.accepted
+            for name, worker in workers.items():
+                result = worker.run(prompt, args.tokens)
+                totals[name]["seconds"] += result["seconds"]
+                totals[name]["tokens"].append(result["tokens"])
+                totals[name]["proposed"] += result["proposed"]
+                totals[name]["accepted"] += result["accepted"]
+        return totals
 
-    def draft_alone():
-        stats = Stats()
-        list(regular_generate(draft, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
-        return stats
+    one_pass()  # warm-up
+    passes = [one_pass() for _ in range(args.repeats)]
+    for worker in workers.values():
+        worker.close()
+    t_target, t_draft = step_seconds(target), step_seconds(draft)
+    verify_cost = step_seconds(target, args.num_draft + 1) / t_target
 
-    regular(), speculative(), draft_alone(), worker_regular.run(), worker_assisted.run()  # warm-up
-    runs = {name: [] for name in ("regular", "speculative", "hf regular", "hf assisted")}
-    # Single-step times for the ideal: each model decoding alone, through the
-    # same code path and in the same alternation as the runs they judge.
-    target_steps, draft_steps, verify_costs = [], [], []
-    for _ in range(args.repeats):
-        stats, regular_tokens = regular()
-        runs["regular"].append(stats.seconds)
-        target_steps.append(stats.seconds / stats.target_calls)
-        # What a verify pass over num_draft + 1 tokens costs against one step, timed back to back.
-        verify_costs.append(step_seconds(target, args.num_draft + 1) / step_seconds(target))
-        stats = draft_alone()
-        draft_steps.append(stats.seconds / stats.target_calls)
-        stats, spec_tokens = speculative()
-        runs["speculative"].append(stats)
-        seconds, hf_tokens = worker_regular.run()
-        runs["hf regular"].append(seconds)
-        seconds, assisted_tokens = worker_assisted.run()
-        runs["hf assisted"].append(seconds)
-    worker_regular.close()
-    worker_assisted.close()
+    last = passes[-1]
+    generated = sum(len(tokens) for tokens in last["regular"]["tokens"])
+    rates = {name: generated / statistics.median(p[name]["seconds"] for p in passes) for name in last}
+    same = all(p[name]["tokens"] == last["regular"]["tokens"] for p in passes for name in last)
 
-    t_target, t_draft, verify_cost = (statistics.median(x) for x in (target_steps, draft_steps, verify_costs))
-    spec_times = [stats.seconds for stats in runs["speculative"]]
-    spec = runs["speculative"][spec_times.index(statistics.median_low(spec_times))]
-    ideal = spec.target_calls * t_target + spec.draft_calls * t_draft
-    rates = {name: median_rate(args.tokens, [s.seconds for s in times] if name == "speculative" else times)
-             for name, times in runs.items()}
-    same = regular_tokens == spec_tokens == hf_tokens == assisted_tokens
-    print_table(f"Speculative greedy decoding (num-draft {args.num_draft}, delta 0), {args.tokens} tokens, "
-                f"median of {args.repeats} alternating runs", [
-        ("pair", f"draft: d_model 512, 6+6 layers, d_ff 2048; target: the draft + 18+18 layers scaled by "
-                 f"{PAIR_EPSILON}, d_ff 8192 (float32)"),
-        ("decode step, each model decoding alone: target, draft", f"{t_target * 1e3:.1f} ms, {t_draft * 1e3:.1f} ms"),
+    def acceptance(name: str) -> str:
+        counts = last[name]
+        return f"{counts['accepted'] / max(1, counts['proposed']):.2f} ({counts['accepted']} / {counts['proposed']})"
+
+    torch_version = workers["hf regular"].torch_version
+    transformers_version = importlib.metadata.version("transformers")
+    print_table(f"Speculative greedy decoding (num-draft {args.num_draft}, delta 0), {len(prompts)} held-out demo prompts "
+                f"({generated} tokens), median of {args.repeats} alternating passes", [
+        ("machine", machine()),
+        ("pair", f"draft: the demo target (d_model 256, 6+6 layers); target: the draft + {PAIR['extra_layers']}+"
+                 f"{PAIR['extra_layers']} random layers scaled by {PAIR['scale']}, d_ff {PAIR['d_ff']} (float32)"),
+        ("decode step: target, draft", f"{t_target * 1e3:.1f} ms, {t_draft * 1e3:.1f} ms"),
         (f"target verify pass ({args.num_draft + 1} tokens) against a single step", f"{verify_cost:.2f}x"),
-        ("acceptance rate", f"{spec.acceptance_rate:.2f} ({spec.accepted} / {spec.drafted})"),
+        ("acceptance: ours", acceptance("speculative")),
+        ("acceptance: transformers assisted, as installed / with the cache fix",
+         f"{acceptance('hf assisted')} / {acceptance('hf assisted, fixed')}"),
         ("ours, regular", f"{rates['regular']:.2f} tokens/s"),
         ("ours, speculative", f"{rates['speculative']:.2f} tokens/s"),
-        ("speedup over our regular decoding", f"{rates['speculative'] / rates['regular']:.2f}x"),
-        (f"transformers, regular (PyTorch {worker_regular.torch_version} CPU)", f"{rates['hf regular']:.2f} tokens/s"),
-        (f"transformers, assisted (num_assistant_tokens {args.num_draft}, constant)", f"{rates['hf assisted']:.2f} tokens/s"),
-        ("ours speculative over transformers assisted", f"{rates['speculative'] / rates['hf assisted']:.2f}x"),
-        ("same tokens (ours regular, speculative; transformers regular, assisted)", "yes" if same else "NO"),
-        ("target calls, draft calls", f"{spec.target_calls}, {spec.draft_calls}"),
-        ("ideal time (target calls x step + draft calls x step)", f"{ideal:.2f} s"),
-        ("measured time", f"{spec.seconds:.2f} s"),
-        ("efficiency (ideal / measured)", f"{ideal / spec.seconds:.0%}"),
-        ("efficiency counting the verify pass's real cost",
-         f"{(spec.target_calls * t_target * verify_cost + spec.draft_calls * t_draft) / spec.seconds:.0%}"),
+        ("ours: speculative over regular", f"{rates['speculative'] / rates['regular']:.2f}x"),
+        (f"transformers {transformers_version}, regular (PyTorch {torch_version} CPU)", f"{rates['hf regular']:.2f} tokens/s"),
+        (f"transformers, assisted (num_assistant_tokens {args.num_draft}, constant), as installed",
+         f"{rates['hf assisted']:.2f} tokens/s"),
+        ("transformers, assisted with the cache fix", f"{rates['hf assisted, fixed']:.2f} tokens/s"),
+        ("transformers: assisted (fixed) over regular", f"{rates['hf assisted, fixed'] / rates['hf regular']:.2f}x"),
+        ("ours regular over transformers regular", f"{rates['regular'] / rates['hf regular']:.2f}x"),
+        ("ours speculative over transformers assisted (fixed)", f"{rates['speculative'] / rates['hf assisted, fixed']:.2f}x"),
+        ("same tokens (all five, every prompt and pass)", "yes" if same else "NO"),
     ])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
     parser.add_argument("which", nargs="?", choices=["regular", "speculative", "all"], default="all")
-    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
+    parser.add_argument("--prompts", type=int, default=6, help="speculative: how many held-out demo prompts")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_worker:
-        return hf_worker(args.hf_worker, args.tokens, args.assistant, args.num_draft)
-    import blas  # noqa: F401  (before mlx.core, which the benchmarks import)
+        return hf_worker(args.hf_worker, args.assistant, args.num_draft, args.cache_fix)
+    import cpu  # noqa: F401  (before mlx.core, which the benchmarks import)
 
+    sys.path.insert(0, str(DEMO))  # train.py writes the pair's draft as a Hugging Face checkpoint
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.which in ("regular", "all"):
         bench_regular(args)

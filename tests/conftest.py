@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "demo")]
+sys.path[:0] = [str(ROOT), str(ROOT / "demo")]
 
 import convert  # noqa: E402
 from checkpoints import PROMPT, make_checkpoint, t5_config, train_tokenizer  # noqa: E402

@@ -1,19 +1,23 @@
-"""Small random Hugging Face T5 checkpoints and a locally trained tokenizer.
+"""Hugging Face T5 checkpoints built locally, for the tests and bench.py (needs PyTorch).
 
 Nothing here downloads: the tokenizer is a SentencePiece model trained on the
 Python standard library's sources, the checkpoints are random
-`T5ForConditionalGeneration`s saved with `save_pretrained`. A large
-`initializer_factor` keeps greedy output from collapsing to one repeated token.
+`T5ForConditionalGeneration`s saved as Hugging Face would publish them. A
+large `initializer_factor` keeps greedy output from collapsing to one repeated
+token. `reference_greedy` is the independent reference the tests compare with.
 """
 
 import glob
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
 import torch
-import train  # demo/train.py
 from transformers import T5Config, T5ForConditionalGeneration
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "demo"))
+import train  # noqa: E402  (demo/train.py: the tokenizer trainer)
 
 PROMPT = "translate English to French: Let's go to the store and buy some groceries including eggs, avocadoes, and bread."
 SP_VOCAB = 1000  # + 100 sentinels = 1100 tokenizer entries
@@ -97,3 +101,37 @@ def reference_greedy(model: T5ForConditionalGeneration, input_ids: list[int], ma
             break
         decoded.append(token)
     return decoded[1:]
+
+
+def grow_target(draft: Path, out: Path, extra_layers: int, d_ff: int, scale: float, seed: int) -> Path:
+    """A Hugging Face target that embeds the draft checkpoint exactly and is
+    much larger: the draft's embedding, norms and layers (FFNs zero-padded to
+    d_ff, which leaves them unchanged), then `extra_layers` random layers per
+    stack whose output projections are scaled by `scale`. The draft then
+    agrees with the target as far as those layers let it, on any prompt."""
+    from safetensors.torch import load_file, save_file
+
+    config = T5Config.from_pretrained(str(draft))
+    config.num_layers += extra_layers
+    config.num_decoder_layers += extra_layers
+    config.d_ff = d_ff
+    config.initializer_factor = 1.0
+    torch.manual_seed(seed)
+    state = {k: v.contiguous() for k, v in T5ForConditionalGeneration(config).state_dict().items()}
+    for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+        state.pop(alias, None)
+    draft_state = load_file(str(draft / "model.safetensors"))
+    for name, tensor in state.items():
+        if name in draft_state:
+            padded = torch.zeros_like(tensor)
+            padded[tuple(slice(0, n) for n in draft_state[name].shape)] = draft_state[name]
+            state[name] = padded
+        elif name.endswith(("SelfAttention.o.weight", "EncDecAttention.o.weight", "DenseReluDense.wo.weight")):
+            state[name] = tensor * scale
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for file in draft.iterdir():
+        if file.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            (out / file.name).write_bytes(file.read_bytes())
+    return out
