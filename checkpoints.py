@@ -19,6 +19,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 sys.path.insert(0, str(Path(__file__).resolve().parent / "demo"))
 import train  # noqa: E402  (demo/train.py: the tokenizer trainer)
 
+TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 PROMPT = "translate English to French: Let's go to the store and buy some groceries including eggs, avocadoes, and bread."
 SP_VOCAB = 1000  # + 100 sentinels = 1100 tokenizer entries
 
@@ -64,8 +65,9 @@ def make_checkpoint(folder: Path, config: T5Config, seed: int, tokenizer: Path, 
     config_dict.pop("scale_decoder_outputs", None)  # as older, published configs
     (folder / "config.json").write_text(json.dumps(config_dict, indent=2))
     _save_weights(folder, state, format, max_shard_size)
-    for file in tokenizer.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
+    for name in TOKENIZER_FILES:  # tokenizer may be a model's folder
+        if (tokenizer / name).is_file():
+            (folder / name).write_bytes((tokenizer / name).read_bytes())
     return T5ForConditionalGeneration.from_pretrained(str(folder)).eval()
 
 
@@ -131,7 +133,7 @@ def grow_target(draft: Path, out: Path, extra_layers: int, d_ff: int, scale: flo
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for file in draft.iterdir():
-        if file.name not in ("config.json", "model.safetensors", "generation_config.json"):
-            (out / file.name).write_bytes(file.read_bytes())
+    for name in TOKENIZER_FILES:
+        if (draft / name).is_file():
+            (out / name).write_bytes((draft / name).read_bytes())
     return out

@@ -70,6 +70,8 @@ def _load() -> str:
         path = find()
         if path is None:
             continue
+        if name == "mkl":  # one thread per MLX stream anyway: no OpenMP runtime in the way (training asks for it)
+            os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
         try:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:

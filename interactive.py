@@ -57,10 +57,10 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
           f"(num-draft {settings.num_draft}, delta {settings.delta})", file=out)
 
 
-def show_speedup(models: Models, prompt: str, settings: Settings, runs: int = 3, out=None) -> float:
+def show_speedup(models: Models, prompt: str, settings: Settings, runs: int = 5, out=None) -> float:
     """Time both modes on the prompt, alternating, and print the speedup of
-    the medians: a short generation's single timing is too noisy to quote."""
-    warm_up(models, prompt, settings)
+    the medians: a short generation's single timing is too noisy to quote.
+    Run it warm (after warm_up or a generation of each mode)."""
     times = {False: [], True: []}
     for _ in range(runs):
         for speculative in (False, True):

@@ -14,6 +14,7 @@ cross-attention keys/values computed once from the encoder output.
 
 import json
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass, fields
@@ -455,6 +456,8 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
     target_model = load_model(target_path)
     draft_model = load_model(draft_path) if draft_path is not None else None
     if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
-        print(f"Loading {target_path}" + (f" and {draft_path}" if draft_path else "") + " ...", file=sys.stderr, flush=True)
+        names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+                 for path in (target_path, draft_path) if path is not None]
+        print(f"Loading {' and '.join(names)} ...", file=sys.stderr, flush=True)
     mx.eval(target_model.parameters(), draft_model.parameters() if draft_model is not None else [])
     return Models(target_model, draft_model, tokenizer, target_path, draft_path)

@@ -41,8 +41,8 @@ def test_streamed_pieces_join_to_generate_text_and_the_cli_json_text(demo_pair, 
     text = "".join(r.text for r in responses)
     assert text == generate(demo_pair, prompt, **options)
     assert text == demo_pair.tokenizer.decode([r.token for r in steps])
-    # The CLI's default delta is 0.1, the library's 0.
-    assert main.main(["--demo", "--delta", "0", *flags, "--prompt", prompt, "--json"]) == 0
+    # The CLI's defaults differ from the library's: delta 0.1, and num-draft 3 with --demo.
+    assert main.main(["--demo", "--delta", "0", "--num-draft", "5", *flags, "--prompt", prompt, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["text"] == text and result["tokens"] == [r.token for r in steps]
 

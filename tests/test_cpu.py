@@ -51,6 +51,17 @@ def test_the_first_installed_library_of_the_requested_order_wins():
 
 @linux_only
 @needs_mkl
+def test_mkl_runs_without_its_openmp_runtime():
+    """One thread per MLX stream: MKL's sequential layer, so no OpenMP threads spin beside MLX's."""
+    code = ("import cpu, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); "
+            "print('libiomp5' in open('/proc/self/maps').read())")
+    assert python(code, "mkl").stdout.strip() == "False"
+    env_asks = "import os; os.environ['MKL_THREADING_LAYER'] = 'INTEL'; " + code  # as demo/train.py does
+    assert python(env_asks, "mkl").stdout.strip() == "True"
+
+
+@linux_only
+@needs_mkl
 def test_an_unknown_name_is_reported_on_stderr_and_skipped():
     done = python("import cpu; print(cpu.ACTIVE)", "not-a-blas,mkl")
     assert done.stdout.startswith("mkl") and "unknown library 'not-a-blas'" in done.stderr

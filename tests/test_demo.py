@@ -69,6 +69,18 @@ def test_greedy_acceptance_is_between_half_and_nine_tenths(demo):
     assert 0.5 <= mean_acceptance(target, draft, prompts, num_draft=4, delta=0.0) <= 0.9
 
 
+def test_the_demo_opens_with_the_prompt_of_median_acceptance(demo):
+    """main.py --demo shows one prompt: a typical one, not the best or the worst."""
+    target, draft, _, prompts = demo
+    rates = []
+    for prompt in prompts:
+        stats = Stats()
+        settings = main.DEMO_DEFAULTS
+        list(speculative_generate(target, draft, prompt, 100, Sampling(), settings["num_draft"], settings["delta"], stats))
+        rates.append(stats.acceptance_rate)
+    assert rates[main.DEMO_PROMPT - 1] == pytest.approx(np.median(rates), abs=0.05), rates
+
+
 def test_acceptance_rises_with_delta(demo):
     target, draft, _, prompts = demo
     means = [mean_acceptance(target, draft, prompts, 4, delta) for delta in (0.0, 0.3, 0.6, 0.9, 1.0)]
@@ -101,14 +113,16 @@ def test_demo_model_round_trips_through_a_hugging_face_checkpoint(demo, name, tm
             assert list(regular_generate(shipped, prompt, 60, Sampling())) == reference_greedy(hf_model, prompt, 60)
 
 
-def test_cli_demo_shows_the_prompt_output_and_filled_in_text():
-    done = subprocess.run([sys.executable, "main.py", "--demo", "--max-tokens", "100"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+def test_cli_demo_shows_the_prompt_output_acceptance_speedup_and_filled_in_text():
+    done = subprocess.run([sys.executable, "main.py", "--demo"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert main.demo_prompts()[0] in out and "Accepted" in out
+    assert main.demo_prompts()[main.DEMO_PROMPT - 1] in out
+    assert re.search(r"Accepted \d+ / \d+ drafts \(\d+%\)", out)
+    assert re.search(r"Speculative decoding ran \d+\.\d\dx as fast as regular decoding on this prompt", out)
     filled = out.split("Filled in:\n")[1]
     assert "«" in filled and "<extra_id_0>" not in filled
+    assert done.stderr == "Loading demo/target and demo/draft ...\n"  # nothing else: no warnings, no noise
 
 
 def test_cli_demo_interactive_runs_a_demo_prompt_by_number_and_help_lists_it():
