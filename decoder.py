@@ -53,14 +53,13 @@ class Knob:
         return value
 
     def parse(self, text: str, label: str | None = None):
-        """A value from text, checked."""
+        """A value from text, checked; errors quote the text."""
         if self.optional and text.strip().lower() == "none":
             return None
         try:
-            value = self.type(text)
-        except ValueError:
+            return self.check(self.type(text), label)
+        except (ValueError, OptionError):
             raise OptionError(f"{label or self.name} must be {self.expected} (got '{text}')")
-        return self.check(value, label)
 
 
 KNOBS = {knob.name: knob for knob in [
@@ -92,6 +91,16 @@ class Settings:
     def __post_init__(self):
         for name, knob in KNOBS.items():
             knob.check(getattr(self, name))
+        if not isinstance(self.speculative, bool):
+            raise OptionError(f"speculative must be True or False (got {self.speculative!r})")
+
+    @classmethod
+    def of(cls, options: dict) -> "Settings":
+        """From keyword options; an unknown one is named with those there are."""
+        unknown = set(options) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown option {sorted(unknown)[0]!r} (options: {', '.join(f.name for f in fields(cls))})")
+        return cls(**options)
 
     @property
     def sampling(self) -> "Sampling":
@@ -365,10 +374,10 @@ class Detokenizer:
 
 @dataclass
 class Response:
-    """One step of `stream_generate`: the new piece of text and the token that
-    made it, and the statistics so far (one object, updated as decoding goes).
-    The last response has token None, carries any text held back until the end,
-    and says why generation stopped: finish_reason "eos" or "length"."""
+    """One step of `stream_generate`: the new piece of text, the token that
+    made it, and the statistics so far. The last response has token None,
+    carries any text held back until the end, and says why generation
+    stopped: finish_reason "eos" or "length"."""
 
     text: str
     token: int | None
@@ -378,30 +387,42 @@ class Response:
 
 def generate_tokens(models: Models, prompt: str, settings: Settings, stats: Stats) -> Iterator[int]:
     """Token ids as they are decided: speculative decoding when a draft is
-    loaded and settings.speculative, else the target alone."""
+    loaded and settings.speculative, else the target alone. The prompt is
+    checked now; the seed is set when decoding starts."""
     if not prompt.strip():
         raise OptionError("the prompt is empty")
-    if settings.seed is not None:
-        mx.random.seed(settings.seed)
     ids = models.tokenizer(prompt).input_ids
-    if settings.speculative and models.draft is not None:
-        return speculative_generate(models.target, models.draft, ids, settings.max_tokens, settings.sampling,
-                                    settings.num_draft, settings.delta, stats)
-    return regular_generate(models.target, ids, settings.max_tokens, settings.sampling, stats)
+
+    def tokens():
+        if settings.seed is not None:
+            mx.random.seed(settings.seed)
+        if settings.speculative and models.draft is not None:
+            yield from speculative_generate(models.target, models.draft, ids, settings.max_tokens, settings.sampling,
+                                            settings.num_draft, settings.delta, stats)
+        else:
+            yield from regular_generate(models.target, ids, settings.max_tokens, settings.sampling, stats)
+
+    return tokens()
 
 
 def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response]:
     """Yield a Response as each token is decided. Options, all keywords:
     max_tokens=100, num_draft=5, delta=0.0, temp=0.0, top_k=0, top_p=1.0,
-    seed=None, speculative=True (False: the target alone, even with a draft).
-    OptionError names an option out of its range."""
-    settings = Settings(**options)
+    seed=None (reseeds MLX's global generator), speculative=True (False: the
+    target alone, even with a draft). Options and the prompt are checked at
+    the call, before any decoding: OptionError names one out of range."""
+    settings = Settings.of(options)
     stats = Stats()
+    tokens = generate_tokens(models, prompt, settings, stats)
     detokenizer = Detokenizer(models.tokenizer)
-    for token in generate_tokens(models, prompt, settings, stats):
-        yield Response(detokenizer.add(token), token, stats)
-    finish = "length" if stats.generated == settings.max_tokens else "eos"
-    yield Response(detokenizer.flush(), None, stats, finish)
+
+    def responses():
+        for token in tokens:
+            yield Response(detokenizer.add(token), token, replace(stats))  # stats as they are now
+        finish = "length" if stats.generated == settings.max_tokens else "eos"
+        yield Response(detokenizer.flush(), None, replace(stats), finish)
+
+    return responses()
 
 
 def generate(models: Models, prompt: str, **options) -> str:

@@ -38,17 +38,22 @@ class UsageError(T5Error):
     """Bad input from the user; printed as one line."""
 
 
+def prompt_lines(path: Path) -> list[str]:
+    """The non-blank lines of a prompts file, stripped."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
 def demo_prompts() -> list[str]:
     path = DEMO_DIR / "prompts.txt"
     try:
-        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        return prompt_lines(path)
     except OSError:
         raise UsageError(f"{path} is missing: restore demo/ with git checkout demo, or rebuild it with python demo/train.py (about 50 minutes on 2 cores)")
 
 
 def read_prompts(path: str) -> list[str]:
     try:
-        prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        prompts = prompt_lines(Path(path))
     except OSError as e:
         raise UsageError(f"cannot read --prompts-file: {e.strerror}")
     if not prompts:
@@ -132,7 +137,8 @@ def load_models(args, speculative: bool):
 def run(args) -> int:
     prompt_given = args.prompt is not None
     examples = demo_prompts() if args.demo else None
-    args.model = args.model or (str(DEMO_DIR / "target") if args.demo else "t5-11b")
+    if args.model is None:
+        args.model = str(DEMO_DIR / "target") if args.demo else "t5-11b"
     if args.draft_model is None:
         args.draft_model = str(DEMO_DIR / "draft") if args.demo else "t5-small"
     if args.prompt is None:

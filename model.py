@@ -369,10 +369,8 @@ def resolve(name: str | Path, role: str = "model") -> Path:
                 return folder
             except LoadError as e:
                 problem = problem or e
-    if problem:
-        raise problem
     org, _, repo = name.partition("/")
-    if org and repo and "/" not in repo:
+    if org and repo and "/" not in repo:  # a hub id: convert.py wrote mlx_models/REPO and recorded the id
         for base in bases:
             folder = base / MODELS_DIR / repo
             try:
@@ -380,6 +378,8 @@ def resolve(name: str | Path, role: str = "model") -> Path:
                     return folder
             except LoadError:
                 pass
+    if problem:
+        raise problem
     if path.is_file():
         raise LoadError(f"{role} {name} is a file: give a folder written by convert.py")
     looked = " and ".join(str(folder) for folder in candidates)
@@ -451,8 +451,8 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
             raise LoadError(f"{draft} and {target} have different tokenizers: the draft must share the target's")
     if cpu.SLOW and not _warned_slow_blas:  # once per process, whatever the warning filters say
         _warned_slow_blas = True
-        warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}: decoding is several times slower "
-                      "(import model or cpu before mlx.core; README, Linux)", RuntimeWarning, stacklevel=2)
+        advice = ": several times slower; import model, decoder or cpu before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
+        warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
     target_model = load_model(target_path)
     draft_model = load_model(draft_path) if draft_path is not None else None
     if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
@@ -460,4 +460,4 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
                  for path in (target_path, draft_path) if path is not None]
         print(f"Loading {' and '.join(names)} ...", file=sys.stderr, flush=True)
     mx.eval(target_model.parameters(), draft_model.parameters() if draft_model is not None else [])
-    return Models(target_model, draft_model, tokenizer, target_path, draft_path)
+    return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve())

@@ -9,7 +9,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoder import KNOBS, OptionError, Settings, Stats, measure, warm_up
-from model import Models
+from model import Models, T5Error
+
+
+class SweepError(T5Error):
+    """A sweep that cannot run or be plotted; printed as one line."""
 
 
 def parse_list(text: str, name: str, label: str) -> list:
@@ -47,7 +51,7 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
                     results[(num_draft, delta)] += measure(models, prompt, speculative)
                     progress.update()
             if regular.generated == 0:
-                raise OptionError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
+                raise SweepError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
             passes.append((regular, results))
     rows = []
     for num_draft, delta in grid:
@@ -87,7 +91,7 @@ def import_pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise OptionError("--plot needs matplotlib: pip install matplotlib")
+        raise SweepError("--plot needs matplotlib: pip install matplotlib")
     return plt
 
 
@@ -98,9 +102,9 @@ def check_plot_path(path: str) -> None:
 
     folder, suffix = Path(path).resolve().parent, Path(path).suffix.lstrip(".").lower()
     if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise OptionError(f"--plot {path}: cannot write there")
+        raise SweepError(f"--plot {path}: cannot write there")
     if suffix not in FigureCanvasBase.get_supported_filetypes():
-        raise OptionError(f"--plot {path}: give a .png, .svg or .pdf file name")
+        raise SweepError(f"--plot {path}: give a .png, .svg or .pdf file name")
 
 
 def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
@@ -119,6 +123,6 @@ def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
     try:
         figure.savefig(path, dpi=120)
     except OSError as e:
-        raise OptionError(f"cannot save the plot to {path}: {e.strerror or e}")
+        raise SweepError(f"cannot save the plot to {path}: {e.strerror or e}")
     finally:
         plt.close(figure)

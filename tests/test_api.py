@@ -38,6 +38,8 @@ def test_streamed_pieces_join_to_generate_text_and_the_cli_json_text(demo_pair, 
     responses = list(stream_generate(demo_pair, prompt, **options))
     *steps, last = responses
     assert all(r.token is not None for r in steps) and last.token is None and last.finish_reason == "eos"
+    assert (last.stats.draft_calls == 0) == (options.get("speculative") is False)
+    assert [r.stats.generated for r in steps] == list(range(1, len(steps) + 1))  # each its own snapshot
     text = "".join(r.text for r in responses)
     assert text == generate(demo_pair, prompt, **options)
     assert text == demo_pair.tokenizer.decode([r.token for r in steps])
@@ -64,7 +66,9 @@ def test_without_a_draft_generation_is_the_targets_own(demo_prompts):
 def test_detokenizer_equals_decoding_everything_at_once_for_any_token_sequence(clean_up_spaces):
     """Random ids, special tokens, sentinels and punctuation included, streamed
     one at a time. A tokenizer configured to remove spaces before punctuation
-    (transformers 4's default) is decoded without that, as a stream must be."""
+    (transformers 4's default) must be decoded without that, as a stream
+    cannot take back a space it has shown: with clean_up_spaces the tokenizer's
+    own default would disagree with the reference on some sequences."""
     tokenizer = load_tokenizer(DEMO / "target")
     tokenizer.clean_up_tokenization_spaces = clean_up_spaces
     punctuation = [i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i) in (".", "▁", ",", "?", "'", "n", "s")]
@@ -74,6 +78,25 @@ def test_detokenizer_equals_decoding_everything_at_once_for_any_token_sequence(c
         detokenizer = Detokenizer(tokenizer)
         text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
         assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False), ids
+
+
+def test_detokenizer_holds_back_an_incomplete_character():
+    """Byte-fallback tokenizers spell a character over several tokens; until
+    the last one comes, the text ends in U+FFFD and nothing is shown."""
+
+    class ByteTokenizer:  # one token per UTF-8 byte
+        def decode(self, ids, **options):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("naïve – 日本".encode())
+    detokenizer = Detokenizer(ByteTokenizer())
+    pieces = [detokenizer.add(token) for token in ids]
+    assert "".join(pieces) + detokenizer.flush() == "naïve – 日本"
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert pieces[ids.index(0xC3)] == "" and pieces[ids.index(0xC3) + 1] == "ï"
+    truncated = Detokenizer(ByteTokenizer())
+    assert [truncated.add(token) for token in "日".encode()[:2]] == ["", ""]
+    assert truncated.flush() == "\ufffd"  # what decoding everything at once gives
 
 
 def test_detokenizer_work_per_token_does_not_grow_with_the_output(demo_pair):
@@ -91,6 +114,25 @@ def test_detokenizer_work_per_token_does_not_grow_with_the_output(demo_pair):
     text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
     assert text == demo_pair.tokenizer.decode(ids)
     assert max(decoded_lengths) <= 4, max(decoded_lengths)
+
+
+def test_a_hub_id_finds_its_conversion_even_beside_a_local_folder_of_that_name(tmp_path, monkeypatch):
+    """convert.py --model org/name writes mlx_models/name and records the id;
+    a stray unconverted ./org/name folder does not hide it."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("tiny", "other"):
+        (tmp_path / "some-org" / name).mkdir(parents=True)
+    folder = tmp_path / "mlx_models" / "tiny"
+    folder.mkdir(parents=True)
+    for file in (DEMO / "target").iterdir():
+        if file.name != "config.json":
+            os.symlink(file, folder / file.name)
+    config = json.loads((DEMO / "target" / "config.json").read_text())
+    config["mlx_conversion"]["source"] = "some-org/tiny"
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load("some-org/tiny").target_path == folder.resolve()
+    with pytest.raises(LoadError, match="has no config.json"):
+        load("some-org/other")  # no conversion of that id: the local folder's problem is the one to report
 
 
 def test_load_resolves_names_from_elsewhere_through_the_repository(tmp_path, monkeypatch):

@@ -125,6 +125,7 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
         (["--top-k", "-1"], "--top-k must be an integer >= 0"),
         (["--model", "no-such-model"], "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
         (["--model", __file__], "is a file: give a folder written by convert.py"),
+        (["--model", ""], "no target named"),  # not the default t5-11b
         (["--seed", "-1"], "--seed must be an integer in [0, 2**64)"),
         (["--compare"], "drop --regular-decode"),
         (["--sweep"], "drop --regular-decode"),

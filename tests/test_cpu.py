@@ -117,6 +117,7 @@ def test_split_products_swaps_only_large_projections_and_keeps_the_logits(tokeni
     import mlx.core as mx
     import mlx.nn as nn
     from checkpoints import make_checkpoint, t5_config
+    from mlx.utils import tree_flatten
 
     import convert
     from model import load_model
@@ -128,9 +129,14 @@ def test_split_products_swaps_only_large_projections_and_keeps_the_logits(tokeni
     split = load_model(tmp_path / "mlx")
     assert split.shared.weight.size >= cpu.SPLIT_MIN_ELEMENTS and isinstance(split.shared, cpu.SplitEmbedding)
     assert type(split.decoder.layers[0].ffn.wi) is nn.Linear
+    split_products = cpu.split_products
     monkeypatch.setattr(cpu, "split_products", lambda model: model)
     whole = load_model(tmp_path / "mlx")
     assert type(whole.shared) is nn.Embedding
+    swapped = load_model(tmp_path / "mlx")
+    before = [(name, id(array)) for name, array in tree_flatten(swapped.parameters())]
+    assert split_products(swapped) is swapped and isinstance(swapped.shared, cpu.SplitEmbedding)
+    assert [(name, id(array)) for name, array in tree_flatten(swapped.parameters())] == before  # same arrays, names
 
     def logits(model):
         return np.array(model.decode(mx.array([[0, 5, 9]]), model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))))

@@ -277,9 +277,9 @@ def test_interactive_loop_changes_knobs_and_survives_bad_commands(pair):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "mode speculative, num-draft 3, delta 0.5" in out
-    assert ":delta must be a number in [0, 1] (got 7.0)" in out
+    assert ":delta must be a number in [0, 1] (got '7')" in out
     assert ":num-draft must be an integer >= 1 (got 'two')" in out
-    assert ":seed must be an integer in [0, 2**64) (got -5)" in out
+    assert ":seed must be an integer in [0, 2**64) (got '-5')" in out
     assert "unknown command ':bogus'" in out
     assert "Accepted" in out and "decode steps, 8 tokens" in out
     assert "mode regular" in out and "speedup" in out
