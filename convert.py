@@ -2,9 +2,17 @@
 
     python convert.py --model t5-small
     python convert.py --model google/flan-t5-large --dtype float16 --out my_models/flan
+    python convert.py --model t5-11b -q                      # 4-bit, groups of 64
+    python convert.py --model mlx_models/t5-11b -q --q-bits 8  # from an earlier conversion
 
-Memory stays bounded by about one tensor: each tensor is read, cast and appended to a safetensors shard whose header was written up front
-from the shapes alone. The output folder appears only when complete.
+Memory stays bounded by about one tensor: each tensor is read, cast (or
+quantized) and appended to a safetensors shard whose header was written up
+front from the shapes alone. The output folder appears only when complete.
+
+Quantized models follow mlx-lm's layout: MLX's affine quantization, each
+quantized weight stored as `.weight` (packed uint32), `.scales` and `.biases`,
+and `"quantization": {"group_size", "bits", "mode"}` in config.json. A layer
+without `.scales` stays in float.
 """
 
 import argparse
@@ -19,6 +27,7 @@ import shutil
 import socket
 import struct
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import cpu  # noqa: F401  (before mlx.core)
@@ -33,7 +42,7 @@ from model import FORMAT_KEY, T5, ModelArgs
 # keeps fp32's range (v1.0 models overflow float16 without clamping) at half
 # the memory and bandwidth: T5-11B is 45 GB in float32, 22 GB in bfloat16.
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 SHARD_BYTES = 4 << 30
 
 TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"]
@@ -57,6 +66,23 @@ RENAMES = [
     (r"^(encoder|decoder)\.final_layer_norm\.", r"\1.final_norm."),
     (r"^(shared|lm_head)\.weight$", r"\1.weight"),
 ]
+# Quantized: every projection, the embedding and a separate head. The
+# relative-position bias tables and the norms stay in float.
+QUANTIZED = re.compile(r"(\.(q|k|v|o|wi|wi_0|wi_1|wo)|^shared|^lm_head)\.weight$")
+Q_BITS, Q_GROUP_SIZES = (2, 3, 4, 5, 6, 8), (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    bits: int = 4
+    group_size: int = 64
+    mode: str = "affine"
+
+    def applies(self, name: str, shape: list[int]) -> bool:
+        """A weight is quantized in groups along its input dimension (the last)."""
+        return bool(QUANTIZED.search(name)) and shape[-1] % self.group_size == 0
+
+
 # Copies of the shared embedding some checkpoints store instead of (or besides) it.
 EMBEDDING_ALIASES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
 
@@ -114,8 +140,10 @@ def read_source_config(folder: Path) -> dict:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ConversionError(f"{config_file} is not valid JSON ({e})")
-    if FORMAT_KEY in config:
-        raise ConversionError(f"{folder} is already converted: run python main.py --model {folder}")
+    if "quantization" in config:
+        q = config["quantization"]
+        raise ConversionError(f"{folder} is already quantized ({q.get('bits')}-bit): quantize a float conversion "
+                              "or the original checkpoint instead")
     model_type = config.get("model_type")
     if model_type not in ("t5", "mt5"):
         raise ConversionError(f"{folder} holds a '{model_type}' model, not T5 (only T5, FLAN-T5 and mT5 convert)")
@@ -252,7 +280,8 @@ def release_pages(storage) -> None:
 # ---------------------------------------------------------------- mapping
 
 
-def output_config(config: dict, has_lm_head: bool, dtype: str, weight_names: list[str], source: str) -> dict:
+def output_config(config: dict, has_lm_head: bool, dtype: str, weight_names: list[str], source: str,
+                  quantization: Quantization | None) -> dict:
     # transformers >= 5 always writes tie_word_embeddings=True and keeps the
     # v1.0 head scaling in scale_decoder_outputs; older configs signal both
     # with tie_word_embeddings (False for v1.1).
@@ -260,12 +289,17 @@ def output_config(config: dict, has_lm_head: bool, dtype: str, weight_names: lis
     out = dict(config)
     out["tie_word_embeddings"] = not has_lm_head
     out["scale_decoder_outputs"] = bool(scale)
+    if FORMAT_KEY in config:  # converted again: keep the original checkpoint's name
+        source = config[FORMAT_KEY].get("source", source)
     out[FORMAT_KEY] = {"dtype": dtype, "source": source, "weight_files": weight_names}
+    if quantization is not None:
+        out["quantization"] = asdict(quantization)
     return out
 
 
 def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
-    """Our name -> Hugging Face name for every weight, checked against the model's shapes."""
+    """Our name -> the source's name for every weight, checked against the model's shapes.
+    The source is a Hugging Face checkpoint, or a folder this program wrote."""
     names = set(reader.names())
     untied = config.get("tie_word_embeddings") is False or config.get("scale_decoder_outputs") is False
     has_lm_head = untied and "lm_head.weight" in names
@@ -276,11 +310,11 @@ def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
     if embedding is None:
         raise ConversionError("the checkpoint has no token embedding (shared.weight)")
     mapping["shared.weight"] = embedding
-    for hf_name in sorted(names):
-        ours = rename(hf_name)
+    for source_name in sorted(names):
+        ours = source_name if FORMAT_KEY in config else rename(source_name)
         if ours is None or ours == "shared.weight" or (ours == "lm_head.weight" and not has_lm_head):
             continue
-        mapping[ours] = hf_name
+        mapping[ours] = source_name
 
     args = ModelArgs.from_dict({**config, "tie_word_embeddings": not has_lm_head})
     expected = {name: list(p.shape) for name, p in tree_flatten(T5(args).parameters())}
@@ -298,27 +332,52 @@ def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
 # ---------------------------------------------------------------- writing
 
 
-def shard(mapping: dict, reader, itemsize: int) -> list[list[str]]:
+def outputs(name: str, shape: list[int], dtype, quantization: Quantization | None) -> list[tuple[str, object, list[int]]]:
+    """What one weight is written as: (name, dtype, shape) each. A quantized
+    weight becomes its packed uint32 values, a scale and a bias per group."""
+    if quantization is None or not quantization.applies(name, shape):
+        return [(name, dtype, shape)]
+    rows, columns = shape
+    groups = [rows, columns // quantization.group_size]
+    prefix = name.removesuffix(".weight")
+    return [(name, mx.uint32, [rows, columns * quantization.bits // 32]),
+            (f"{prefix}.scales", dtype, groups), (f"{prefix}.biases", dtype, groups)]
+
+
+def converted(name: str, array: mx.array, dtype, quantization: Quantization | None) -> list[mx.array]:
+    """The arrays `outputs` describes. Quantized from float32, whatever the
+    source dtype, so that only the scales and biases are rounded to dtype."""
+    if quantization is None or not quantization.applies(name, array.shape):
+        return [array.astype(dtype)]
+    packed, scales, biases = mx.quantize(array.astype(mx.float32), quantization.group_size, quantization.bits,
+                                         mode=quantization.mode)
+    return [packed, scales.astype(dtype), biases.astype(dtype)]
+
+
+def nbytes(name: str, shape: list[int], dtype, quantization: Quantization | None) -> int:
+    return sum(dt.size * math.prod(s) for _, dt, s in outputs(name, shape, dtype, quantization))
+
+
+def shard(mapping: dict, reader, dtype, quantization: Quantization | None) -> list[list[str]]:
     shards, size = [[]], 0
     for name in mapping:
-        nbytes = itemsize * int(math.prod(reader.shape(mapping[name])))
-        if shards[-1] and size + nbytes > SHARD_BYTES:
+        size_of = nbytes(name, reader.shape(mapping[name]), dtype, quantization)
+        if shards[-1] and size + size_of > SHARD_BYTES:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
+        size += size_of
     return shards
 
 
-def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, progress) -> None:
+def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, quantization, progress) -> None:
     """A safetensors file written tensor by tensor: the header needs only shapes."""
-    itemsize = dtype.size
     header, offset = {}, 0
     for name in names:
-        shape = reader.shape(mapping[name])
-        nbytes = itemsize * math.prod(shape)
-        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        for out_name, out_dtype, shape in outputs(name, reader.shape(mapping[name]), dtype, quantization):
+            size = out_dtype.size * math.prod(shape)
+            header[out_name] = {"dtype": SAFETENSORS_DTYPE[out_dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
     header["__metadata__"] = {"format": "mlx"}
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
@@ -326,13 +385,15 @@ def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, prog
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
         for name in names:
-            array = reader.tensor(mapping[name]).astype(dtype)
-            if dtype == mx.bfloat16:  # numpy has no bfloat16: write its bits
-                array = array.view(mx.uint16)
-            data = memoryview(array)
-            f.write(data)
-            progress.update(data.nbytes)
-            del array, data
+            arrays = converted(name, reader.tensor(mapping[name]), dtype, quantization)
+            for (out_name, _, shape), array in zip(outputs(name, reader.shape(mapping[name]), dtype, quantization), arrays):
+                assert list(array.shape) == shape, (out_name, array.shape, shape)
+                if array.dtype == mx.bfloat16:  # numpy has no bfloat16: write its bits
+                    array = array.view(mx.uint16)
+                data = memoryview(array)
+                f.write(data)
+                progress.update(data.nbytes)
+            del arrays, array, data
             mx.clear_cache()
 
 
@@ -385,9 +446,11 @@ def remove_leftovers(out: Path) -> None:
             pass
 
 
-def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
+def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Quantization | None = None) -> Path:
     check_output(out, force)
     source = resolve_source(model)
+    if out.resolve() == source.resolve():
+        raise ConversionError(f"--out {out} is the folder being converted: choose another")
     config = read_source_config(source)
     kind, files = weight_files(source)
     reader = SafetensorsReader(files) if kind == "safetensors" else TorchReader(files)
@@ -396,6 +459,11 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
         raise ConversionError(f"{source} has no tokenizer files (spiece.model or tokenizer.json)")
     mapping, args = plan(reader, config)
     dtype = DTYPES[dtype_name]
+    if quantization is not None:
+        kept = [name for name in mapping if QUANTIZED.search(name) and not quantization.applies(name, reader.shape(mapping[name]))]
+        if kept:
+            print(f"note: {len(kept)} weight(s) stay in {dtype_name}, their input dimension not a multiple of "
+                  f"{quantization.group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}", file=sys.stderr)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
@@ -404,19 +472,20 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
     partial.mkdir()
     (partial / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
     try:
-        shards = shard(mapping, reader, dtype.size)
-        total = sum(dtype.size * math.prod(reader.shape(hf)) for hf in mapping.values())
+        shards = shard(mapping, reader, dtype, quantization)
+        total = sum(nbytes(name, reader.shape(mapping[name]), dtype, quantization) for name in mapping)
         names = ["model.safetensors"] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Converting to {dtype_name}") as progress:
+        what = f"{quantization.bits}-bit" if quantization else dtype_name
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Converting to {what}") as progress:
             for file_name, shard_names in zip(names, shards):
-                write_shard(partial / file_name, shard_names, mapping, reader, dtype, progress)
+                write_shard(partial / file_name, shard_names, mapping, reader, dtype, quantization, progress)
         for file in tokenizer_files + [source / "generation_config.json"]:
             if file.is_file():
                 shutil.copy(file, partial / file.name)
         # config.json last: a folder without it never loads as a model.
-        result = output_config(config, not args.tie_word_embeddings, dtype_name, names, model)
+        result = output_config(config, not args.tie_word_embeddings, dtype_name, names, model, quantization)
         (partial / "config.json").write_text(json.dumps(result, indent=2))
         (partial / OWNER).unlink()
         check_output(out, force)  # again: the output may have appeared meanwhile
@@ -433,13 +502,28 @@ def convert(model: str, out: Path, dtype_name: str, force: bool) -> Path:
     return out
 
 
-def default_out(model: str) -> Path:
-    """mlx_models/<the folder's or the hub repo's name>."""
+def default_out(model: str, quantization: Quantization | None = None) -> Path:
+    """mlx_models/<the folder's or the hub repo's name>, with -<bits>bit when quantized."""
     path = Path(model).expanduser()
     name = path.resolve().name if path.exists() else model.rstrip("/").rpartition("/")[2]
     if not name:
         raise ConversionError(f"cannot name an output folder after {model!r}: give --out")
-    return Path("mlx_models") / name
+    return Path("mlx_models") / (name + (f"-{quantization.bits}bit" if quantization else ""))
+
+
+def quantization_of(args) -> Quantization | None:
+    """The --quantize options, checked: one line for a bad value, not argparse's usage block."""
+    bits = Quantization.bits if args.q_bits is None else args.q_bits
+    group_size = Quantization.group_size if args.q_group_size is None else args.q_group_size
+    if bits not in Q_BITS:
+        raise ConversionError(f"--q-bits must be one of {', '.join(map(str, Q_BITS))} (got {bits})")
+    if group_size not in Q_GROUP_SIZES:
+        raise ConversionError(f"--q-group-size must be one of {', '.join(map(str, Q_GROUP_SIZES))} (got {group_size})")
+    if not args.quantize:
+        if args.q_bits is not None or args.q_group_size is not None:
+            raise ConversionError("--q-bits and --q-group-size go with -q/--quantize")
+        return None
+    return Quantization(bits, group_size)
 
 
 def main(argv=None) -> int:
@@ -450,17 +534,24 @@ def main(argv=None) -> int:
                         help="weight dtype (default bfloat16: T5's training dtype, fp32 range at half the memory; "
                              "on Linux CPU use float32, the only dtype with a fast BLAS path)")
     parser.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    parser.add_argument("-q", "--quantize", action="store_true",
+                        help="quantize the projections, embedding and head (default output: mlx_models/<name>-<bits>bit)")
+    parser.add_argument("--q-bits", type=int, help=f"bits per quantized weight: {', '.join(map(str, Q_BITS))} (default 4)")
+    parser.add_argument("--q-group-size", type=int,
+                        help=f"weights sharing a scale and bias: {', '.join(map(str, Q_GROUP_SIZES))} (default 64)")
     args = parser.parse_args(argv)
     try:
-        out = args.out or default_out(args.model)
-        convert(args.model, out, args.dtype, args.force)
+        quantization = quantization_of(args)
+        out = args.out or default_out(args.model, quantization)
+        convert(args.model, out, args.dtype, args.force, quantization)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
-    print(f"Saved {out} ({args.dtype}). Try it: python main.py --model {out} --regular-decode "
+    what = f"{quantization.bits}-bit, groups of {quantization.group_size}, the rest {args.dtype}" if quantization else args.dtype
+    print(f"Saved {out} ({what}). Try it: python main.py --model {out} --regular-decode "
           f"(or as a speculative pair: --model TARGET --draft-model DRAFT)")
     return 0
 

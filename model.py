@@ -392,7 +392,8 @@ def weight_files(folder: Path, config: dict) -> list[Path]:
 
 def load_model(folder: str | Path) -> T5:
     """Load a converted folder. mx.load maps the safetensors lazily: weights are
-    read on first use, never copied through numpy."""
+    read on first use, never copied through numpy. In a quantized folder (its
+    config says "quantization"), the layers with `.scales` are quantized ones."""
     folder = Path(folder)
     config = read_config(folder)
     model = T5(ModelArgs.from_dict(config))
@@ -402,7 +403,15 @@ def load_model(folder: str | Path) -> T5:
             weights.update(mx.load(str(path)))
         except RuntimeError as e:  # missing, truncated or corrupt
             raise LoadError(f"{path} cannot be read ({e}): convert the model again")
-    model.load_weights(list(weights.items()), strict=True)
+    if "quantization" in config:
+        q = config["quantization"]
+        nn.quantize(model, q["group_size"], q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=lambda path, module: f"{path}.scales" in weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:  # a weight missing, extra or of the wrong shape
+        detail = " ".join(str(e).split())  # one line: MLX lists the names on lines of their own
+        raise LoadError(f"{folder}'s weights do not match its config ({detail[:200]}): convert the model again")
     model.eval()
     return cpu.split_products(model)
 

@@ -193,9 +193,9 @@ def test_only_work_folders_of_killed_conversions_of_this_output_are_removed(v1_1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("format", ["safetensors", "bin"])
-def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir, format):
-    """Converting a ~400 MB checkpoint grows memory by a few tensors, not by the file."""
+@pytest.mark.parametrize("format, quantize", [("safetensors", False), ("bin", False), ("safetensors", True)])
+def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir, format, quantize):
+    """Converting a ~400 MB checkpoint grows memory by a few tensors, not by the file (quantizing too)."""
     config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=12, initializer_factor=1.0)
     largest_tensor = 32128 * 512 * 4
     make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir, format=format)
@@ -207,7 +207,7 @@ def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokeni
         f"import convert; {'import torch;' if format == 'bin' else ''} before = peak();"
         "code = convert.main(sys.argv[1:]); print(before, peak()); sys.exit(code)"
     )
-    argv = ["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "mlx"), "--dtype", "float32"]
+    argv = ["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "mlx"), "--dtype", "float32"] + ["-q"] * quantize
     done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     before_kb, after_kb = map(int, done.stdout.splitlines()[-1].split())
@@ -243,7 +243,7 @@ def make_untied_config_without_head(path: Path, tokenizer_dir) -> Path:
         ("bert folder", "'bert' model, not T5"),
         ("truncated", "truncated or corrupt"),
         ("hub id offline", "hub is unreachable"),
-        ("already converted", "is already converted"),
+        ("already quantized", "is already quantized"),
         ("untied config, no head", "has no lm_head.weight"),
     ],
 )
@@ -255,7 +255,8 @@ def test_bad_sources_give_one_line_errors(case, message, tmp_path, tokenizer_dir
         "bert folder": lambda: str(make_bert_folder(tmp_path / "bert")),
         "truncated": lambda: str(make_truncated_checkpoint(tmp_path / "trunc", tokenizer_dir)),
         "hub id offline": lambda: "google/flan-t5-small",
-        "already converted": lambda: str(ROOT / "demo" / "draft"),
+        "already quantized": lambda: str(convert.convert(str(ROOT / "demo" / "draft"), tmp_path / "q", "float32", False,
+                                                         convert.Quantization())),
         "untied config, no head": lambda: str(make_untied_config_without_head(tmp_path / "nohead", tokenizer_dir)),
     }[case]()
     done = run_convert("--model", model, "--out", str(tmp_path / "out"), env=env)
