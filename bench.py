@@ -2,7 +2,9 @@
 
     python bench.py regular          # T5-large-shaped random fp32 checkpoint, 100 tokens
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
-    python bench.py                  # both
+    python bench.py quantized        # float and quantized: size, memory, speed and quality
+    python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
+    python bench.py                  # regular and speculative
 
 Checkpoints are built once under bench_models/ and converted with convert.py.
 Runs of ours and of transformers (PyTorch CPU, same thread count, in a separate
@@ -77,15 +79,15 @@ def build_pair(root: Path) -> tuple[Path, Path]:
     return target, draft
 
 
-def convert_measuring_memory(source: Path, out: Path) -> int:
+def convert_measuring_memory(source: Path, out: Path, *options: str) -> int:
     """Run convert.py in a fresh process; return its peak resident memory in bytes."""
     script = (
         "import atexit, re, runpy, sys;"
         "atexit.register(lambda: print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1], file=sys.stderr));"
         "sys.argv = ['convert.py', *sys.argv[1:]]; runpy.run_path('convert.py', run_name='__main__')"
     )
-    done = subprocess.run([sys.executable, "-c", script, "--model", str(source), "--out", str(out), "--dtype", "float32", "--force"],
-                          cwd=ROOT, capture_output=True, text=True)
+    argv = ["--model", str(source), "--out", str(out), "--dtype", "float32", "--force", *options]
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"conversion failed: {done.stderr.strip().splitlines()[-1]}")
     return int(done.stderr.split("VmHWM")[-1].split()[0]) * 1024
@@ -356,9 +358,148 @@ def bench_speculative(args) -> None:
     ])
 
 
+def decode_worker(folder: str, tokens: int) -> None:
+    """In a fresh process: read every weight, decode `tokens` greedy tokens
+    twice (the second timed), and report resident memory."""
+    import re
+
+    import mlx.core as mx
+
+    from decoder import Sampling, Stats, regular_generate
+    from model import load_model
+
+    def resident(field: str) -> int:
+        return int(re.search(field + r":\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+    model = load_model(folder)
+    mx.eval(model.parameters())
+    loaded = resident("VmRSS")
+    list(regular_generate(model, PROMPT_IDS, tokens, Sampling(), stop_at_eos=False))
+    stats = Stats()
+    list(regular_generate(model, PROMPT_IDS, tokens, Sampling(), stats, stop_at_eos=False))
+    print(json.dumps({"loaded": loaded, "peak": resident("VmHWM"), "tokens_per_second": stats.tokens_per_second}))
+
+
+def bench_quantized(args) -> None:
+    """Size, memory and speed of float and quantized T5-large shapes; the
+    demo target's fillings, acceptance and held-out loss at 8 and 4 bits."""
+    import train
+
+    import main
+    from decoder import Sampling, Stats, regular_generate, speculative_generate
+    from model import load_model, load_tokenizer
+
+    hf_dir = build_large(args.dir / "t5-large-random")
+    formats = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "8-bit": ["-q", "--q-bits", "8"], "4-bit": ["-q", "--q-bits", "4"]}
+    folders, convert_peaks = {}, {}
+    for name, options in formats.items():  # float32: the folder `bench.py regular` uses
+        folders[name] = args.dir / ("t5-large-random-mlx" if name == "float32" else f"t5-large-random-{name}")
+        convert_peaks[name] = convert_measuring_memory(hf_dir, folders[name], *options)
+    runs = {name: [] for name in formats}
+    for _ in range(args.repeats):  # alternating, each in a fresh process
+        for name, folder in folders.items():
+            done = subprocess.run([sys.executable, __file__, "--decode-worker", str(folder), "--tokens", str(args.tokens)],
+                                  cwd=ROOT, capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(done.stdout))
+    float_bytes = sum(f.stat().st_size for f in folders["float32"].glob("*.safetensors"))
+    print(f"\nT5-large shapes (random weights), {args.tokens} greedy tokens, median of {args.repeats} runs "
+          f"alternating in fresh processes; quantized: groups of 64, the rest float32\n\n| measure | "
+          + " | ".join(formats) + " |\n|---|" + "---|" * len(formats))
+    print(f"| machine | {machine()} |" + " |" * (len(formats) - 1))
+    rows = {
+        "weights on disk": lambda name: f"{sum(f.stat().st_size for f in folders[name].glob('*.safetensors')) / 1e9:.2f} GB",
+        "resident after reading the weights": lambda name: f"{statistics.median(r['loaded'] for r in runs[name]) / 1e9:.2f} GB",
+        "peak resident while decoding": lambda name: f"{statistics.median(r['peak'] for r in runs[name]) / 1e9:.2f} GB",
+        "decoding speed": lambda name: f"{statistics.median(r['tokens_per_second'] for r in runs[name]):.2f} tokens/s",
+        "conversion peak resident (from the float32 checkpoint)": lambda name: f"{convert_peaks[name] / 1e6:.0f} MB",
+    }
+    for row, cell in rows.items():
+        print(f"| {row} | " + " | ".join(cell(name) for name in formats) + " |")
+    runtime = statistics.median(r["peak"] for r in runs["float32"]) - float_bytes
+    print(f"\nWhat decoding holds beside the float32 weights (runtime, caches): {runtime / 1e9:.2f} GB")
+
+    # The demo target: trained weights, where quality can be seen.
+    quantized = {bits: args.dir / f"demo-target-{bits}bit" for bits in (8, 4)}
+    for bits, folder in quantized.items():
+        convert_measuring_memory(DEMO / "target", folder, "-q", "--q-bits", str(bits))
+    targets = {"float32": DEMO / "target", "8-bit": quantized[8], "4-bit": quantized[4]}
+    tokenizer = load_tokenizer(DEMO / "target")
+    prompts = [tokenizer(text).input_ids for text in main.demo_prompts()]
+    draft = load_model(DEMO / "draft")
+    fillings, acceptance = {}, {}
+    for name, folder in targets.items():
+        model = load_model(folder)
+        fillings[name] = [list(regular_generate(model, prompt, 100, Sampling())) for prompt in prompts]
+        stats = Stats()
+        for prompt in prompts:
+            list(speculative_generate(model, draft, prompt, 100, Sampling(), 3, 0.0, stats))
+        acceptance[name] = stats.acceptance_rate
+    losses = dict(zip(targets, train.evaluate(list(targets.values())).values()))
+    sizes = {name: sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) for name, folder in targets.items()}
+    print(f"\nThe demo target (8.4 M parameters) quantized in groups of 64, on the {len(prompts)} held-out demo prompts, "
+          "greedy\n\n| measure | " + " | ".join(targets) + " |\n|---|" + "---|" * len(targets))
+    print("| weights on disk | " + " | ".join(f"{sizes[name] / 1e6:.1f} MB" for name in targets) + " |")
+    print("| fillings equal to float32's | " + " | ".join(
+        f"{sum(a == b for a, b in zip(fillings[name], fillings['float32']))} of {len(prompts)}" for name in targets) + " |")
+    print("| held-out loss (nats per token) | " + " | ".join(f"{losses[name]:.4f}" for name in targets) + " |")
+    print("| acceptance of the float32 draft (num-draft 3, delta 0) | " + " | ".join(f"{acceptance[name]:.2f}" for name in targets) + " |")
+
+
+# Shapes from the public configs on the Hugging Face hub (v1.0 T5: tied head, vocabulary 32128).
+PUBLIC_T5 = {
+    "t5-small": dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6),
+    "t5-base": dict(d_model=768, d_ff=3072, num_heads=12, d_kv=64, num_layers=12),
+    "t5-large": dict(d_model=1024, d_ff=4096, num_heads=16, d_kv=64, num_layers=24),
+    "t5-3b": dict(d_model=1024, d_ff=16384, num_heads=32, d_kv=128, num_layers=24),
+    "t5-11b": dict(d_model=1024, d_ff=65536, num_heads=128, d_kv=128, num_layers=24),
+}
+# Metal's recommended working set (what a Mac's GPU may keep resident) by memory size:
+RUNTIME_GB = 1.0  # an allowance for Python, MLX, transformers and caches (decoding itself adds ~0.1 GB: `bench.py quantized`)
+# GiB: two thirds of memory up to 32 GB (10.67 GiB reported on 16 GB Macs), 37.44 GiB
+# reported on a 48 GB one, three quarters assumed for 64 GB. sudo sysctl iogpu.wired_limit_mb raises it.
+MAC_WORKING_SET_GIB = {8: 5.33, 16: 10.67, 24: 16.0, 32: 21.33, 48: 37.44, 64: 48.0}
+FORMATS = {"float32": None, "bfloat16": None, "8-bit": 8, "4-bit": 4}
+
+
+def weight_bytes(shapes: dict, format: str, group_size: int = 64) -> int:
+    """Bytes of a converted model's weights: projections and the embedding are
+    quantized (with a bfloat16 scale and bias per group), the rest stays float."""
+    from convert import Quantization
+    from mlx.utils import tree_flatten
+
+    from model import T5, ModelArgs
+
+    args = ModelArgs(vocab_size=32128, num_decoder_layers=shapes["num_layers"], **shapes)
+    model = T5(args)  # lazily initialised: nothing is computed, only shapes are read
+    bits, total = FORMATS[format], 0
+    for name, array in tree_flatten(model.parameters()):
+        if bits and Quantization(bits, group_size).applies(name, array.shape):
+            total += array.size * bits // 8 + 2 * 2 * array.size // group_size
+        else:
+            total += array.size * (4 if format == "float32" else 2)
+    return total
+
+
+def bench_sizes(args) -> None:
+    """Weights by model and format, computed from the public shapes, and the
+    smallest Mac whose working set holds the model with a t5-small draft of the
+    same format and the runtime (RUNTIME_GB)."""
+    sizes = {name: {format: weight_bytes(shapes, format) for format in FORMATS} for name, shapes in PUBLIC_T5.items()}
+
+    def smallest_mac(name: str, format: str) -> str:
+        need = sizes[name][format] + sizes["t5-small"][format] + RUNTIME_GB * 1e9
+        return next((f"{memory} GB" for memory, limit in MAC_WORKING_SET_GIB.items() if need <= limit * 2**30), "> 64 GB")
+
+    print("\nWeights (GB) and the smallest Mac that runs the model with a t5-small draft\n\n| model | parameters | "
+          + " | ".join(FORMATS) + " |\n|---|---|" + "---|" * len(FORMATS))
+    for name in PUBLIC_T5:
+        cells = [f"{sizes[name][format] / 1e9:.2f}, {smallest_mac(name, format)} Mac" for format in FORMATS]
+        print(f"| {name} | {sizes[name]['float32'] // 4 / 1e6:,.0f} M | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "quantized", "sizes", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -367,7 +508,12 @@ def main() -> None:
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.decode_worker:
+        import cpu  # noqa: F401  (before mlx.core)
+
+        return decode_worker(args.decode_worker, args.tokens)
     if args.hf_worker:
         return hf_worker(args.hf_worker, args.assistant, args.num_draft, args.cache_fix)
     import cpu  # noqa: F401  (before mlx.core, which the benchmarks import)
@@ -378,6 +524,10 @@ def main() -> None:
         bench_regular(args)
     if args.which in ("speculative", "all"):
         bench_speculative(args)
+    if args.which == "quantized":
+        bench_quantized(args)
+    if args.which == "sizes":
+        bench_sizes(args)
 
 
 if __name__ == "__main__":

@@ -279,13 +279,12 @@ def train(model: T5, data, heldout: list, steps: int, log, teacher: T5 | None = 
         mx.eval(state)
         recent.append(loss.item())
         if number % 200 == 0 or number == steps:
-            heldout_loss = sum(loss_fn(model, *held).item() for held in heldout) / len(heldout)
             # With a teacher, train_loss is against the teacher's distribution
             # (its entropy included); heldout_loss is always against the text.
-            history.append({"step": number, "train_loss": sum(recent) / len(recent), "heldout_loss": heldout_loss})
+            history.append({"step": number, "train_loss": sum(recent) / len(recent), "heldout_loss": heldout_loss(model, heldout)})
             against = "train loss" if teacher is None else "loss against the target"
             line = (f"  step {number:5d}/{steps}  {against} {history[-1]['train_loss']:.3f}  "
-                    f"held-out loss {heldout_loss:.3f}")
+                    f"held-out loss {history[-1]['heldout_loss']:.3f}")
             if teacher is not None:
                 history[-1]["heldout_agreement"] = agreement(model, teacher, heldout)
                 line += f"  agrees with the target {history[-1]['heldout_agreement']:.3f}"
@@ -347,6 +346,52 @@ def write_prompts(path: Path, tokenizer, pieces: np.ndarray, is_word_start, coun
     path.write_text("\n".join(lines) + "\n")
 
 
+def heldout_split(tokenizer, heldout: np.ndarray, seed: int) -> tuple[np.ndarray, list]:
+    """(shuffled held-out pieces, the 8 batches of the held-out loss). The batches
+    are drawn from all held-out files (consecutive pieces would come from two
+    or three files); the prompts come from the pieces after them."""
+    sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(NUM_SENTINELS)])
+    shuffled = heldout[np.random.default_rng(seed + 3).permutation(len(heldout))]
+    data = batches(shuffled[: 8 * BATCH], word_starts(tokenizer), np.random.default_rng(seed + 1), sentinels, tokenizer.eos_token_id)
+    return shuffled, list(itertools.islice(data, 8))
+
+
+def heldout_loss(model: T5, held: list) -> float:
+    """Mean cross-entropy per target token over the held-out batches (nats)."""
+    return float(np.mean([loss_fn(model, *batch).item() for batch in held]))
+
+
+def dequantized(model: T5) -> T5:
+    """The same model with float layers holding its quantized weights,
+    dequantized: the function the quantized products compute, up to float
+    rounding, in BLAS products (on the CPU, MLX's quantized products are
+    several times slower for a batch of many rows)."""
+    from mlx.utils import tree_map
+
+    def to_float(module):
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits, mode=module.mode)
+            layer = nn.Linear(1, 1, bias=False) if isinstance(module, nn.QuantizedLinear) else nn.Embedding(1, 1)
+            layer.weight = weight
+            return layer
+        return module
+
+    model.update_modules(tree_map(to_float, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    return model
+
+
+def evaluate(folders: list[Path], seed: int = 0) -> dict[str, float]:
+    """The held-out loss of converted models (quantized ones too) on the
+    batches training reported, rebuilt from the first model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from model import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folders[0]))
+    _, held = heldout_split(tokenizer, chunks(tokenizer, corpus_files()[1]), seed)
+    return {str(folder): heldout_loss(dequantized(load_model(folder)), held) for folder in folders}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "demo", help="output folder (default: demo/)")
@@ -354,8 +399,14 @@ def main(argv=None) -> int:
                         % (STEPS["target"], STEPS["draft"]))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="BLAS threads for the matrix products")
+    parser.add_argument("--evaluate", type=Path, nargs="+", metavar="FOLDER",
+                        help="train nothing: print the held-out loss of these converted models (nats per token)")
     args = parser.parse_args(argv)
     cpu.set_threads(args.threads)
+    if args.evaluate:
+        for folder, loss in evaluate(args.evaluate, args.seed).items():
+            print(f"{folder}: held-out loss {loss:.4f}")
+        return 0
     from transformers import AutoTokenizer
 
     began = time.perf_counter()
@@ -371,10 +422,7 @@ def main(argv=None) -> int:
     starts = word_starts(tokenizer)
     training, heldout = chunks(tokenizer, training_files), chunks(tokenizer, heldout_files)
     print(f"Tokens: {training.size:,} training, {heldout.size:,} held-out, in pieces of {RAW_LENGTH}")
-    # Held-out loss on 8 batches drawn from all held-out files (consecutive
-    # pieces would come from two or three files); prompts from the rest.
-    shuffled = heldout[np.random.default_rng(args.seed + 3).permutation(len(heldout))]
-    heldout_batches = list(itertools.islice(batches(shuffled[: 8 * BATCH], starts, np.random.default_rng(args.seed + 1), sentinels, eos), 8))
+    shuffled, heldout_batches = heldout_split(tokenizer, heldout, args.seed)
 
     summary = {"seed": args.seed, "python": sys.version.split()[0], "sp_vocab": SP_VOCAB, "batch": BATCH}
 

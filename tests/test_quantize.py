@@ -207,3 +207,21 @@ def test_a_quantized_target_and_a_float_draft_of_other_bits_run_as_a_pair(tmp_pa
     result = json.loads(capsys.readouterr().out)
     regular = list(regular_generate(load_model(tmp_path / "target"), load_tokenizer(DEMO / "target")(prompt).input_ids, 100, Sampling()))
     assert result["tokens"] == regular and result["stats"]["drafted"] > 0
+
+
+def test_held_out_loss_evaluation_reproduces_training_and_reads_quantized_models(demo_quantized, tmp_path):
+    """demo/train.py --evaluate: the float target's loss is the one training
+    recorded; a quantized model is scored through its dequantized weights,
+    which compute what its quantized products do."""
+    import train
+
+    recorded = json.loads((DEMO / "training.json").read_text())["target"]["heldout_loss"]
+    assert train.evaluate([DEMO / "target"])[str(DEMO / "target")] == pytest.approx(recorded, abs=1e-4)
+    convert.convert(str(DEMO / "target"), tmp_path / "q", "float32", False, Q4)
+    quantized = load_model(tmp_path / "q")
+    tokens, prompt = mx.array([[0, 9, 10, 11]]), mx.array([[7, 8, 9, 1]])
+    expected = quantized.decode(tokens, quantized.make_cache(quantized.encode(prompt)))
+    float_model = train.dequantized(load_model(tmp_path / "q"))
+    assert type(float_model.shared) is nn.Embedding
+    got = float_model.decode(tokens, float_model.make_cache(float_model.encode(prompt)))
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-4 * np.abs(np.array(expected)).max())
