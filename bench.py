@@ -4,6 +4,7 @@
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
     python bench.py quantized        # float and quantized: size, memory, speed and quality
     python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
+    python bench.py encode           # long inputs: time to the first token and peak memory, 128 to 8,192 tokens
     python bench.py                  # regular and speculative
 
 Checkpoints are built once under bench_models/ and converted with convert.py.
@@ -21,6 +22,7 @@ as far as the extra layers let it; random weights never agree.
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
@@ -282,7 +284,7 @@ def bench_speculative(args) -> None:
         convert_measuring_memory(target_hf, target_dir)
     target, draft = load_model(target_dir), load_model(DEMO / "target")
     tokenizer = load_tokenizer(DEMO / "target")
-    prompts = [tokenizer(text).input_ids for text in main.demo_prompts()[: args.prompts]]
+    prompts = [tokenizer.encode(text) for text in main.demo_prompts()[: args.prompts]]
     workers = {"hf regular": HFWorker(target_hf), "hf assisted": HFWorker(target_hf, draft_hf, args.num_draft),
                "hf assisted, fixed": HFWorker(target_hf, draft_hf, args.num_draft, cache_fix=True)}
 
@@ -424,7 +426,7 @@ def bench_quantized(args) -> None:
         convert_measuring_memory(DEMO / "target", folder, "-q", "--q-bits", str(bits))
     targets = {"float32": DEMO / "target", "8-bit": quantized[8], "4-bit": quantized[4]}
     tokenizer = load_tokenizer(DEMO / "target")
-    prompts = [tokenizer(text).input_ids for text in main.demo_prompts()]
+    prompts = [tokenizer.encode(text) for text in main.demo_prompts()]
     draft = load_model(DEMO / "draft")
     fillings, acceptance = {}, {}
     for name, folder in targets.items():
@@ -443,6 +445,74 @@ def bench_quantized(args) -> None:
         f"{sum(a == b for a, b in zip(fillings[name], fillings['float32']))} of {len(prompts)}" for name in targets) + " |")
     print("| held-out loss (nats per token) | " + " | ".join(f"{losses[name]:.4f}" for name in targets) + " |")
     print("| acceptance of the float32 draft (num-draft 3, delta 0) | " + " | ".join(f"{acceptance[name]:.2f}" for name in targets) + " |")
+
+
+def encode_worker(folder: str, length: int, hf: bool) -> None:
+    """In a fresh process: the time from a prompt of `length` tokens to the
+    first token's logits (encoding, cross-attention keys and values, one
+    decoder step), ours or transformers', and the process's peak memory."""
+    import re
+
+    ids = [(i * 7919) % 1000 + 3 for i in range(length - 1)] + [1]
+    if hf:
+        import torch
+        from transformers import T5ForConditionalGeneration
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        model = T5ForConditionalGeneration.from_pretrained(folder).eval()
+
+        def first_logits():
+            with torch.no_grad():
+                return model(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([[0]])).logits
+    else:
+        import mlx.core as mx
+
+        from decoder import start_decoding
+        from model import load_model
+
+        model = load_model(folder)
+        mx.eval(model.parameters())
+
+        def first_logits():
+            cache, start = start_decoding(model, ids)
+            return mx.eval(model.decode(start[None], cache))
+
+    full = ids
+    ids = full[:64]
+    first_logits()  # a warm-up on a short prompt: libraries load, kernels compile
+    ids = full
+    start = time.perf_counter()
+    first_logits()
+    seconds = time.perf_counter() - start
+    peak = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+    print(json.dumps({"seconds": seconds, "peak": peak}))
+
+
+def bench_encode(args) -> None:
+    """Long inputs: ours against transformers, T5-large shapes and the demo target's, each run in a fresh process."""
+    target_hf, draft_hf = build_pair(args.dir)  # draft_hf: the demo target as a Hugging Face checkpoint
+    shapes = {"T5-large shapes": (args.dir / "t5-large-random-mlx", build_large(args.dir / "t5-large-random")),
+              "demo target": (DEMO / "target", draft_hf)}
+    if not (shapes["T5-large shapes"][0] / "config.json").exists():
+        convert_measuring_memory(shapes["T5-large shapes"][1], shapes["T5-large shapes"][0])
+    lengths = [int(n) for n in args.lengths.split(",")]
+
+    def run(folder: Path, length: int, hf: bool) -> dict:
+        command = [sys.executable, __file__, "--encode-worker", str(folder), "--tokens", str(length)] + ["--hf"] * hf
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"seconds": math.nan, "peak": math.nan, "error": done.stderr.strip().splitlines()[-1]}
+        return json.loads(done.stdout)
+
+    print(f"\nFrom a prompt to its first token's logits (encoding, cross-attention keys and values, one decoder step), "
+          f"float32, each run in a fresh process\n\nmachine: {machine()}\n\n"
+          "| model | input tokens | ours | transformers | ours / transformers | ours peak memory | transformers peak memory |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, (ours_dir, hf_dir) in shapes.items():
+        for length in lengths:
+            ours, theirs = run(ours_dir, length, False), run(hf_dir, length, True)
+            print(f"| {name} | {length:,} | {ours['seconds']:.2f} s | {theirs['seconds']:.2f} s | "
+                  f"{ours['seconds'] / theirs['seconds']:.2f} | {ours['peak'] / 1e9:.2f} GB | {theirs['peak'] / 1e9:.2f} GB |", flush=True)
 
 
 # Shapes from the public configs on the Hugging Face hub (v1.0 T5: tied head, vocabulary 32128).
@@ -499,7 +569,7 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "quantized", "sizes", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "quantized", "sizes", "encode", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -508,8 +578,16 @@ def main() -> None:
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", default="128,512,2048,8192", help="encode: input lengths in tokens")
     parser.add_argument("--decode-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--encode-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.encode_worker:
+        import cpu  # noqa: F401  (before mlx.core)
+
+        sys.path.insert(0, str(DEMO))
+        return encode_worker(args.encode_worker, args.tokens, args.hf)
     if args.decode_worker:
         import cpu  # noqa: F401  (before mlx.core)
 
@@ -528,6 +606,8 @@ def main() -> None:
         bench_quantized(args)
     if args.which == "sizes":
         bench_sizes(args)
+    if args.which == "encode":
+        bench_encode(args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import socket
 import struct
 import sys
@@ -38,11 +39,13 @@ from tqdm import tqdm
 
 from model import FORMAT_KEY, T5, ModelArgs
 
-# dtype choice: bfloat16 by default. T5 was trained in bfloat16 on TPUs, so it
-# keeps fp32's range (v1.0 models overflow float16 without clamping) at half
-# the memory and bandwidth: T5-11B is 45 GB in float32, 22 GB in bfloat16.
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
+# bfloat16 on a Mac: T5 was trained in it on TPUs, so it keeps float32's range
+# (v1.0 models overflow float16 without clamping) at half the memory and
+# bandwidth. MLX's CPU backend has no fast half-precision products (bfloat16
+# decodes ~4x slower than float32 there: bench.py quantized), so float32 elsewhere.
+DEFAULT_DTYPE = "bfloat16" if sys.platform == "darwin" else "float32"
 SHARD_BYTES = 4 << 30
 
 TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"]
@@ -202,6 +205,8 @@ class SafetensorsReader:
                     self.entries[name] = (file, 8 + header_size + start, info["dtype"], info["shape"])
             except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise ConversionError(f"{file} is truncated or corrupt ({e})")
+            except OSError as e:
+                raise ConversionError(f"cannot read {file}: {e.strerror or e}")
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -229,8 +234,11 @@ class TorchReader:
         self.tensors, self.mapped = {}, set()
         for file in files:
             # Only the zip format (torch >= 1.6) maps; the legacy one is read whole.
-            with file.open("rb") as f:
-                legacy = f.read(2) != b"PK"
+            try:
+                with file.open("rb") as f:
+                    legacy = f.read(2) != b"PK"
+            except OSError as e:
+                raise ConversionError(f"cannot read {file}: {e.strerror or e}")
             if legacy:
                 print(f"note: {file.name} is in PyTorch's legacy format: it is read whole into memory", file=sys.stderr)
             try:
@@ -414,6 +422,8 @@ def check_output(out: Path, force: bool) -> None:
     """--force replaces an earlier conversion (or an empty folder), never some other folder."""
     if not out.exists() and not out.is_symlink():
         return
+    if out.is_file() and not out.is_symlink():
+        raise ConversionError(f"{out} is a file: choose another --out")
     if not force:
         raise ConversionError(f"{out} already exists (use --force to replace it)")
     if out.is_symlink() or out.resolve() in (Path.cwd(), *Path.cwd().parents):
@@ -425,11 +435,12 @@ def check_output(out: Path, force: bool) -> None:
 OWNER = ".converting"  # "HOST PID" of the process writing a work folder
 
 
-def remove_leftovers(out: Path) -> None:
-    """Work folders of this output whose conversion was killed: written on
-    this host (see OWNER) by a process that is gone."""
-    pattern = re.compile(re.escape(f".{out.name}.partial-") + r"\d{1,9}")
-    for folder in out.parent.iterdir():
+def remove_leftovers(folder_of_outputs: Path) -> None:
+    """Work folders of conversions that were killed (SIGKILL, power loss),
+    whatever their output: written on this host (see OWNER) by a process that
+    is gone. A conversion stopped by Ctrl-C or SIGTERM removes its own."""
+    pattern = re.compile(r"\..+\.partial-\d{1,9}")
+    for folder in folder_of_outputs.iterdir():
         if not pattern.fullmatch(folder.name):
             continue
         try:
@@ -465,12 +476,15 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
             print(f"note: {len(kept)} weight(s) stay in {dtype_name}, their input dimension not a multiple of "
                   f"{quantization.group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}", file=sys.stderr)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    (partial / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out.parent)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        (partial / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
+    except OSError as e:
+        raise ConversionError(f"cannot write {out}: {e.strerror or e}")
     try:
         shards = shard(mapping, reader, dtype, quantization)
         total = sum(nbytes(name, reader.shape(mapping[name]), dtype, quantization) for name in mapping)
@@ -484,6 +498,8 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         for file in tokenizer_files + [source / "generation_config.json"]:
             if file.is_file():
                 shutil.copy(file, partial / file.name)
+        if not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
+            write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.
         result = output_config(config, not args.tie_word_embeddings, dtype_name, names, model, quantization)
         (partial / "config.json").write_text(json.dumps(result, indent=2))
@@ -496,10 +512,24 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
             shutil.rmtree(old, ignore_errors=True)
         else:
             partial.rename(out)
-    except BaseException:
+    except OSError as e:  # a full disk, a read-only file system, an unreadable source file
+        shutil.rmtree(partial, ignore_errors=True)
+        where = e.filename and Path(e.filename)
+        if where and partial in (where, *where.parents):
+            raise ConversionError(f"cannot write {out}: {e.strerror or e}")
+        raise ConversionError(f"cannot read {e.filename}: {e.strerror or e}" if where else f"conversion failed: {e}")
+    except BaseException:  # Ctrl-C, SIGTERM, anything else: nothing half-written stays
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
+
+
+def write_tokenizer_json(source: Path, path: Path) -> None:
+    """A tokenizer.json for a checkpoint that has only spiece.model, through
+    transformers (which converts SentencePiece models)."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(source)).backend_tokenizer.save(str(path))
 
 
 def default_out(model: str, quantization: Quantization | None = None) -> Path:
@@ -509,6 +539,14 @@ def default_out(model: str, quantization: Quantization | None = None) -> Path:
     if not name:
         raise ConversionError(f"cannot name an output folder after {model!r}: give --out")
     return Path("mlx_models") / (name + (f"-{quantization.bits}bit" if quantization else ""))
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the conversion is, so that it cleans up as after Ctrl-C."""
+
+
+def terminate(signum, frame):
+    raise Terminated()
 
 
 def quantization_of(args) -> Quantization | None:
@@ -530,9 +568,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder")
     parser.add_argument("--out", type=Path, help="output folder (default: mlx_models/<name>)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                        help="weight dtype (default bfloat16: T5's training dtype, fp32 range at half the memory; "
-                             "on Linux CPU use float32, the only dtype with a fast BLAS path)")
+    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                        help="dtype of the weights kept in float (default: bfloat16 on a Mac, T5's training dtype, "
+                             "float32 elsewhere, where MLX's CPU backend has no fast half-precision products)")
     parser.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     parser.add_argument("-q", "--quantize", action="store_true",
                         help="quantize the projections, embedding and head (default output: mlx_models/<name>-<bits>bit)")
@@ -540,16 +578,20 @@ def main(argv=None) -> int:
     parser.add_argument("--q-group-size", type=int,
                         help=f"weights sharing a scale and bias: {', '.join(map(str, Q_GROUP_SIZES))} (default 64)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, terminate)
     try:
         quantization = quantization_of(args)
         out = args.out or default_out(args.model, quantization)
         convert(args.model, out, args.dtype, args.force, quantization)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2  # as main.py's
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated: nothing was written", file=sys.stderr)
+        return 143
     what = f"{quantization.bits}-bit, groups of {quantization.group_size}, the rest {args.dtype}" if quantization else args.dtype
     print(f"Saved {out} ({what}). Try it: python main.py --model {out} --regular-decode "
           f"(or as a speculative pair: --model TARGET --draft-model DRAFT)")

@@ -13,7 +13,7 @@ for one-row products; BLIS is the faster of the two for the few-row products
 of speculative verification (docs/PERFORMANCE.md has the measurements).
 
 The library runs one thread: a single core's matrix-vector product reads memory
-as fast as the BLAS's own threading would, so `split_products` splits each
+as fast as the BLAS's own threading would, so `use_cores` splits each
 large product over several MLX CPU streams (threads) instead.
 
 On macOS MLX uses Accelerate (CPU) and Metal (GPU); nothing is loaded there.
@@ -22,6 +22,7 @@ comma-separated order of preference (the default is `blis,mkl,openblas`;
 training, whose large products want MKL's threads, asks for `mkl,blis,openblas`).
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -76,16 +77,23 @@ def _load() -> str:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
+        if name == "blis" and hasattr(library, "bli_pack_set_pack_a"):
+            global _library
+            _library = library
         if hasattr(library, setter_name):
             global _thread_setter
             _thread_setter = getattr(library, setter_name)
             _thread_setter.argtypes, _thread_setter.restype = [count_type], None
             _thread_setter(1)
+        for setter in ("bli_pack_set_pack_a", "bli_pack_set_pack_b"):
+            if name == "blis" and hasattr(library, setter):
+                getattr(library, setter).argtypes = [ctypes.c_bool]
         return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream)"
     return "bundled reference BLAS (slow: apt install libblis4-serial, or pip install mkl)"
 
 
 _thread_setter = None
+_library = None  # the loaded BLAS, when it is BLIS (see many_rows)
 
 
 def set_threads(count: int) -> None:
@@ -94,6 +102,24 @@ def set_threads(count: int) -> None:
     A single-threaded build (Debian's libblis4-serial) ignores it."""
     if _thread_setter is not None:
         _thread_setter(count)
+
+
+@contextlib.contextmanager
+def many_rows():
+    """Evaluate a prompt's products (hundreds of rows) in here. BLIS skips
+    packing its operands for small products ("sup"), which suits decoding's
+    few rows but runs a prompt's at a third of the speed; inside, it packs
+    them. The setting is BLIS's global one, read by every thread."""
+    if _library is None:
+        yield
+        return
+    _library.bli_pack_set_pack_a(True)
+    _library.bli_pack_set_pack_b(True)
+    try:
+        yield
+    finally:
+        _library.bli_pack_set_pack_a(False)
+        _library.bli_pack_set_pack_b(False)
 
 
 ACTIVE = _load()
@@ -107,6 +133,7 @@ from mlx.utils import tree_map  # noqa: E402
 # weights (T5-large's FFN and head; every projection of T5-11B). On 2 cores,
 # T5-large decoding ran ~5-8% faster than MKL's own 2-thread product.
 SPLIT_MIN_ELEMENTS = 2_000_000
+SPLIT_MAX_ROWS = 16  # decoding: 1 row, a verify pass num-draft + 1
 
 
 @functools.cache  # on first use, not at import: the default device may change in between
@@ -122,9 +149,10 @@ def streams() -> tuple:
 def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T with the weight's rows split over the CPU streams, which
     run on their own threads: decoding reads every weight once per token, and
-    one core alone cannot saturate memory."""
+    one core alone cannot saturate memory. A product of many rows (a block of
+    a prompt) keeps a core busy by itself: the encoder spreads those blocks."""
     parts = streams()
-    if len(parts) < 2:
+    if len(parts) < 2 or x.size // x.shape[-1] >= SPLIT_MAX_ROWS:
         return x @ weight.T
     rows = -(-weight.shape[0] // len(parts))
     products = [mx.matmul(x, weight[i * rows : (i + 1) * rows].T, stream=s) for i, s in enumerate(parts)]
@@ -153,12 +181,15 @@ class SplitEmbedding(nn.Embedding):
         return split_matmul(x, self.weight)
 
 
-def split_products(model: nn.Module) -> nn.Module:
-    """Swap the model's large float projections (and a tied head) for split
-    ones, in place, as nn.quantize swaps layers; on a GPU or a single core,
-    nothing changes. The weights are the same arrays, under the same names."""
+def use_cores(model: nn.Module) -> nn.Module:
+    """Spread a model's work over the CPU's cores, in place: its large float
+    projections (and a tied head) are swapped for split ones, as nn.quantize
+    swaps layers, and its `lanes` (a prompt's independent blocks of work) are
+    the streams. On a GPU or a single core, nothing changes. The weights are
+    the same arrays, under the same names."""
     if not streams():
         return model
+    model.lanes = streams()
 
     def split(module):
         if type(module) is nn.Linear and "bias" not in module and module.weight.size >= SPLIT_MIN_ELEMENTS:

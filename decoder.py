@@ -13,10 +13,11 @@ sampling distribution with the same `logits_to_probs`.
 import math
 import numbers
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, Iterator
 
-import cpu  # noqa: F401  (before mlx.core)
+import cpu  # before mlx.core
 import mlx.core as mx
 
 from model import T5, Models, T5Error
@@ -116,6 +117,7 @@ class Sampling:
 
 @dataclass
 class Stats:
+    prompt_tokens: int = 0
     generated: int = 0
     target_calls: int = 0
     draft_calls: int = 0
@@ -170,9 +172,39 @@ def sample(logits: mx.array, sampling: Sampling) -> mx.array:
     return mx.random.categorical(mx.log(logits_to_probs(logits, sampling)))
 
 
+TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
+# Encoding speed (flops/s) assumed until a model's first long prompt measures
+# its own: roughly what 2 x86 cores did on T5-large and the demo target (bench.py encode).
+ASSUMED_ENCODING_RATE = 30e9 if mx.default_device() == mx.cpu else 1e12
+
+
+def encoding_flops(model: T5, tokens: int) -> float:
+    """The work of encoding a prompt: its products (2 flops per weight and
+    token, cross-attention keys and values included) and attention, which
+    grows with the square of the length."""
+    a = model.args
+    inner = a.num_heads * a.d_kv
+    ffn = (3 if a.feed_forward_proj.startswith("gated") else 2) * a.d_model * a.d_ff
+    per_token = 2 * a.num_layers * (4 * a.d_model * inner + ffn) + 2 * a.num_decoder_layers * 2 * a.d_model * inner
+    return tokens * per_token + 4 * a.num_layers * tokens * tokens * inner
+
+
+def encoding_seconds(model: T5, tokens: int) -> float:
+    """A rough estimate, from the speed the model's earlier prompts were encoded at."""
+    return encoding_flops(model, tokens) / getattr(model, "encoding_rate", ASSUMED_ENCODING_RATE)
+
+
 def start_decoding(model: T5, prompt: list[int]):
-    """Encode the prompt and return (cache, first decoder input)."""
-    cache = model.make_cache(model.encode(mx.array([prompt])))
+    """Encode the prompt and return (cache, first decoder input). The
+    prompt's products, of many rows, are computed here, apart from
+    decoding's few-row ones: the CPU's BLAS wants them done differently."""
+    started = time.perf_counter()
+    with cpu.many_rows():
+        cache = model.make_cache(model.encode(mx.array([prompt])))
+        mx.eval(cache.cross_keys_values)
+    seconds = time.perf_counter() - started
+    if seconds > 0.5:  # long enough to measure the speed by
+        model.encoding_rate = encoding_flops(model, len(prompt)) / seconds
     return cache, mx.array([model.args.decoder_start_token_id])
 
 
@@ -282,7 +314,7 @@ def speculative_generate(target: T5, draft: T5, prompt: list[int], max_tokens: i
     stats = stats if stats is not None else Stats()
     started = time.perf_counter()
     target_cache, start = start_decoding(target, prompt)
-    draft_cache = draft.make_cache(draft.encode(mx.array([prompt])))
+    draft_cache, _ = start_decoding(draft, prompt)
     last, unseen = start.item(), [start.item()]
     eos, produced = target.args.eos_token_id, 0
     while produced < max_tokens:
@@ -391,7 +423,11 @@ def generate_tokens(models: Models, prompt: str, settings: Settings, stats: Stat
     checked now; the seed is set when decoding starts."""
     if not prompt.strip():
         raise OptionError("the prompt is empty")
-    ids = models.tokenizer(prompt).input_ids
+    ids = models.tokenizer.encode(prompt)
+    stats.prompt_tokens = len(ids)
+    if len(ids) > TRAINED_LENGTH:
+        warnings.warn(f"the prompt has {len(ids):,} tokens, more than the {TRAINED_LENGTH} T5 was trained on: "
+                      "the output may suffer", RuntimeWarning, stacklevel=3)
 
     def tokens():
         if settings.seed is not None:

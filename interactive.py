@@ -10,7 +10,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field, replace
 
-from decoder import KNOBS, OptionError, Settings, Stats, measure, stream_generate, warm_up
+from decoder import KNOBS, OptionError, Settings, Stats, encoding_seconds, measure, stream_generate, warm_up
 from model import Models
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
@@ -20,7 +20,8 @@ SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 def stats_line(stats: Stats, speculative: bool) -> str:
-    line = f"{stats.generated} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s)"
+    line = (f"{stats.generated} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
+            f"prompt {stats.prompt_tokens:,} tokens")
     if speculative:
         return (
             f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}), "
@@ -30,8 +31,15 @@ def stats_line(stats: Stats, speculative: bool) -> str:
 
 
 def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> tuple[str, Stats]:
-    """Stream the text as it comes, then the statistics line."""
+    """Stream the text as it comes, then the statistics line. A prompt that
+    will take a while to encode is announced on stderr first."""
     out = out or sys.stdout
+    tokens = len(models.tokenizer.encode(prompt))
+    seconds = encoding_seconds(models.target, tokens)
+    if settings.speculative and models.draft is not None:
+        seconds += encoding_seconds(models.draft, tokens)
+    if seconds > 3:
+        print(f"Encoding a {tokens:,}-token prompt: about {seconds:.0f} s ...", file=sys.stderr, flush=True)
     pieces = []
     for response in stream_generate(models, prompt, **vars(settings)):
         out.write(response.text)

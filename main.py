@@ -39,8 +39,14 @@ class UsageError(T5Error):
 
 
 def prompt_lines(path: Path) -> list[str]:
-    """The non-blank lines of a prompts file, stripped."""
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    """The non-blank lines of a prompts file, stripped; UsageError names a line that is not UTF-8."""
+    lines = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            lines.append(raw.decode("utf-8").strip())
+        except UnicodeDecodeError:
+            raise UsageError(f"{path}, line {number}: not valid UTF-8 text")
+    return [line for line in lines if line]
 
 
 def demo_prompts() -> list[str]:

@@ -12,6 +12,7 @@ cross-attention keys/values computed once from the encoder output.
 `load` finds converted models by name and reads them with their tokenizer.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -96,6 +97,31 @@ class RelativePositionBias(nn.Module):
         bias = self.embeddings(self.bucket(keys - queries))
         return bias.transpose(2, 0, 1)[None]
 
+    def by_distance(self, length: int) -> mx.array:
+        """(2 * length - 1, heads): the bias of each key - query distance, -(length - 1) first.
+        A length-L input's whole (L, L) bias is made of these 2L - 1 rows."""
+        return self.embeddings(self.bucket(mx.arange(1 - length, length)))
+
+
+def bias_rows(by_distance: mx.array, first: int, last: int, length: int) -> mx.array:
+    """Rows first..last-1 of a length-long bias, (1, heads, last - first, length),
+    as a view of the distance table: row i, column j is its entry j - i."""
+    heads = by_distance.shape[1]
+    return mx.as_strided(by_distance, (1, heads, last - first, length), (0, 1, -heads, heads), (length - 1 - first) * heads)
+
+
+def query_blocks(length: int, heads: int, lanes: int) -> list[tuple[int, int]]:
+    """The encoder attends in blocks of queries, so that attention scores
+    take at most ~64 MB of float32 whatever the input's length; and in at least
+    one block per lane, so that every lane (core) has work."""
+    block = min(-(-length // max(1, lanes)), max(16, (1 << 24) // (heads * length)))
+    return [(first, min(first + block, length)) for first in range(0, length, block)]
+
+
+def lane(lanes: tuple, i: int):
+    """Where block i's work runs: the lanes (streams) in turn, or the default stream."""
+    return mx.stream(lanes[i % len(lanes)]) if lanes else contextlib.nullcontext()
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -165,9 +191,23 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ffn = FeedForward(args)
 
-    def __call__(self, x: mx.array, bias: mx.array) -> mx.array:
-        x = _clamp_float16(x + self.attention(self.attention_norm(x), bias))
-        return _clamp_float16(x + self.ffn(self.ffn_norm(x)))
+    def __call__(self, x: mx.array, bias_of, blocks: list[tuple[int, int]], lanes: tuple = ()) -> mx.array:
+        """Keys and values for the whole input, then each block of queries on
+        its own: attention over every key, the output projection and the FFN.
+        bias_of(first, last): the attention bias of those query rows."""
+        h = self.attention_norm(x)
+        keys_values = []
+        for i, (first, last) in enumerate(blocks):
+            with lane(lanes, i):
+                keys_values.append(self.attention.project_keys_values(h[:, first:last]))
+        keys = mx.concatenate([k for k, _ in keys_values], axis=2)
+        values = mx.concatenate([v for _, v in keys_values], axis=2)
+        out = []
+        for i, (first, last) in enumerate(blocks):
+            with lane(lanes, i):
+                y = _clamp_float16(x[:, first:last] + self.attention(h[:, first:last], bias_of(first, last), keys_values=(keys, values)))
+                out.append(_clamp_float16(y + self.ffn(self.ffn_norm(y))))
+        return mx.concatenate(out, axis=1)
 
 
 class DecoderLayer(nn.Module):
@@ -252,13 +292,20 @@ class Encoder(nn.Module):
         self.layers = [EncoderLayer(args) for _ in range(args.num_layers)]
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> mx.array:
+        """Attention works in blocks of queries (query_blocks), so that its
+        memory grows with the input's length, not with its square."""
         L = x.shape[1]
-        bias = self.relative_attention_bias(L, L)
-        if mask is not None:
-            bias = bias + padding_bias(mask, bias.dtype)
+        by_distance = self.relative_attention_bias.by_distance(L)
+        padding = padding_bias(mask, x.dtype)
+
+        def bias_of(first: int, last: int) -> mx.array:
+            bias = bias_rows(by_distance, first, last, L)
+            return bias if padding is None else bias + padding
+
+        blocks = query_blocks(L, by_distance.shape[1], len(lanes))
         for layer in self.layers:
-            x = layer(x, bias)
+            x = layer(x, bias_of, blocks, lanes)
         return self.final_norm(x)
 
 
@@ -290,14 +337,18 @@ class T5(nn.Module):
         self.decoder = Decoder(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+        self.lanes = ()  # streams that independent blocks of a prompt's work spread over (cpu.py sets them)
 
     def encode(self, tokens: mx.array, mask: mx.array | None = None) -> mx.array:
         """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model)."""
-        return self.encoder(self.shared(tokens), mask)
+        return self.encoder(self.shared(tokens), mask, self.lanes)
 
     def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None) -> DecoderCache:
         """Cross-attention keys/values are computed here, once per prompt."""
-        cross = [layer.cross_attention.project_keys_values(encoder_output) for layer in self.decoder.layers]
+        cross = []
+        for i, layer in enumerate(self.decoder.layers):
+            with lane(self.lanes, i):
+                cross.append(layer.cross_attention.project_keys_values(encoder_output))
         return DecoderCache(cross, padding_bias(mask, encoder_output.dtype))
 
     def decode(self, tokens: mx.array, cache: DecoderCache) -> mx.array:
@@ -413,15 +464,47 @@ def load_model(folder: str | Path) -> T5:
         detail = " ".join(str(e).split())  # one line: MLX lists the names on lines of their own
         raise LoadError(f"{folder}'s weights do not match its config ({detail[:200]}): convert the model again")
     model.eval()
-    return cpu.split_products(model)
+    return cpu.use_cores(model)
+
+
+class Tokenizer:
+    """A converted model's tokenizer, read from its tokenizer.json with the
+    `tokenizers` library: starting up imports neither transformers nor PyTorch.
+    It encodes as transformers' T5 tokenizer does (EOS appended) and decodes
+    special tokens as text, without "cleaning up" spaces."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as Rust
+
+        self.backend = Rust.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text).ids
+
+    def decode(self, ids: list[int], **_) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
 
 def load_tokenizer(folder: str | Path):
+    """The folder's tokenizer: from tokenizer.json (convert.py writes one);
+    for a folder with only spiece.model, transformers' (a slower start)."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return Tokenizer(folder / "tokenizer.json")
+        except Exception as e:  # the Rust library's errors have no common type
+            raise LoadError(f"{folder} has a damaged tokenizer.json ({str(e).splitlines()[0]}): convert the model again")
+    # Without these files transformers quietly builds a tokenizer of special tokens only.
+    if not (folder / "spiece.model").is_file():
+        raise LoadError(f"{folder} has no tokenizer (tokenizer.json or spiece.model): convert the model again")
     from transformers import AutoTokenizer  # slow import: only when needed
 
-    # Without these files transformers quietly builds a tokenizer of special tokens only.
-    if not any((Path(folder) / name).is_file() for name in ("tokenizer.json", "spiece.model")):
-        raise LoadError(f"{folder} has no tokenizer (tokenizer.json or spiece.model): convert the model again")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
@@ -440,6 +523,20 @@ class Models:
 
 
 _warned_slow_blas = False
+
+
+def check_fit(path: Path, model: T5, tokenizer) -> None:
+    """Warn, once per model, of what would make its output empty or slow."""
+    # T5 pads its vocabulary to a multiple of 128 (32128 rows for 32100 pieces);
+    # beyond that, the model can choose tokens the tokenizer prints as nothing.
+    known = -(-len(tokenizer) // 128) * 128
+    if model.args.vocab_size > known:
+        warnings.warn(f"{path} has {model.args.vocab_size:,} output tokens but its tokenizer only {len(tokenizer):,}: "
+                      "tokens past those print as nothing (a tokenizer from another model?)", RuntimeWarning, stacklevel=3)
+    dtype = model.shared.weight.dtype if not hasattr(model.shared, "scales") else model.shared.scales.dtype
+    if mx.default_device() == mx.cpu and dtype in (mx.bfloat16, mx.float16):
+        warnings.warn(f"{path} is {str(dtype).split('.')[-1]}: MLX's CPU backend has no fast half-precision products, "
+                      "it decodes several times slower than float32 (convert with --dtype float32)", RuntimeWarning, stacklevel=3)
 
 
 def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False) -> Models:
@@ -464,6 +561,9 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
     target_model = load_model(target_path)
     draft_model = load_model(draft_path) if draft_path is not None else None
+    for path, model in ((target_path, target_model), (draft_path, draft_model)):
+        if model is not None:
+            check_fit(path, model, tokenizer)
     if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
         names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
                  for path in (target_path, draft_path) if path is not None]

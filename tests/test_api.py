@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 import main
 from decoder import Detokenizer, OptionError, generate, stream_generate
@@ -69,7 +70,7 @@ def test_detokenizer_equals_decoding_everything_at_once_for_any_token_sequence(c
     (transformers 4's default) must be decoded without that, as a stream
     cannot take back a space it has shown: with clean_up_spaces the tokenizer's
     own default would disagree with the reference on some sequences."""
-    tokenizer = load_tokenizer(DEMO / "target")
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO / "target"))  # transformers': it has the clean-up setting
     tokenizer.clean_up_tokenization_spaces = clean_up_spaces
     punctuation = [i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i) in (".", "▁", ",", "?", "'", "n", "s")]
     rng = random.Random(0)
@@ -78,6 +79,20 @@ def test_detokenizer_equals_decoding_everything_at_once_for_any_token_sequence(c
         detokenizer = Detokenizer(tokenizer)
         text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
         assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False), ids
+
+
+def test_the_tokenizer_encodes_and_decodes_as_transformers_does():
+    """load_tokenizer reads tokenizer.json with the tokenizers library (no
+    PyTorch at start-up); ids and text must be transformers' own."""
+    ours, theirs = load_tokenizer(DEMO / "target"), AutoTokenizer.from_pretrained(str(DEMO / "target"))
+    texts = main.demo_prompts() + ["translate English to French: Let's go, naïve café – 日本!", "  two  spaces\tand a tab", ""]
+    for text in texts:
+        assert ours.encode(text) == theirs(text).input_ids, text
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(theirs)) for _ in range(rng.randrange(1, 30))]
+        assert ours.decode(ids) == theirs.decode(ids, clean_up_tokenization_spaces=False), ids
+    assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
 
 
 def test_detokenizer_holds_back_an_incomplete_character():
@@ -108,7 +123,7 @@ def test_detokenizer_work_per_token_does_not_grow_with_the_output(demo_pair):
             decoded_lengths.append(len(ids))
             return demo_pair.tokenizer.decode(ids, **options)
 
-    ids = demo_pair.tokenizer(" ".join(main.demo_prompts() * 3)).input_ids
+    ids = demo_pair.tokenizer.encode(" ".join(main.demo_prompts() * 3))
     assert len(ids) > 3000
     detokenizer = Detokenizer(CountingTokenizer())
     text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()

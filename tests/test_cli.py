@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -207,3 +208,68 @@ def test_fill_spans_puts_each_span_where_its_sentinel_was():
     prompt = "def <extra_id_0>(self): return <extra_id_1>.x"
     assert interactive.fill_spans(prompt, "<extra_id_0> area<extra_id_1> self") == "def «area»(self): return «self».x"
     assert interactive.fill_spans(prompt, "<extra_id_0> area") == "def «area»(self): return «?».x"
+
+
+def test_a_prompts_file_line_that_is_not_utf8_is_named(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"first prompt\nsecond\n\xff\xfe broken\n")
+    assert main.main(["--demo", "--sweep", "--prompts-file", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {prompts}, line 3: not valid UTF-8 text"
+
+
+def test_starting_up_imports_neither_pytorch_nor_transformers():
+    """The tokenizer comes from tokenizer.json through the tokenizers library."""
+    code = ("import runpy, sys; sys.argv = ['main.py', '--demo', '--max-tokens', '3']\n"
+            "try:\n    runpy.run_path('main.py', run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(main.__file__))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_statistics_give_the_prompts_length_and_a_long_prompt_is_warned_of(capsys, recwarn):
+    import decoder
+
+    prompt = " ".join(main.demo_prompts())  # about a thousand tokens
+    assert main.main(["--demo", "--regular-decode", "--max-tokens", "3", "--prompt", prompt]) == 0
+    tokens = len(model.load_tokenizer(main.DEMO_DIR / "target").encode(prompt))
+    assert tokens > decoder.TRAINED_LENGTH
+    assert f"prompt {tokens:,} tokens" in capsys.readouterr().out
+    assert any(f"the prompt has {tokens:,} tokens, more than the 512 T5 was trained on" in str(w.message) for w in recwarn)
+
+
+def test_a_prompt_that_will_take_a_while_to_encode_is_announced(capsys, monkeypatch):
+    import decoder
+
+    monkeypatch.setattr(decoder, "ASSUMED_ENCODING_RATE", 1e6)  # a very slow machine
+    assert main.main(["--demo", "--regular-decode", "--max-tokens", "2"]) == 0
+    assert re.search(r"Encoding a \d+-token prompt: about \d+ s \.\.\.", capsys.readouterr().err)
+
+
+def test_the_encoding_estimate_grows_with_the_square_of_the_length():
+    import decoder
+
+    target = load_model(main.DEMO_DIR / "target")
+    short, long = decoder.encoding_flops(target, 512), decoder.encoding_flops(target, 8192)
+    assert 16 < long / short < 256  # linear products, quadratic attention
+
+
+def test_a_model_with_more_outputs_than_its_tokenizer_has_is_warned_of(tmp_path, tokenizer_dir, recwarn):
+    from checkpoints import make_checkpoint, t5_config
+
+    import convert
+
+    make_checkpoint(tmp_path / "hf", t5_config(vocab_size=32128), 0, tokenizer_dir)  # the tokenizer has 1100 pieces
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    model.load(tmp_path / "mlx")
+    assert any("32,128 output tokens but its tokenizer only 1,100" in str(w.message) for w in recwarn)
+
+
+def test_half_precision_on_the_cpu_is_warned_of(v1_1_checkpoint, tmp_path, recwarn):
+    import convert
+
+    convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "bf16", "bfloat16", force=False)
+    model.load(tmp_path / "bf16")
+    slow = [str(w.message) for w in recwarn if "no fast half-precision products" in str(w.message)]
+    assert len(slow) == (1 if mx.default_device() == mx.cpu else 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoints import make_checkpoint, t5_config
+from checkpoints import PROMPT, make_checkpoint, t5_config
 
 import convert
 import main
@@ -97,7 +97,7 @@ def test_failed_conversion_leaves_no_output_folder(v1_1_checkpoint, tmp_path, mo
         raise OSError("disk full")
 
     monkeypatch.setattr(convert, "write_shard", fail_midway)
-    with pytest.raises(OSError):
+    with pytest.raises(convert.ConversionError, match="conversion failed: disk full"):
         convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "out", "float32", force=False)
     assert list(tmp_path.iterdir()) == []
 
@@ -127,7 +127,8 @@ def test_force_never_deletes_what_is_not_a_converted_model(v1_1_checkpoint, tmp_
     else:
         out.symlink_to(v1_1_checkpoint.mlx_dir)
     done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(out), "--force")
-    assert done.returncode != 0 and "--force" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert ("is a file: choose another --out" if existing == "a file" else "--force") in done.stderr
     if existing == "documents":
         assert (out / "precious.txt").read_text() == "keep me"
     elif existing == "a file":
@@ -170,7 +171,7 @@ def test_the_default_output_is_named_after_the_source_folder_or_hub_repo(tmp_pat
     assert convert.default_out(str(tmp_path / "flan-t5-small") + "/") == Path("mlx_models/flan-t5-small")
 
 
-def test_only_work_folders_of_killed_conversions_of_this_output_are_removed(v1_1_checkpoint, tmp_path):
+def test_only_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tmp_path):
     def work_folder(name: str, pid: int, owner: bool = True):
         folder = tmp_path / name
         folder.mkdir()
@@ -180,15 +181,15 @@ def test_only_work_folders_of_killed_conversions_of_this_output_are_removed(v1_1
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)  # that process has exited
-    killed = work_folder(f".out.partial-{dead_pid}", dead_pid)
+    killed = [work_folder(f".out.partial-{dead_pid}", dead_pid),
+              work_folder(f".another-model.partial-{dead_pid}", dead_pid)]  # any output's, not only this one's
     kept = [
         work_folder(f".out.partial-{os.getppid()}", os.getppid()),  # a live conversion
-        work_folder(f".out.v2.partial-{dead_pid}", dead_pid),  # another output's
         work_folder(f".out.old-{dead_pid}", dead_pid),  # not a work folder
         work_folder(f".out.partial-{dead_pid + 1}", dead_pid, owner=False),  # no owner: not ours to judge
     ]
     convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "out", "float32", force=False)
-    assert not killed.exists() and all(folder.exists() for folder in kept)
+    assert not any(folder.exists() for folder in killed) and all(folder.exists() for folder in kept)
     assert not (tmp_path / "out" / convert.OWNER).exists()
 
 
@@ -264,3 +265,87 @@ def test_bad_sources_give_one_line_errors(case, message, tmp_path, tokenizer_dir
     assert message in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_in_the_way_is_named_without_suggesting_force(v1_1_checkpoint, tmp_path):
+    (tmp_path / "out").write_text("keep me")
+    done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "is a file: choose another --out" in done.stderr and "--force" not in done.stderr
+
+
+@pytest.mark.parametrize("where", ["a file as its folder", "a read-only file system"])
+def test_an_output_that_cannot_be_written_gives_one_line_naming_it(v1_1_checkpoint, tmp_path, monkeypatch, where, capsys):
+    """Not a traceback naming the hidden work folder: the output the user asked for."""
+    if where == "a file as its folder":
+        (tmp_path / "models").write_text("")
+        out = tmp_path / "models" / "tiny"  # a real OSError: its parent is a file
+    else:
+        out = tmp_path / "tiny"
+        real_mkdir = Path.mkdir
+
+        def read_only(self, *args, **kwargs):
+            if self.name.startswith(".tiny.partial-"):
+                raise OSError(30, "Read-only file system", str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    assert convert.main(["--model", str(v1_1_checkpoint.hf_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: cannot write {out}: ") and "partial" not in err, err
+    assert [p.name for p in tmp_path.iterdir()] == (["models"] if where == "a file as its folder" else [])
+
+
+def test_an_unreadable_source_file_gives_one_line_naming_it(v1_1_checkpoint, tmp_path, monkeypatch, capsys):
+    """As for a model.safetensors of mode 000 (tests may run as root, whom modes do not stop)."""
+    weights = v1_1_checkpoint.hf_dir / "model.safetensors"
+    real_open = open
+
+    def unreadable(file, *args, **kwargs):
+        if Path(file) == weights:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(convert, "open", unreadable, raising=False)
+    assert convert.main(["--model", str(v1_1_checkpoint.hf_dir), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: cannot read {weights}: Permission denied" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_during_a_conversion_leaves_nothing_behind(tmp_path, tokenizer_dir):
+    """As Ctrl-C does: the hidden work folder goes, the exit code says why."""
+    import signal
+    import time
+
+    config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=8, initializer_factor=1.0)
+    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
+    process = subprocess.Popen([sys.executable, "convert.py", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "models" / "out")],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list((tmp_path / "models").glob(".out.partial-*/model.safetensors")) and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and "terminated: nothing was written" in err, err
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_the_default_dtype_is_bfloat16_on_a_mac_and_float32_elsewhere(v1_1_checkpoint, tmp_path):
+    """MLX's CPU backend has no fast half-precision products."""
+    done = run_convert("--model", str(v1_1_checkpoint.hf_dir), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    dtype = json.loads((tmp_path / "out" / "config.json").read_text())["mlx_conversion"]["dtype"]
+    assert dtype == ("bfloat16" if sys.platform == "darwin" else "float32")
+
+
+def test_a_checkpoint_with_only_spiece_model_gets_a_tokenizer_json(tmp_path, tokenizer_dir):
+    """main.py reads tokenizer.json without transformers; conversion writes one when the source has none."""
+    make_checkpoint(tmp_path / "hf", t5_config(), 0, tokenizer_dir)
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    from transformers import AutoTokenizer
+
+    from model import Tokenizer
+
+    ours, theirs = Tokenizer(tmp_path / "mlx" / "tokenizer.json"), AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert ours.encode(PROMPT) == theirs(PROMPT).input_ids

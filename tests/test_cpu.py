@@ -111,7 +111,7 @@ def test_split_matmul_equals_one_matmul():
     np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
 
 
-def test_split_products_swaps_only_large_projections_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
+def test_use_cores_swaps_only_large_projections_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
     """A model whose tied head is over the threshold and whose FFN is not: the
     head is split, the FFN is not, and the logits are the unsplit model's."""
     import mlx.core as mx
@@ -129,13 +129,13 @@ def test_split_products_swaps_only_large_projections_and_keeps_the_logits(tokeni
     split = load_model(tmp_path / "mlx")
     assert split.shared.weight.size >= cpu.SPLIT_MIN_ELEMENTS and isinstance(split.shared, cpu.SplitEmbedding)
     assert type(split.decoder.layers[0].ffn.wi) is nn.Linear
-    split_products = cpu.split_products
-    monkeypatch.setattr(cpu, "split_products", lambda model: model)
+    use_cores = cpu.use_cores
+    monkeypatch.setattr(cpu, "use_cores", lambda model: model)
     whole = load_model(tmp_path / "mlx")
     assert type(whole.shared) is nn.Embedding
     swapped = load_model(tmp_path / "mlx")
     before = [(name, id(array)) for name, array in tree_flatten(swapped.parameters())]
-    assert split_products(swapped) is swapped and isinstance(swapped.shared, cpu.SplitEmbedding)
+    assert use_cores(swapped) is swapped and isinstance(swapped.shared, cpu.SplitEmbedding)
     assert [(name, id(array)) for name, array in tree_flatten(swapped.parameters())] == before  # same arrays, names
 
     def logits(model):

@@ -115,3 +115,49 @@ def test_kv_cache_appends_without_reallocating_every_token():
     assert cache.offset == 295
     keys, _ = cache.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
     assert keys.shape[2] == 296 and float(keys[..., -1, :].sum()) == 0
+
+
+@pytest.fixture(scope="module")
+def unit_scale_v1_0(tmp_path_factory, tokenizer_dir, tokenizer):
+    import conftest
+
+    return conftest.build("v1_0_tied", tmp_path_factory, tokenizer_dir, tokenizer, initializer_factor=1.0)
+
+
+BLOCK = 8
+
+
+@pytest.mark.parametrize("length", [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 1])
+@pytest.mark.parametrize("lanes", [0, 2])
+def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_scale_v1_0, monkeypatch, length, lanes):
+    """Blocks of 8 queries, at lengths around the block size, with the position
+    bias cut per block and a padded second row; on one stream or two."""
+    import model as t5
+
+    monkeypatch.setattr(t5, "query_blocks", lambda L, heads, n: [(a, min(a + BLOCK, L)) for a in range(0, L, BLOCK)])
+    ours_model = load_model(unit_scale_v1_0.mlx_dir)
+    ours_model.lanes = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))[:lanes]
+    rng = np.random.default_rng(length)
+    ids = rng.integers(3, 1000, size=(2, length))
+    ids[:, -1] = 1
+    mask = np.ones_like(ids)
+    mask[1, max(1, length - 3):] = 0  # the second prompt is shorter, padded on the right
+    ours = ours_model.encode(mx.array(ids), mx.array(mask))
+    with torch.no_grad():
+        ref = unit_scale_v1_0.hf_model.get_encoder()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+    for row in range(2):
+        valid = mask[row].astype(bool)
+        assert_within(ours[row][mx.array(np.flatnonzero(valid))], ref[row][valid])
+
+
+def test_query_blocks_bound_the_scores_and_give_every_lane_work():
+    from model import query_blocks
+
+    for length in (1, 53, 512, 2049, 8192, 100_000):
+        for heads, lanes in ((4, 0), (16, 2), (128, 4)):
+            blocks = query_blocks(length, heads, lanes)
+            assert blocks[0][0] == 0 and blocks[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+            largest = max(last - first for first, last in blocks)
+            assert largest * heads * length <= 1 << 24 or largest <= 16
+            assert len(blocks) >= min(max(1, lanes), length)

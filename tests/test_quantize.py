@@ -102,7 +102,7 @@ def demo_quantized(tmp_path_factory):
     for bits in (8, 4):
         convert.convert(str(DEMO / "target"), root / f"{bits}bit", "float32", False, convert.Quantization(bits=bits))
     tokenizer = load_tokenizer(DEMO / "target")
-    prompts = [tokenizer(p).input_ids for p in main.demo_prompts()]
+    prompts = [tokenizer.encode(p) for p in main.demo_prompts()]
     return {bits: load_model(root / f"{bits}bit") for bits in (8, 4)}, load_model(DEMO / "draft"), prompts
 
 
@@ -205,7 +205,7 @@ def test_a_quantized_target_and_a_float_draft_of_other_bits_run_as_a_pair(tmp_pa
     assert main.main(["--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--delta", "0",
                       "--prompt", prompt, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    regular = list(regular_generate(load_model(tmp_path / "target"), load_tokenizer(DEMO / "target")(prompt).input_ids, 100, Sampling()))
+    regular = list(regular_generate(load_model(tmp_path / "target"), load_tokenizer(DEMO / "target").encode(prompt), 100, Sampling()))
     assert result["tokens"] == regular and result["stats"]["drafted"] > 0
 
 

@@ -15,7 +15,7 @@ import convert
 import main
 import mlx.core as mx
 import sweep
-from decoder import Sampling, Settings, Stats, accept_mask, regular_generate, speculative_generate
+from decoder import Sampling, Settings, Stats, accept_mask, regular_generate, speculative_generate, start_decoding
 from model import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def test_mean_acceptance_rises_with_delta_over_prompts(unit_scale_pair, tokenize
         rates = []
         for prompt in PROMPTS:
             stats = Stats()
-            list(speculative_generate(target, draft, tokenizer(prompt).input_ids, 48, Sampling(), 4, delta, stats))
+            list(speculative_generate(target, draft, tokenizer.encode(prompt), 48, Sampling(), 4, delta, stats))
             rates.append(stats.acceptance_rate)
         means.append(float(np.mean(rates)))
     assert all(a <= b for a, b in zip(means, means[1:])), means
@@ -197,10 +197,10 @@ def test_every_verify_pass_sees_the_cache_of_a_fresh_run(pair):
         del target.decode
     assert 0 < stats.accepted < stats.drafted, "needs both acceptances and rejections"
     sequence = [0] + out
-    encoded = target.encode(mx.array([prompt]))
     for offset, tokens, logits in calls:
         assert tokens[0] == sequence[offset]  # the step starts right after the accepted prefix
-        fresh = original(mx.array([sequence[:offset] + tokens]), target.make_cache(encoded))
+        fresh_cache, _ = start_decoding(target, prompt)  # encoded as decoding encodes, bit for bit
+        fresh = original(mx.array([sequence[:offset] + tokens]), fresh_cache)
         np.testing.assert_allclose(logits, np.array(fresh[0, offset:]), rtol=0, atol=1e-4 * np.abs(logits).max())
 
 
