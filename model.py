@@ -13,6 +13,7 @@ cross-attention keys/values computed once from the encoder output.
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -110,17 +111,87 @@ def bias_rows(by_distance: mx.array, first: int, last: int, length: int) -> mx.a
     return mx.as_strided(by_distance, (1, heads, last - first, length), (0, 1, -heads, heads), (length - 1 - first) * heads)
 
 
-def query_blocks(length: int, heads: int, lanes: int) -> list[tuple[int, int]]:
-    """The encoder attends in blocks of queries, so that attention scores
-    take at most ~64 MB of float32 whatever the input's length; and in at least
-    one block per lane, so that every lane (core) has work."""
-    block = min(-(-length // max(1, lanes)), max(16, (1 << 24) // (heads * length)))
-    return [(first, min(first + block, length)) for first in range(0, length, block)]
+# Long inputs are encoded piecewise, at two grains. Projections and the FFN
+# take chunks of rows: big enough for the BLAS to run near its peak, and at
+# least one per lane (core). Attention takes smaller blocks, of queries and of
+# heads, whose scores (8 MB of float32) are reused memory, not pages fresh
+# from the OS (cpu.py), and which keep at least 32 queries, below which the
+# products run at half speed. MLX evaluates up to ~20 independent blocks side
+# by side, so this also sets the memory attention takes whatever the length
+# (~0.5 GB; 4 MB blocks halve that and run 20-30% slower: bench.py encode).
+ROWS_PER_CHUNK = 512
+SCORES_PER_BLOCK = 1 << 21
+ROWS_PER_BLOCK = 32  # at least
+FUSED_BELOW = 1 << 16  # scores; see attend
+
+
+def row_chunks(length: int, lanes: int) -> list[tuple[int, int]]:
+    """Chunks of at most ROWS_PER_CHUNK rows, one per lane at least."""
+    size = min(ROWS_PER_CHUNK, -(-length // max(1, lanes)))
+    return [(first, min(first + size, length)) for first in range(0, length, size)]
+
+
+def attention_blocks(first: int, last: int, heads: int, keys: int) -> list[tuple[int, int, int, int]]:
+    """(first row, last row, first head, last head) blocks covering rows
+    first..last-1 and every head, each with at most SCORES_PER_BLOCK scores
+    (or ROWS_PER_BLOCK rows of one head, when a row alone has more)."""
+    rows = min(last - first, max(ROWS_PER_BLOCK, SCORES_PER_BLOCK // (heads * keys)))
+    group = max(1, min(heads, SCORES_PER_BLOCK // (rows * keys)))
+    return [(a, min(a + rows, last), h, min(h + group, heads))
+            for a in range(first, last, rows) for h in range(0, heads, group)]
 
 
 def lane(lanes: tuple, i: int):
     """Where block i's work runs: the lanes (streams) in turn, or the default stream."""
     return mx.stream(lanes[i % len(lanes)]) if lanes else contextlib.nullcontext()
+
+
+# 2**f for f in [-0.5, 0.5]: its Taylor series to degree 6 (error below 2e-7).
+_EXP2_TERMS = [math.log(2) ** k / math.factorial(k) for k in range(7)]
+
+
+def _exp_below_zero(x: mx.array) -> mx.array:
+    """exp(x) for x <= 0, as 2**n * 2**f: a polynomial for 2**f, n put into
+    the exponent bits. Only multiplies and adds, which MLX compiles into one
+    loop (over a contiguous x: a broadcast input makes it index, and slower);
+    below exp(-87) it is 0, as MLX's exp is."""
+    y = mx.maximum(x, -87.0) * (1 / math.log(2))
+    n = (y - 0.5).astype(mx.int32)  # the nearest integer (y <= 0: the cast rounds toward zero)
+    f = y - n
+    power = _EXP2_TERMS[-1]
+    for term in reversed(_EXP2_TERMS[:-1]):
+        power = power * f + term
+    return mx.where(x > -87.0, power * ((n + 127) << 23).view(mx.float32), 0.0)
+
+
+_compiled_exp_below_zero = mx.compile(_exp_below_zero)
+
+
+@functools.cache
+def _compiles_on_cpu() -> bool:
+    """mx.compile on the CPU builds C++ with the system's g++: without one it fails."""
+    try:
+        x = mx.zeros((1, 1, 2, 3))
+        mx.eval(_compiled_exp_below_zero(x - x.max(axis=-1, keepdims=True)))
+        return True
+    except RuntimeError:
+        return False
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None) -> mx.array:
+    """Softmax attention with an additive bias, scale 1 (T5 folds 1/sqrt(d_kv)
+    into its initialisation). On the CPU, large score arrays take a softmax
+    of our own: MLX's CPU exp costs ~15 ns an element on x86, our compiled
+    one ~2.5, and the exponentials are most of a long input's encoding.
+    Elsewhere, and for a decoding step's few scores, the fused kernel."""
+    B, H, L, _ = queries.shape
+    if mx.default_device() != mx.cpu or H * L * keys.shape[2] < FUSED_BELOW:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
+    transposed = keys.swapaxes(-1, -2)
+    scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
+    exp = _compiled_exp_below_zero if _compiles_on_cpu() else _exp_below_zero
+    weights = exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights @ values) / weights.sum(axis=-1, keepdims=True)
 
 
 class Attention(nn.Module):
@@ -151,8 +222,21 @@ class Attention(nn.Module):
                 keys, values = cache.update_and_fetch(keys, values)
         else:
             keys, values = keys_values
-        # T5 folds the 1/sqrt(d_kv) scaling into its initialisation: scale 1.
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
+        return self.o(attend(queries, keys, values, bias).transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array]) -> mx.array:
+        """Self-attention of the rows of a long input that start at `first`
+        (x holds just those), over all its keys and values, in blocks of
+        queries. bias_of(a, b): the attention bias of rows a..b-1."""
+        B, L, _ = x.shape
+        last = first + L
+        queries = self.split_heads(self.q(x))
+        keys, values = keys_values
+        blocks = {}  # first row -> that block's output, head group by head group
+        for a, b, h, g in attention_blocks(first, last, self.num_heads, keys.shape[2]):
+            blocks.setdefault(a, []).append(
+                attend(queries[:, h:g, a - first:b - first], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]))
+        out = mx.concatenate([mx.concatenate(heads, axis=1) for heads in blocks.values()], axis=2)
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -191,21 +275,22 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ffn = FeedForward(args)
 
-    def __call__(self, x: mx.array, bias_of, blocks: list[tuple[int, int]], lanes: tuple = ()) -> mx.array:
-        """Keys and values for the whole input, then each block of queries on
+    def __call__(self, x: mx.array, bias_of, chunks: list[tuple[int, int]], lanes: tuple = ()) -> mx.array:
+        """Keys and values for the whole input, then each chunk of rows on
         its own: attention over every key, the output projection and the FFN.
-        bias_of(first, last): the attention bias of those query rows."""
+        bias_of(first, last): the attention bias of those rows."""
         h = self.attention_norm(x)
         keys_values = []
-        for i, (first, last) in enumerate(blocks):
+        for i, (first, last) in enumerate(chunks):
             with lane(lanes, i):
                 keys_values.append(self.attention.project_keys_values(h[:, first:last]))
         keys = mx.concatenate([k for k, _ in keys_values], axis=2)
         values = mx.concatenate([v for _, v in keys_values], axis=2)
         out = []
-        for i, (first, last) in enumerate(blocks):
+        for i, (first, last) in enumerate(chunks):
             with lane(lanes, i):
-                y = _clamp_float16(x[:, first:last] + self.attention(h[:, first:last], bias_of(first, last), keys_values=(keys, values)))
+                y = x[:, first:last] + self.attention.attend_in_blocks(h[:, first:last], first, bias_of, (keys, values))
+                y = _clamp_float16(y)
                 out.append(_clamp_float16(y + self.ffn(self.ffn_norm(y))))
         return mx.concatenate(out, axis=1)
 
@@ -293,8 +378,9 @@ class Encoder(nn.Module):
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> mx.array:
-        """Attention works in blocks of queries (query_blocks), so that its
-        memory grows with the input's length, not with its square."""
+        """Rows go through in chunks and attention in blocks of queries
+        (row_chunks, attention_blocks), so that memory grows with the input's
+        length, not with its square."""
         L = x.shape[1]
         by_distance = self.relative_attention_bias.by_distance(L)
         padding = padding_bias(mask, x.dtype)
@@ -303,9 +389,9 @@ class Encoder(nn.Module):
             bias = bias_rows(by_distance, first, last, L)
             return bias if padding is None else bias + padding
 
-        blocks = query_blocks(L, by_distance.shape[1], len(lanes))
+        chunks = row_chunks(L, len(lanes))
         for layer in self.layers:
-            x = layer(x, bias_of, blocks, lanes)
+            x = layer(x, bias_of, chunks, lanes)
         return self.final_norm(x)
 
 

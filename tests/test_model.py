@@ -127,14 +127,18 @@ def unit_scale_v1_0(tmp_path_factory, tokenizer_dir, tokenizer):
 BLOCK = 8
 
 
-@pytest.mark.parametrize("length", [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 1])
+@pytest.mark.parametrize("length", [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 2 * BLOCK + 1])
 @pytest.mark.parametrize("lanes", [0, 2])
 def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_scale_v1_0, monkeypatch, length, lanes):
-    """Blocks of 8 queries, at lengths around the block size, with the position
-    bias cut per block and a padded second row; on one stream or two."""
+    """Chunks of 16 rows, attention in blocks of 8 queries and one head with our
+    own softmax, at lengths around the block sizes, with the position bias cut
+    per block and a padded second row; on one stream or two."""
     import model as t5
 
-    monkeypatch.setattr(t5, "query_blocks", lambda L, heads, n: [(a, min(a + BLOCK, L)) for a in range(0, L, BLOCK)])
+    monkeypatch.setattr(t5, "row_chunks", lambda L, n: [(a, min(a + 2 * BLOCK, L)) for a in range(0, L, 2 * BLOCK)])
+    monkeypatch.setattr(t5, "attention_blocks", lambda first, last, heads, keys: [
+        (a, min(a + BLOCK, last), h, h + 1) for a in range(first, last, BLOCK) for h in range(heads)])
+    monkeypatch.setattr(t5, "FUSED_BELOW", 0)
     ours_model = load_model(unit_scale_v1_0.mlx_dir)
     ours_model.lanes = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))[:lanes]
     rng = np.random.default_rng(length)
@@ -150,14 +154,79 @@ def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_sca
         assert_within(ours[row][mx.array(np.flatnonzero(valid))], ref[row][valid])
 
 
-def test_query_blocks_bound_the_scores_and_give_every_lane_work():
-    from model import query_blocks
+def test_chunks_and_blocks_cover_the_input_bound_the_scores_and_give_every_lane_work():
+    """Chunks tile the rows; blocks tile each chunk's rows and all heads, within the score budget."""
+    from model import ROWS_PER_BLOCK, ROWS_PER_CHUNK, SCORES_PER_BLOCK, attention_blocks, row_chunks
+
+    def tile(pieces, first, last):
+        return pieces[0][0] == first and pieces[-1][1] == last and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
 
     for length in (1, 53, 512, 2049, 8192, 100_000):
         for heads, lanes in ((4, 0), (16, 2), (128, 4)):
-            blocks = query_blocks(length, heads, lanes)
-            assert blocks[0][0] == 0 and blocks[-1][1] == length
-            assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-            largest = max(last - first for first, last in blocks)
-            assert largest * heads * length <= 1 << 24 or largest <= 16
-            assert len(blocks) >= min(max(1, lanes), length)
+            chunks = row_chunks(length, lanes)
+            assert tile(chunks, 0, length)
+            assert max(last - first for first, last in chunks) <= ROWS_PER_CHUNK
+            assert len(chunks) >= min(max(1, lanes), length)
+            for first, last in chunks:
+                blocks = attention_blocks(first, last, heads, length)
+                by_rows = sorted({(a, b) for a, b, _, _ in blocks})
+                assert tile(by_rows, first, last)
+                for a, b in by_rows:
+                    assert tile(sorted((h, g) for a2, _, h, g in blocks if a2 == a), 0, heads)
+                for a, b, h, g in blocks:
+                    scores = (b - a) * (g - h) * length
+                    assert scores <= SCORES_PER_BLOCK or (g - h == 1 and b - a <= ROWS_PER_BLOCK)
+                    assert b - a >= min(ROWS_PER_BLOCK, last - a)  # enough rows for fast products
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_our_cpu_softmax_attention_equals_the_fused_kernel(padded):
+    """The CPU path for large scores (our exp, normalised after the values)
+    agrees with MLX's fused attention, -inf padding included."""
+    from model import attend
+
+    rng = np.random.default_rng(0)
+    queries, keys, values = (mx.array(rng.normal(size=(2, 4, n, 16)).astype(np.float32) * 2) for n in (40, 600, 600))
+    bias = mx.array(rng.normal(size=(1, 4, 40, 600)).astype(np.float32) * 5)
+    if padded:
+        bias = bias + mx.where(mx.arange(600) < 550, 0.0, -mx.inf)[None, None, None, :]
+    assert 4 * 40 * 600 >= 1 << 16  # large enough for our path
+    ours = attend(queries, keys, values, bias)
+    fused = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
+    np.testing.assert_allclose(np.array(ours), np.array(fused), rtol=1e-5, atol=1e-5)
+
+
+MEMORY_PROBE = r"""
+import re, resource, sys
+from pathlib import Path
+from decoder import start_decoding  # before mlx.core, through cpu.py: the fast BLAS
+from model import load_model
+
+def peak():  # bytes. Linux's ru_maxrss counts the parent's memory from before the exec: VmHWM does not
+    if sys.platform == "darwin":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+model = load_model("demo/target")
+start_decoding(model, list(range(3, 67)))  # warm-up: buffers, kernels
+before = peak()
+start_decoding(model, [(i * 7919) % 1000 + 3 for i in range(8191)] + [1])
+print(before, peak())
+"""
+
+
+def test_a_long_prompt_encodes_in_less_memory_than_one_full_score_matrix():
+    """The demo target given 8,192 tokens: a full (heads, L, L) float32 score
+    matrix alone would take 1.07 GB; encoding in blocks must grow the process's
+    peak resident memory by less than that, and the whole process must stay
+    under 1.5 GB (measured in a fresh process)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    heads, length = 4, 8192
+    done = subprocess.run([sys.executable, "-c", MEMORY_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    before, after = map(int, done.stdout.split()[-2:])
+    assert after - before < heads * length * length * 4, f"peak grew by {(after - before) / 1e6:.0f} MB"
+    assert after < 1.5e9, f"peak {after / 1e9:.2f} GB"
