@@ -121,7 +121,7 @@ def bias_rows(by_distance: mx.array, first: int, last: int, length: int) -> mx.a
 ROWS_PER_CHUNK = 512
 SCORES_PER_BLOCK = 1 << 21
 ROWS_PER_BLOCK = 32  # at least
-FUSED_BELOW = 1 << 16  # scores; see attend
+OWN_SOFTMAX_FROM = 4096  # scores per query (heads x keys); see attend
 
 
 def row_chunks(length: int, lanes: int) -> list[tuple[int, int]]:
@@ -167,14 +167,19 @@ def _exp_below_zero(x: mx.array) -> mx.array:
 _compiled_exp_below_zero = mx.compile(_exp_below_zero)
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None) -> mx.array:
+def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, fused: bool = False) -> mx.array:
     """Softmax attention with an additive bias, scale 1 (T5 folds 1/sqrt(d_kv)
-    into its initialisation). On the CPU, large score arrays take a softmax
-    of our own: MLX's CPU exp costs ~15 ns an element on x86, our compiled
-    one ~2.5, and the exponentials are most of a long input's encoding.
-    Elsewhere, and for a decoding step's few scores, the fused kernel."""
+    into its initialisation). On the CPU, queries that each score many keys
+    (a long input, and cross-attention over it) take a softmax of our own:
+    MLX's CPU exp costs ~17 ns an element on x86, ours ~6 (bench.py
+    attention), and the exponentials are most of a long input's encoding.
+    Elsewhere the fused kernel, and always when the caller asks: the decoder's
+    self-attention, whose growing keys would otherwise cross the threshold
+    at different steps in a verify pass and a regular step. The choice
+    depends on each query's own scores, never on how many queries come, so a
+    row gets the same arithmetic alone or in a verify pass."""
     B, H, L, _ = queries.shape
-    if mx.default_device() != mx.cpu or H * L * keys.shape[2] < FUSED_BELOW:
+    if fused or mx.default_device() != mx.cpu or H * keys.shape[2] < OWN_SOFTMAX_FROM:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     transposed = keys.swapaxes(-1, -2)
     scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
@@ -210,20 +215,26 @@ class Attention(nn.Module):
                 keys, values = cache.update_and_fetch(keys, values)
         else:
             keys, values = keys_values
-        return self.o(attend(queries, keys, values, bias).transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = attend(queries, keys, values, bias, fused=keys_values is None)
+        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array]) -> mx.array:
+    def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array],
+                         lanes: tuple = ()) -> mx.array:
         """Self-attention of the rows of a long input that start at `first`
         (x holds just those), over all its keys and values, in blocks of
-        queries. bias_of(a, b): the attention bias of rows a..b-1."""
+        queries and heads. bias_of(a, b): the attention bias of rows a..b-1.
+        The blocks take the lanes in turn: MLX runs a graph's operations in
+        about the order they were built, a bounded number ahead, so a chunk
+        whose blocks all ran on one lane would keep the others idle."""
         B, L, _ = x.shape
         last = first + L
         queries = self.split_heads(self.q(x))
         keys, values = keys_values
         blocks = {}  # first row -> that block's output, head group by head group
-        for a, b, h, g in attention_blocks(first, last, self.num_heads, keys.shape[2]):
-            blocks.setdefault(a, []).append(
-                attend(queries[:, h:g, a - first:b - first], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]))
+        for i, (a, b, h, g) in enumerate(attention_blocks(first, last, self.num_heads, keys.shape[2])):
+            with lane(lanes, i):
+                blocks.setdefault(a, []).append(
+                    attend(queries[:, h:g, a - first:b - first], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]))
         out = mx.concatenate([mx.concatenate(heads, axis=1) for heads in blocks.values()], axis=2)
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -277,7 +288,7 @@ class EncoderLayer(nn.Module):
         out = []
         for i, (first, last) in enumerate(chunks):
             with lane(lanes, i):
-                y = x[:, first:last] + self.attention.attend_in_blocks(h[:, first:last], first, bias_of, (keys, values))
+                y = x[:, first:last] + self.attention.attend_in_blocks(h[:, first:last], first, bias_of, (keys, values), lanes)
                 y = _clamp_float16(y)
                 out.append(_clamp_float16(y + self.ffn(self.ffn_norm(y))))
         return mx.concatenate(out, axis=1)

@@ -138,7 +138,7 @@ def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_sca
     monkeypatch.setattr(t5, "row_chunks", lambda L, n: [(a, min(a + 2 * BLOCK, L)) for a in range(0, L, 2 * BLOCK)])
     monkeypatch.setattr(t5, "attention_blocks", lambda first, last, heads, keys: [
         (a, min(a + BLOCK, last), h, h + 1) for a in range(first, last, BLOCK) for h in range(heads)])
-    monkeypatch.setattr(t5, "FUSED_BELOW", 0)
+    monkeypatch.setattr(t5, "OWN_SOFTMAX_FROM", 0)
     ours_model = load_model(unit_scale_v1_0.mlx_dir)
     ours_model.lanes = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))[:lanes]
     rng = np.random.default_rng(length)
@@ -181,16 +181,16 @@ def test_chunks_and_blocks_cover_the_input_bound_the_scores_and_give_every_lane_
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_our_cpu_softmax_attention_equals_the_fused_kernel(padded):
-    """The CPU path for large scores (our exp, normalised after the values)
-    agrees with MLX's fused attention, -inf padding included."""
-    from model import attend
+    """The CPU path for queries with many keys (our exp, normalised after the
+    values) agrees with MLX's fused attention, -inf padding included."""
+    from model import OWN_SOFTMAX_FROM, attend
 
     rng = np.random.default_rng(0)
-    queries, keys, values = (mx.array(rng.normal(size=(2, 4, n, 16)).astype(np.float32) * 2) for n in (40, 600, 600))
-    bias = mx.array(rng.normal(size=(1, 4, 40, 600)).astype(np.float32) * 5)
+    queries, keys, values = (mx.array(rng.normal(size=(2, 4, n, 16)).astype(np.float32) * 2) for n in (40, 1100, 1100))
+    bias = mx.array(rng.normal(size=(1, 4, 40, 1100)).astype(np.float32) * 5)
     if padded:
-        bias = bias + mx.where(mx.arange(600) < 550, 0.0, -mx.inf)[None, None, None, :]
-    assert 4 * 40 * 600 >= 1 << 16  # large enough for our path
+        bias = bias + mx.where(mx.arange(1100) < 1000, 0.0, -mx.inf)[None, None, None, :]
+    assert 4 * 1100 >= OWN_SOFTMAX_FROM  # many enough keys for our path
     ours = attend(queries, keys, values, bias)
     fused = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     np.testing.assert_allclose(np.array(ours), np.array(fused), rtol=1e-5, atol=1e-5)
