@@ -160,7 +160,7 @@ def _exp_below_zero(x: mx.array) -> mx.array:
     power = _EXP2_TERMS[-1]
     for term in reversed(_EXP2_TERMS[:-1]):
         power = power * f + term
-    return mx.where(x > -87.0, power * ((n + 127) << 23).view(mx.float32), 0.0)
+    return mx.where(x > -87.0, power * ((n + 127) << 23).view(mx.float32), 0.0).astype(x.dtype)  # half stays half
 
 
 # Without a C++ compiler (MLX's CPU compile runs g++), MLX evaluates it op by op.
