@@ -90,12 +90,11 @@ class RelativePositionBias(nn.Module):
         far = mx.minimum(max_exact + scaled.astype(mx.int32), num_buckets - 1)
         return bucket + mx.where(distance < max_exact, distance, far)
 
-    def __call__(self, query_length: int, key_length: int, offset: int = 0) -> mx.array:
-        """Bias of shape (1, heads, query_length, key_length) for queries at offset..."""
-        queries = mx.arange(offset, offset + query_length)[:, None]
-        keys = mx.arange(key_length)[None, :]
-        bias = self.embeddings(self.bucket(keys - queries))
-        return bias.transpose(2, 0, 1)[None]
+    def __call__(self, queries: mx.array, key_length: int) -> mx.array:
+        """Bias (B, heads, L, key_length) for the query positions (B, L):
+        each row of a batch at its own positions."""
+        distance = mx.arange(key_length) - queries[..., None]
+        return self.embeddings(self.bucket(distance)).transpose(0, 3, 1, 2)
 
     def by_distance(self, length: int) -> mx.array:
         """(2 * length - 1, heads): the bias of each key - query distance, -(length - 1) first.
@@ -312,54 +311,134 @@ class DecoderLayer(nn.Module):
 
 
 class KVCache:
-    """Self-attention keys/values, preallocated in blocks so appends are amortised O(1).
-
-    `trim(n)` forgets the last n positions (rejected speculative drafts); the
-    storage is kept and overwritten by the next append.
-    """
+    """One layer's self-attention keys/values for a batch, preallocated in
+    blocks so appends are amortised O(1). Each row has its own length
+    (`offsets`): the rows of a speculative batch accept different numbers of
+    drafts. `trim` forgets a row's last positions (rejected drafts); the
+    storage is kept and overwritten by the next append."""
 
     block = 256
 
-    def __init__(self):
+    def __init__(self, rows: int = 1):
         self.keys = None
         self.values = None
-        self.offset = 0
+        self.offsets = [0] * rows
+
+    @property
+    def offset(self) -> int:
+        assert len(set(self.offsets)) == 1, "rows of different lengths have no one offset"
+        return self.offsets[0]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append L positions to every row; return keys and values up to the
+        longest row's end (a shorter row's tail is stale: the decoder masks it)."""
         B, H, L, D = keys.shape
-        if self.keys is None or self.offset + L > self.keys.shape[2]:
-            blocks = (self.offset + L + self.block - 1) // self.block
-            new_keys = mx.zeros((B, H, blocks * self.block, D), keys.dtype)
-            new_values = mx.zeros((B, H, blocks * self.block, D), values.dtype)
-            if self.keys is not None:
-                new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
-                new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
-            self.keys, self.values = new_keys, new_values
-        self.keys[..., self.offset : self.offset + L, :] = keys
-        self.values[..., self.offset : self.offset + L, :] = values
-        self.offset += L
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        end = max(self.offsets) + L
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = -(-end // self.block) * self.block
+            self.keys, self.values = (self._resized(old, (B, H, capacity, D), new.dtype)
+                                      for old, new in ((self.keys, keys), (self.values, values)))
+        first = self.offsets[0]
+        if all(offset == first for offset in self.offsets):
+            self.keys[..., first : first + L, :] = keys
+            self.values[..., first : first + L, :] = values
+        else:  # each row at its own position: one scatter
+            positions = (mx.array(self.offsets)[:, None] + mx.arange(L))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, positions, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, positions, values, axis=2)
+        self.offsets = [offset + L for offset in self.offsets]
+        return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def trim(self, n: int) -> None:
-        assert 0 <= n <= self.offset, (n, self.offset)
-        self.offset -= n
+    def _resized(self, old, shape, dtype) -> mx.array:
+        new = mx.zeros(shape, dtype)
+        if old is not None:
+            kept = min(old.shape[2], shape[2])
+            new[..., :kept, :] = old[..., :kept, :]
+        return new
+
+    def trim(self, n: int | list[int]) -> None:
+        """Forget the last n positions of every row, or n[b] of row b."""
+        trims = n if isinstance(n, list) else [n] * len(self.offsets)
+        assert all(0 <= t <= o for t, o in zip(trims, self.offsets)), (trims, self.offsets)
+        self.offsets = [o - t for o, t in zip(self.offsets, trims)]
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows, in this order (finished rows leave a batch)."""
+        if self.keys is not None:
+            index = mx.array(rows)
+            self.keys, self.values = self.keys[index], self.values[index]
+        self.offsets = [self.offsets[row] for row in rows]
+
+    def extend(self, other: "KVCache") -> None:
+        """Append other's rows after these (prompts joining a batch)."""
+        if other.keys is not None:
+            if self.keys is None:
+                self.keys, self.values = other.keys, other.values
+            else:
+                capacity = max(self.keys.shape[2], other.keys.shape[2])
+                grown = [self._resized(a, a.shape[:2] + (capacity, a.shape[3]), a.dtype) if a.shape[2] < capacity else a
+                         for a in (self.keys, self.values, other.keys, other.values)]
+                self.keys = mx.concatenate([grown[0], grown[2]])
+                self.values = mx.concatenate([grown[1], grown[3]])
+        self.offsets = self.offsets + other.offsets
 
 
 class DecoderCache:
-    """Everything the decoder keeps between steps for one batch of prompts."""
+    """Everything the decoder keeps between steps for a batch of prompts:
+    each layer's self-attention cache, and the cross-attention keys/values
+    and encoder padding bias, computed once per prompt."""
 
     def __init__(self, cross_keys_values: list, cross_bias: mx.array | None):
-        self.self_attention = [KVCache() for _ in cross_keys_values]
+        rows = cross_keys_values[0][0].shape[0]
+        self.self_attention = [KVCache(rows) for _ in cross_keys_values]
         self.cross_keys_values = cross_keys_values
-        self.cross_bias = cross_bias  # encoder padding mask, None for a single prompt
+        self.cross_bias = cross_bias  # encoder padding mask (B, 1, 1, S); None: no padding
+
+    @property
+    def offsets(self) -> list[int]:
+        return self.self_attention[0].offsets
 
     @property
     def offset(self) -> int:
         return self.self_attention[0].offset
 
-    def trim(self, n: int) -> None:
+    def trim(self, n: int | list[int]) -> None:
         for cache in self.self_attention:
             cache.trim(n)
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows, in this order."""
+        index = mx.array(rows)
+        for cache in self.self_attention:
+            cache.keep(rows)
+        self.cross_keys_values = [(k[index], v[index]) for k, v in self.cross_keys_values]
+        if self.cross_bias is not None:
+            self.cross_bias = self.cross_bias[index]
+
+    def extend(self, other: "DecoderCache") -> None:
+        """Append other's rows (prompts encoded apart) after these. The
+        shorter prompts' cross-attention keys are padded, and the padding masked."""
+        length = max(cache.cross_keys_values[0][0].shape[2] for cache in (self, other))
+        if self.cross_bias is not None or other.cross_bias is not None or \
+                self.cross_keys_values[0][0].shape[2] != other.cross_keys_values[0][0].shape[2]:
+            self.cross_bias = mx.concatenate([self.cross_bias_over(length), other.cross_bias_over(length)])
+        self.cross_keys_values = [tuple(mx.concatenate([pad_length(a, length), pad_length(b, length)]) for a, b in zip(mine, theirs))
+                                  for mine, theirs in zip(self.cross_keys_values, other.cross_keys_values)]
+        for mine, theirs in zip(self.self_attention, other.self_attention):
+            mine.extend(theirs)
+
+    def cross_bias_over(self, length: int) -> mx.array:
+        """The cross-attention bias (B, 1, 1, length): -inf at padding and past each prompt's end."""
+        rows, _, own, _ = self.cross_keys_values[0][0].shape
+        dtype = self.cross_keys_values[0][0].dtype
+        bias = mx.zeros((rows, 1, 1, own), dtype) if self.cross_bias is None else self.cross_bias
+        return mx.concatenate([bias, mx.full((rows, 1, 1, length - own), -mx.inf, dtype)], axis=-1)
+
+
+def pad_length(x: mx.array, length: int) -> mx.array:
+    """(B, H, S, D) keys or values with zeros after position S up to length."""
+    missing = length - x.shape[2]
+    return x if missing == 0 else mx.pad(x, [(0, 0), (0, 0), (0, missing), (0, 0)])
 
 
 def padding_bias(mask: mx.array | None, dtype) -> mx.array | None:
@@ -402,12 +481,18 @@ class Decoder(nn.Module):
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
     def __call__(self, x: mx.array, cache: DecoderCache) -> mx.array:
-        L, offset = x.shape[1], cache.offset
-        # Bias only for the new query positions against every cached key.
-        bias = self.relative_attention_bias(L, offset + L, offset)
-        if L > 1:  # several new positions (speculative verify): mask the future
-            future = mx.arange(offset + L)[None, :] > mx.arange(offset, offset + L)[:, None]
-            bias = bias + mx.where(future, -mx.inf, 0.0).astype(bias.dtype)
+        B, L = x.shape[:2]
+        offsets = cache.offsets
+        first = offsets[0]
+        same = all(offset == first for offset in offsets)
+        # The new query positions of each row (one row for all, when they agree)
+        # against every cached key, up to the longest row's end.
+        queries = mx.arange(first, first + L)[None] if same else mx.array(offsets)[:, None] + mx.arange(L)
+        keys = max(offsets) + L
+        bias = self.relative_attention_bias(queries, keys)
+        if L > 1 or not same:  # mask the future, and a shorter row's stale tail
+            future = mx.arange(keys) > queries[..., None]
+            bias = bias + mx.where(future, -mx.inf, 0.0).astype(bias.dtype)[:, None]
         for layer, self_cache, cross_kv in zip(self.layers, cache.self_attention, cache.cross_keys_values):
             x = layer(x, bias, cache.cross_bias, self_cache, cross_kv)
         return self.final_norm(x)
