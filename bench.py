@@ -2,6 +2,7 @@
 
     python bench.py regular          # T5-large-shaped random fp32 checkpoint, 100 tokens
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
+    python bench.py batch            # many prompts: batched speculative and regular decoding, by batch size
     python bench.py quantized        # float and quantized: size, memory, speed and quality
     python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
     python bench.py encode           # long inputs: time to the first token and peak memory, 128 to 8,192 tokens
@@ -154,6 +155,9 @@ def hf_worker(checkpoint: str, assistant: str | None, num_draft: int, cache_fix:
     for line in sys.stdin:
         request = json.loads(line)
         counts.update(proposed=0, accepted=0)
+        if "prompts" in request:  # a batched greedy generation, batch_size prompts at a time
+            print(json.dumps(hf_batched(model, request["prompts"], request["tokens"], request["batch_size"])), flush=True)
+            continue
         with torch.no_grad():
             start = time.perf_counter()
             out = model.generate(torch.tensor([request["prompt"]]), max_new_tokens=request["tokens"],
@@ -161,6 +165,25 @@ def hf_worker(checkpoint: str, assistant: str | None, num_draft: int, cache_fix:
             seconds = time.perf_counter() - start
         tokens = [t for t in out[0, 1:].tolist() if t != model.config.eos_token_id]
         print(json.dumps({"seconds": seconds, "tokens": tokens, **counts}), flush=True)
+
+
+def hf_batched(model, prompts: list[list[int]], max_tokens: int, batch_size: int) -> dict:
+    """transformers' batched greedy generate over the prompts, padded on the
+    right with an attention mask, as its T5 documentation does it."""
+    import torch
+
+    start, tokens = time.perf_counter(), []
+    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    with torch.no_grad():
+        for first in range(0, len(prompts), batch_size):
+            group = prompts[first : first + batch_size]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
+            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, num_beams=1)
+            for row in out[:, 1:].tolist():
+                tokens.append(row[: row.index(eos)] if eos in row else row)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
 class HFWorker:
@@ -173,6 +196,11 @@ class HFWorker:
 
     def run(self, prompt: list[int], tokens: int, min_tokens: int = 0) -> dict:
         self.process.stdin.write(json.dumps({"prompt": prompt, "tokens": tokens, "min_tokens": min_tokens}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def run_batched(self, prompts: list[list[int]], tokens: int, batch_size: int) -> dict:
+        self.process.stdin.write(json.dumps({"prompts": prompts, "tokens": tokens, "batch_size": batch_size}) + "\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
@@ -285,7 +313,7 @@ def bench_speculative(args) -> None:
         convert_measuring_memory(target_hf, target_dir)
     target, draft = load_model(target_dir), load_model(DEMO / "target")
     tokenizer = load_tokenizer(DEMO / "target")
-    prompts = [tokenizer.encode(text) for text in main.demo_prompts()[: args.prompts]]
+    prompts = [tokenizer.encode(text) for text in main.demo_prompts()[: args.prompts or 6]]
     workers = {"hf regular": HFWorker(target_hf), "hf assisted": HFWorker(target_hf, draft_hf, args.num_draft),
                "hf assisted, fixed": HFWorker(target_hf, draft_hf, args.num_draft, cache_fix=True)}
 
@@ -359,6 +387,69 @@ def bench_speculative(args) -> None:
         ("ours speculative over transformers assisted (fixed)", f"{rates['speculative'] / rates['hf assisted, fixed']:.2f}x"),
         ("same tokens (all five, every prompt and pass)", "yes" if same else "NO"),
     ])
+
+
+def bench_batch(args) -> None:
+    """Throughput over many prompts, by batch size: our batched speculative
+    and regular decoding, transformers' batched generate (its assisted mode
+    takes no batches), and our speculative decoding prompt by prompt."""
+    import main
+    from decoder import Sampling, Stats, regular_batch, speculative_batch
+    from model import load_model, load_tokenizer
+
+    target_hf, draft_hf = build_pair(args.dir)
+    target_dir = args.dir / "pair-target-mlx"
+    if not (target_dir / "config.json").exists():
+        convert_measuring_memory(target_hf, target_dir)
+    pairs = {"demo pair": (DEMO / "target", DEMO / "draft", draft_hf),
+             "benchmark pair": (target_dir, DEMO / "target", target_hf)}
+    tokenizer = load_tokenizer(DEMO / "target")
+    demo = main.demo_prompts()
+    count = args.prompts or 32
+    prompts = [tokenizer.encode(demo[i % len(demo)]) for i in range(count)]
+    sizes = [int(size) for size in args.batch_sizes.split(",")]
+    print(f"\nBatched greedy decoding, {count} prompts (the {len(demo)} held-out demo prompts, then again from the first), "
+          f"at most {args.tokens} tokens each, num-draft {args.num_draft}, delta 0; generated tokens per second over all "
+          f"prompts (encoding included), median of {args.repeats} alternating passes\n\nmachine: {machine()}")
+    for name, (target_dir, draft_dir, hf_dir) in pairs.items():
+        target, draft = load_model(target_dir), load_model(draft_dir)
+        worker = HFWorker(hf_dir)
+
+        def ours(speculative: bool, batch_size: int) -> tuple[float, list]:
+            stats, out = [Stats() for _ in prompts], [[] for _ in prompts]
+            start = time.perf_counter()
+            if speculative:
+                events = speculative_batch(target, draft, prompts, args.tokens, Sampling(), args.num_draft, 0.0, stats, batch_size)
+            else:
+                events = regular_batch(target, prompts, args.tokens, Sampling(), stats, batch_size)
+            for index, token, _ in events:
+                out[index] += [] if token is None else [token]
+            return time.perf_counter() - start, out
+
+        def one_pass() -> dict:
+            runs = {("unbatched speculative", 1): ours(True, 1)}
+            for size in sizes:
+                runs[("speculative", size)] = ours(True, size)
+                runs[("regular", size)] = ours(False, size)
+                result = worker.run_batched(prompts, args.tokens, size)
+                runs[("transformers", size)] = (result["seconds"], result["tokens"])
+            return runs
+
+        one_pass()  # warm-up
+        passes = [one_pass() for _ in range(args.repeats)]
+        worker.close()
+        reference = passes[-1][("unbatched speculative", 1)][1]
+        generated = sum(len(tokens) for tokens in reference)
+        rate = {key: generated / statistics.median(p[key][0] for p in passes) for key in passes[0]}
+        same = all(p[key][1] == reference for p in passes for key in p)
+        unbatched = rate[("unbatched speculative", 1)]
+        print(f"\n{name} ({generated} tokens; every run's tokens equal the unbatched ones: {'yes' if same else 'NO'})\n\n"
+              "| batch size | speculative | regular | transformers regular | speculative / unbatched speculative | "
+              "speculative / transformers |\n|---|---|---|---|---|---|")
+        for size in sizes:
+            spec, regular, hf = rate[("speculative", size)], rate[("regular", size)], rate[("transformers", size)]
+            print(f"| {size} | {spec:.1f} | {regular:.1f} | {hf:.1f} | {spec / unbatched:.2f}x | {spec / hf:.2f}x |")
+        print(f"\nunbatched speculative: {unbatched:.1f} tokens/s")
 
 
 def decode_worker(folder: str, tokens: int) -> None:
@@ -620,11 +711,13 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "quantized", "sizes", "encode", "attention", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "batch", "quantized", "sizes", "encode", "attention", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
-    parser.add_argument("--prompts", type=int, default=6, help="speculative: how many held-out demo prompts")
+    parser.add_argument("--prompts", type=int, help="speculative: how many held-out demo prompts (default 6); "
+                        "batch: how many prompts (default 32, the demo's repeated)")
+    parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
@@ -653,6 +746,8 @@ def main() -> None:
         bench_regular(args)
     if args.which in ("speculative", "all"):
         bench_speculative(args)
+    if args.which == "batch":
+        bench_batch(args)
     if args.which == "quantized":
         bench_quantized(args)
     if args.which == "sizes":

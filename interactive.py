@@ -8,6 +8,7 @@ change them: one `:name value` per knob of decoder.KNOBS, plus the mode,
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field, replace
 
 from decoder import KNOBS, OptionError, Settings, Stats, encoding_seconds, measure, stream_generate, warm_up
@@ -49,6 +50,18 @@ def show_generation(models: Models, prompt: str, settings: Settings, out=None) -
     speculative = settings.speculative and models.draft is not None
     print(stats_line(response.stats, speculative), file=out)
     return "".join(pieces), response.stats
+
+
+def show_batch(generations, count: int, speculative: bool, out=None) -> Stats:
+    """Each prompt's text and statistics line as it comes (in input order),
+    then the whole run's throughput; the summed statistics."""
+    started, total = time.perf_counter(), Stats()
+    for number, generation in enumerate(generations, 1):
+        print(f"--- prompt {number} of {count}\n{generation.text}\n{stats_line(generation.stats, speculative)}", file=out, flush=True)
+        total += generation.stats
+    seconds = time.perf_counter() - started
+    print(f"--- {count} prompts: {total.generated} tokens in {seconds:.2f} s ({total.generated / seconds:.1f} tokens/s)", file=out)
+    return total
 
 
 def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:

@@ -5,6 +5,7 @@
     python main.py --compare                         # regular vs speculative, same prompt
     python main.py --interactive                     # load once, tune knobs at a prompt
     python main.py --sweep --num-drafts 1,2,4,8 --deltas 0,0.1,0.3 --plot sweep.png
+    python main.py --prompts-file prompts.txt --json # every line's output, 8 prompts decoded together
     python main.py --demo                            # the small trained pair in demo/ (demo/train.py), no download
 """
 
@@ -14,8 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from decoder import KNOBS, Settings, stream_generate, warm_up
-from interactive import Session, compare, show_filled, show_generation, show_speedup
+from decoder import BATCH_SIZE, KNOBS, Settings, stream_batch_generate, stream_generate, warm_up
+from interactive import Session, compare, show_batch, show_filled, show_generation, show_speedup
 from model import ModelNotFound, T5Error, load
 from sweep import check_plot_path, parse_list, sweep
 
@@ -78,7 +79,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 # Options that only --sweep reads, with their defaults (argparse's default is
 # None, so that one given without --sweep is noticed).
-SWEEP_OPTIONS = {"num_drafts": "1,2,4,8", "deltas": "0,0.1,0.3", "prompts_file": None, "plot": None, "repeats": 1}
+SWEEP_OPTIONS = {"num_drafts": "1,2,4,8", "deltas": "0,0.1,0.3", "plot": None, "repeats": 1}
+# Prompts decoded together from a prompts file; a sweep times one prompt at a time unless told.
+BATCH_SIZE_DEFAULT, SWEEP_BATCH_SIZE_DEFAULT = 8, 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,14 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
         default += "" if DEFAULTS[name] == DEMO_DEFAULTS[name] else f"; {DEMO_DEFAULTS[name]} with --demo"
         p.add_argument(f"--{knob.flag}", type=knob.type, help=knob.help + default + ")" * bool(default))
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming; "
+                   "with --prompts-file, one per prompt and line (JSON Lines)")
     modes = p.add_mutually_exclusive_group()
     modes.add_argument("--compare", action="store_true", help="run regular and speculative decoding and print the speedup")
     modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands); --prompt, if given, runs first")
     modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
     p.add_argument("--num-drafts", help=f"sweep: num-draft values (default: {SWEEP_OPTIONS['num_drafts']})")
     p.add_argument("--deltas", help=f"sweep: delta values (default: {SWEEP_OPTIONS['deltas']})")
-    p.add_argument("--prompts-file", help="sweep: prompts, one a line (default: --prompt; with --demo, demo/prompts.txt)")
+    p.add_argument("--prompts-file", help="prompts, one a line: generate for each, in order (with --json, one JSON object a line), "
+                   "or sweep over them (the sweep's default: --prompt; with --demo, demo/prompts.txt)")
+    p.add_argument("--batch-size", type=int, help=f"prompts decoded together, with --prompts-file or --sweep "
+                   f"(default: {BATCH_SIZE_DEFAULT}; {SWEEP_BATCH_SIZE_DEFAULT} in a sweep)")
     p.add_argument("--plot", help="sweep: save speedup against num-draft to this image, .png, .svg or .pdf (needs matplotlib)")
     p.add_argument("--repeats", type=int, help="sweep: run the grid this many times and report medians (default: 1)")
     return p
@@ -126,6 +133,16 @@ def check_usage(args) -> Settings:
             raise UsageError(f"--{name.replace('_', '-')} goes with --sweep")
     if args.repeats < 1:
         raise UsageError("--repeats must be at least 1")
+    if args.prompts_file and (args.interactive or args.compare):
+        raise UsageError("--prompts-file goes with a one-shot run or --sweep, not --interactive or --compare")
+    if args.batch_size is not None:
+        if not args.prompts_file and not args.sweep:
+            raise UsageError("--batch-size goes with --prompts-file (or --sweep)")
+        BATCH_SIZE.check(args.batch_size, "--batch-size")
+    else:
+        args.batch_size = SWEEP_BATCH_SIZE_DEFAULT if args.sweep else BATCH_SIZE_DEFAULT
+    if args.prompts_file and args.prompt_given:
+        raise UsageError("give --prompt or --prompts-file, not both")
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
     return settings
@@ -141,7 +158,7 @@ def load_models(args, speculative: bool):
 
 
 def run(args) -> int:
-    prompt_given = args.prompt is not None
+    prompt_given = args.prompt_given = args.prompt is not None
     examples = demo_prompts() if args.demo else None
     if args.model is None:
         args.model = str(DEMO_DIR / "target") if args.demo else "t5-11b"
@@ -150,19 +167,27 @@ def run(args) -> int:
     if args.prompt is None:
         args.prompt = examples[DEMO_PROMPT - 1] if args.demo else DEFAULT_PROMPT
     settings = check_usage(args)
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else None  # bad files fail before loading
 
     if args.sweep:
-        prompts = examples if examples and not prompt_given else [args.prompt]
-        if args.prompts_file:
-            prompts = read_prompts(args.prompts_file)
+        prompts = prompts or (examples if examples and not prompt_given else [args.prompt])
         num_drafts = parse_list(args.num_drafts, "num_draft", "--num-drafts")
         deltas = parse_list(args.deltas, "delta", "--deltas")
         if args.plot:  # fail before loading anything
             check_plot_path(args.plot)
-        sweep(load_models(args, True), prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats)
+        sweep(load_models(args, True), prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats,
+              batch_size=args.batch_size)
         return 0
     models = load_models(args, settings.speculative)
-    if args.interactive:
+    if prompts:
+        generations = stream_batch_generate(models, prompts, batch_size=args.batch_size, **vars(settings))
+        if args.json:
+            for generation in generations:
+                print(json.dumps({"text": generation.text, "tokens": generation.tokens, "stats": generation.stats.to_dict()}),
+                      flush=True)
+        else:
+            show_batch(generations, len(prompts), settings.speculative and models.draft is not None)
+    elif args.interactive:
         Session(models, settings, examples).run(first_prompt=args.prompt if prompt_given else None)
     elif args.compare:
         compare(models, args.prompt, settings)

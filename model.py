@@ -371,15 +371,18 @@ class KVCache:
 
     def extend(self, other: "KVCache") -> None:
         """Append other's rows after these (prompts joining a batch)."""
-        if other.keys is not None:
-            if self.keys is None:
-                self.keys, self.values = other.keys, other.values
-            else:
-                capacity = max(self.keys.shape[2], other.keys.shape[2])
-                grown = [self._resized(a, a.shape[:2] + (capacity, a.shape[3]), a.dtype) if a.shape[2] < capacity else a
-                         for a in (self.keys, self.values, other.keys, other.values)]
-                self.keys = mx.concatenate([grown[0], grown[2]])
-                self.values = mx.concatenate([grown[1], grown[3]])
+        stored = [cache for cache in (self, other) if cache.keys is not None]
+        if stored:
+            B, H, capacity, D = max((cache.keys.shape for cache in stored), key=lambda shape: shape[2])
+            dtype = stored[0].keys.dtype
+
+            def rows_of(cache, arrays):  # every row's storage at the common capacity
+                if cache.keys is None:
+                    return mx.zeros((len(cache.offsets), H, capacity, D), dtype)
+                return arrays if arrays.shape[2] == capacity else self._resized(arrays, (arrays.shape[0], H, capacity, D), dtype)
+
+            self.keys = mx.concatenate([rows_of(self, self.keys), rows_of(other, other.keys)])
+            self.values = mx.concatenate([rows_of(self, self.values), rows_of(other, other.values)])
         self.offsets = self.offsets + other.offsets
 
 

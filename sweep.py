@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoder import KNOBS, OptionError, Settings, Stats, measure, warm_up
+from decoder import KNOBS, OptionError, Settings, Stats, measure_batch, warm_up
 from model import Models, T5Error
 
 
@@ -29,26 +29,29 @@ def parse_list(text: str, name: str, label: str) -> list:
 
 
 def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: list[int], deltas: list[float],
-          plot: str | None = None, out=None, repeats: int = 1) -> list[dict]:
+          plot: str | None = None, out=None, repeats: int = 1, batch_size: int = 1) -> list[dict]:
     """Prompt by prompt, regular decoding runs just before the grid's
     settings, so a slow spell on the machine touches both sides of a ratio.
+    With batch_size > 1, the prompts run as one batched run per setting
+    (regular decoding batched too), and tokens/s is the whole run's.
     With repeats, the whole grid runs that many times: tokens/s and speedup
     are medians over the passes (each speedup against its own pass's regular
     decoding), and the speedups' range is shown; acceptance pools the passes."""
     warm_up(models, prompts[0], settings)
     grid = [(num_draft, delta) for num_draft in num_drafts for delta in deltas]
+    groups = [[prompt] for prompt in prompts] if batch_size == 1 else [prompts]
     passes = []  # each: (regular decoding's Stats, {setting: Stats}), summed over the prompts
     # A progress bar on stderr, only when it is a terminal: a sweep takes minutes.
-    with tqdm(total=repeats * len(prompts) * (1 + len(grid)), desc="sweep", unit="run", leave=False,
+    with tqdm(total=repeats * len(groups) * (1 + len(grid)), desc="sweep", unit="run", leave=False,
               disable=None) as progress:
         for _ in range(repeats):
             regular, results = Stats(), {setting: Stats() for setting in grid}
-            for prompt in prompts:
-                regular += measure(models, prompt, replace(settings, speculative=False))
+            for group in groups:
+                regular += measure_batch(models, group, replace(settings, speculative=False), batch_size)
                 progress.update()
                 for num_draft, delta in grid:
                     speculative = replace(settings, speculative=True, num_draft=num_draft, delta=delta)
-                    results[(num_draft, delta)] += measure(models, prompt, speculative)
+                    results[(num_draft, delta)] += measure_batch(models, group, speculative, batch_size)
                     progress.update()
             if regular.generated == 0:
                 raise SweepError("regular decoding generated nothing (EOS first) on every prompt: nothing to compare")
@@ -62,17 +65,18 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
                      "tokens_per_second": statistics.median(s.tokens_per_second for _, s in runs),
                      "speedup": statistics.median(speedups), "speedup_range": (min(speedups), max(speedups))})
     regular_speed = statistics.median(regular.tokens_per_second for regular, _ in passes)
-    print_table(rows, len(prompts), regular_speed, repeats, out)
+    print_table(rows, len(prompts), regular_speed, repeats, out, batch_size)
     if plot:
         plot_sweep(rows, deltas, plot)
         print(f"\nplot saved to {plot}", file=out)
     return rows
 
 
-def print_table(rows: list[dict], prompts: int, regular_speed: float, repeats: int, out=None) -> None:
+def print_table(rows: list[dict], prompts: int, regular_speed: float, repeats: int, out=None, batch_size: int = 1) -> None:
     best = max(rows, key=lambda row: row["speedup"])
     medians = f", medians of {repeats} passes" if repeats > 1 else ""
-    print(f"{prompts} prompt(s), regular decoding {regular_speed:.1f} tokens/s{medians}\n", file=out)
+    batched = f" in batches of {batch_size}" if batch_size > 1 else ""
+    print(f"{prompts} prompt(s){batched}, regular decoding {regular_speed:.1f} tokens/s{medians}\n", file=out)
     spread = " speedup range |" if repeats > 1 else ""
     print(f"| num-draft | delta | acceptance | tokens/s | speedup |{spread}", file=out)
     print("|---|---|---|---|---|" + "---|" * (repeats > 1), file=out)
