@@ -13,7 +13,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import T5Config, T5ForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "demo"))
@@ -137,3 +139,41 @@ def grow_target(draft: Path, out: Path, extra_layers: int, d_ff: int, scale: flo
         if (draft / name).is_file():
             (out / name).write_bytes((draft / name).read_bytes())
     return out
+
+
+PROMPTS = [
+    PROMPT,
+    "summarize: The quick brown fox jumps over the lazy dog near the river bank.",
+    "def parse(text): return [line.split() for line in text.splitlines()]",
+    "translate English to German: The weather is nice today.",
+    "question: what does the os module provide? context: portable operating system interfaces",
+    "class Queue: a first-in first-out list with put and get methods",
+]
+
+
+def perturbed_copy(source: Path, out: Path, noise: float, seed: int) -> Path:
+    """A draft that mostly agrees with its target: the target's weights plus relative noise."""
+    out.mkdir()
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (out / file.name).write_bytes(file.read_bytes())
+    generator = torch.Generator().manual_seed(seed)
+    state = load_file(str(source / "model.safetensors"))
+    for name, tensor in state.items():
+        state[name] = tensor + noise * tensor.std() * torch.randn(tensor.shape, generator=generator)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def exact_first_token_distribution(hf_model, prompt, temp, top_p) -> np.ndarray:
+    """The target's distribution of its first token, from transformers' logits."""
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[0]])).logits[0, -1].double()
+    probs = torch.softmax(logits / temp, dim=-1).numpy()
+    if top_p < 1:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0) / probs[mask].sum()
+    return probs

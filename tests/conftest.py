@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "demo")]
 
 import convert  # noqa: E402
-from checkpoints import PROMPT, make_checkpoint, t5_config, train_tokenizer  # noqa: E402
+from checkpoints import PROMPT, make_checkpoint, perturbed_copy, t5_config, train_tokenizer  # noqa: E402
+from model import load_model  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 # name -> (config, separate lm_head, seed). Seeds were picked so that greedy
@@ -80,3 +81,47 @@ def checkpoint_by_name(tmp_path_factory, tokenizer_dir, tokenizer):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def pair(v1_1_checkpoint, checkpoint_by_name, tmp_path_factory):
+    """The target and three drafts: itself, a close copy, and an unrelated model."""
+    root = tmp_path_factory.mktemp("drafts")
+    # initializer_factor 10 makes the target chaotic: 0.1% noise already costs
+    # about a third of the drafts.
+    close = perturbed_copy(v1_1_checkpoint.hf_dir, root / "close-hf", noise=0.001, seed=0)
+    convert.convert(str(close), root / "close", "float32", force=False)
+    return {
+        "target": load_model(v1_1_checkpoint.mlx_dir),
+        "drafts": {
+            "same": load_model(v1_1_checkpoint.mlx_dir),
+            "close": load_model(root / "close"),
+            "unrelated": load_model(checkpoint_by_name("v1_0_tied").mlx_dir),
+        },
+        "checkpoint": v1_1_checkpoint,
+    }
+
+
+@pytest.fixture(scope="session")
+def unit_scale_pair(tmp_path_factory, tokenizer_dir):
+    """initializer_factor 1: the target's distributions are spread out, so
+    delta changes what it accepts (at factor 10 they are one-hot)."""
+    root = tmp_path_factory.mktemp("unit-scale-pair")
+    config = t5_config(feed_forward_proj="gated-gelu", initializer_factor=1.0)
+    make_checkpoint(root / "target-hf", config, 5, tokenizer_dir, untied_head=True)
+    perturbed_copy(root / "target-hf", root / "draft-hf", noise=0.05, seed=0)
+    for name in ("target", "draft"):
+        convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
+    return load_model(root / "target"), load_model(root / "draft")
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_pair(tmp_path_factory, tokenizer_dir):
+    """Target and draft over 8 tokens, with spread-out and different distributions."""
+    root = tmp_path_factory.mktemp("tiny-vocab")
+    models = {}
+    for name, seed in (("target", 0), ("draft", 1)):
+        hf = make_checkpoint(root / f"{name}-hf", t5_config(vocab_size=8, initializer_factor=1.0), seed, tokenizer_dir)
+        convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
+        models[name] = (load_model(root / name), hf)
+    return models

@@ -7,59 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from checkpoints import PROMPT, make_checkpoint, reference_greedy, t5_config
-from safetensors.torch import load_file, save_file
+from checkpoints import PROMPTS, exact_first_token_distribution, reference_greedy
 
-import convert
 import main
 import mlx.core as mx
 import sweep
 from decoder import Sampling, Settings, Stats, accept_mask, regular_generate, speculative_generate, start_decoding
-from model import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    PROMPT,
-    "summarize: The quick brown fox jumps over the lazy dog near the river bank.",
-    "def parse(text): return [line.split() for line in text.splitlines()]",
-    "translate English to German: The weather is nice today.",
-    "question: what does the os module provide? context: portable operating system interfaces",
-    "class Queue: a first-in first-out list with put and get methods",
-]
-
-
-def perturbed_copy(source: Path, out: Path, noise: float, seed: int) -> Path:
-    """A draft that mostly agrees with its target: the target's weights plus relative noise."""
-    out.mkdir()
-    for file in source.iterdir():
-        if file.name != "model.safetensors":
-            (out / file.name).write_bytes(file.read_bytes())
-    generator = torch.Generator().manual_seed(seed)
-    state = load_file(str(source / "model.safetensors"))
-    for name, tensor in state.items():
-        state[name] = tensor + noise * tensor.std() * torch.randn(tensor.shape, generator=generator)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-@pytest.fixture(scope="module")
-def pair(v1_1_checkpoint, checkpoint_by_name, tmp_path_factory):
-    """The target and three drafts: itself, a close copy, and an unrelated model."""
-    root = tmp_path_factory.mktemp("drafts")
-    # initializer_factor 10 makes the target chaotic: 0.1% noise already costs
-    # about a third of the drafts.
-    close = perturbed_copy(v1_1_checkpoint.hf_dir, root / "close-hf", noise=0.001, seed=0)
-    convert.convert(str(close), root / "close", "float32", force=False)
-    return {
-        "target": load_model(v1_1_checkpoint.mlx_dir),
-        "drafts": {
-            "same": load_model(v1_1_checkpoint.mlx_dir),
-            "close": load_model(root / "close"),
-            "unrelated": load_model(checkpoint_by_name("v1_0_tied").mlx_dir),
-        },
-        "checkpoint": v1_1_checkpoint,
-    }
 
 
 @pytest.mark.parametrize("draft", ["same", "close", "unrelated"])
@@ -101,19 +56,6 @@ def test_accepted_drafts_only_grow_with_delta(temp):
     assert 0 < masks[0].sum() < k and masks[-1].all()
 
 
-@pytest.fixture(scope="module")
-def unit_scale_pair(tmp_path_factory, tokenizer_dir):
-    """initializer_factor 1: the target's distributions are spread out, so
-    delta changes what it accepts (at factor 10 they are one-hot)."""
-    root = tmp_path_factory.mktemp("unit-scale-pair")
-    config = t5_config(feed_forward_proj="gated-gelu", initializer_factor=1.0)
-    make_checkpoint(root / "target-hf", config, 5, tokenizer_dir, untied_head=True)
-    perturbed_copy(root / "target-hf", root / "draft-hf", noise=0.05, seed=0)
-    for name in ("target", "draft"):
-        convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
-    return load_model(root / "target"), load_model(root / "draft")
-
-
 def test_mean_acceptance_rises_with_delta_over_prompts(unit_scale_pair, tokenizer):
     target, draft = unit_scale_pair
     means = []
@@ -126,32 +68,6 @@ def test_mean_acceptance_rises_with_delta_over_prompts(unit_scale_pair, tokenize
         means.append(float(np.mean(rates)))
     assert all(a <= b for a, b in zip(means, means[1:])), means
     assert means[0] < means[-1] == 1.0
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory, tokenizer_dir):
-    """Target and draft over 8 tokens, with spread-out and different distributions."""
-    root = tmp_path_factory.mktemp("tiny-vocab")
-    models = {}
-    for name, seed in (("target", 0), ("draft", 1)):
-        hf = make_checkpoint(root / f"{name}-hf", t5_config(vocab_size=8, initializer_factor=1.0), seed, tokenizer_dir)
-        convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
-        models[name] = (load_model(root / name), hf)
-    return models
-
-
-def exact_first_token_distribution(hf_model, prompt, temp, top_p) -> np.ndarray:
-    """The target's distribution of its first token, from transformers' logits."""
-    with torch.no_grad():
-        logits = hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[0]])).logits[0, -1].double()
-    probs = torch.softmax(logits / temp, dim=-1).numpy()
-    if top_p < 1:
-        order = np.argsort(-probs)
-        keep = np.cumsum(probs[order]) - probs[order] < top_p
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0) / probs[mask].sum()
-    return probs
 
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
@@ -325,7 +241,7 @@ class ScriptedRuns:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, models, prompt, settings):
+    def __call__(self, models, prompts, settings, batch_size):
         self.calls.append("speculative" if settings.speculative else "regular")
         done = self.calls.count("regular") - 1  # index of the current pass
         seconds = self.regular_seconds[done] / (self.speedups[done] if settings.speculative else 1)
@@ -334,7 +250,7 @@ class ScriptedRuns:
 
 def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys, monkeypatch):
     runs = ScriptedRuns()
-    monkeypatch.setattr(sweep, "measure", runs)
+    monkeypatch.setattr(sweep, "measure_batch", runs)
     monkeypatch.setattr(sweep, "warm_up", lambda *args: None)
     rows = sweep.sweep(None, ["one prompt"], Settings(), [2], [0.0], plot=None, repeats=3)
     assert runs.calls == ["regular", "speculative"] * 3  # regular decoding right before each setting
@@ -356,7 +272,6 @@ def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys, monkeypa
         (["--sweep", "--repeats", "0"], "--repeats must be at least 1"),
         (["--repeats", "3"], "--repeats goes with --sweep"),
         (["--plot", "speedup.png"], "--plot goes with --sweep"),  # not silently ignored
-        (["--prompts-file", "prompts.txt"], "--prompts-file goes with --sweep"),
         (["--num-drafts", "1,2"], "--num-drafts goes with --sweep"),
         (["--deltas", "0"], "--deltas goes with --sweep"),
         (["--draft-model", ""], "speculative decoding needs --draft-model"),

@@ -1,0 +1,307 @@
+"""Batched decoding: every row is what its prompt gives alone, and batches cost no more than their rows."""
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+from checkpoints import PROMPTS, exact_first_token_distribution
+
+import main
+import mlx.core as mx
+from decoder import (Sampling, Stats, accept_mask, batch_generate, generate, regular_batch, regular_generate,
+                     speculative_batch, speculative_generate, stream_generate)
+from model import KVCache, Models, load_tokenizer
+
+# Nine prompts from 3 to ~90 tokens: padding matters in the encoder and in cross-attention.
+LENGTHS = [3, 90, 12, 40, 5, 64, 27, 8, 50]
+
+
+@pytest.fixture(scope="module")
+def prompts(pair, tokenizer):
+    words = " ".join(PROMPTS).split()
+    ids = [tokenizer.encode(" ".join(words[i : i + n]))[: n - 1] + [1] for i, n in enumerate(LENGTHS)]
+    assert sorted(len(p) for p in ids) == sorted(LENGTHS)
+    return ids
+
+
+def run_batch(generator) -> tuple[dict[int, list[int]], list[int]]:
+    """Each prompt's tokens, and the prompts in the order their rows finished."""
+    tokens, finished = {}, []
+    for index, token, done in generator:
+        tokens.setdefault(index, [])
+        if token is not None:
+            tokens[index].append(token)
+        if done:
+            finished.append(index)
+    return tokens, finished
+
+
+def counts(stats: Stats) -> dict:
+    return {name: value for name, value in asdict(stats).items() if name != "seconds"}
+
+
+def alone(target, draft, prompt, max_tokens, num_draft, delta=0.0, sampling=Sampling()):
+    stats = Stats()
+    return list(speculative_generate(target, draft, prompt, max_tokens, sampling, num_draft, delta, stats)), stats
+
+
+@pytest.mark.parametrize("batch_size", range(1, 9))
+def test_batched_greedy_rows_equal_each_prompt_decoded_alone(pair, prompts, batch_size):
+    """Nine prompts of 3 to 90 tokens, more than a batch holds: rows join, accept different
+    numbers of drafts and finish at different rounds, and each row's tokens and counts are
+    exactly those of its prompt decoded alone (which equal transformers' greedy: test_speculative)."""
+    target, draft = pair["target"], pair["drafts"]["close"]
+    expected = [alone(target, draft, p, 24, 3) for p in prompts]
+    stats = [Stats() for _ in prompts]
+    tokens, finished = run_batch(speculative_batch(target, draft, prompts, 24, Sampling(), 3, 0.0, stats, batch_size))
+    for i, (want, want_stats) in enumerate(expected):
+        assert tokens[i] == want, f"prompt {i}"
+        assert counts(stats[i]) == counts(want_stats), f"prompt {i}"
+    assert sorted(finished) == list(range(len(prompts)))
+    assert len({s.target_calls for s in stats}) > 1, "rows must finish after different numbers of rounds"
+
+
+@pytest.mark.parametrize("num_draft", range(1, 9))
+def test_batched_greedy_equals_alone_at_every_num_draft(pair, prompts, num_draft):
+    target, draft = pair["target"], pair["drafts"]["close"]
+    stats = [Stats() for _ in prompts]
+    tokens, _ = run_batch(speculative_batch(target, draft, prompts, 20, Sampling(), num_draft, 0.0, stats, 4))
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == list(regular_generate(target, prompt, 20, Sampling())), f"prompt {i}"
+    assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats), "needs acceptances and rejections"
+
+
+class EosAt:
+    """Wraps a model so that its favourite token at decoder position `position` is EOS, in every row."""
+
+    def __init__(self, model, position):
+        self.model, self.position, self.args = model, position, model.args
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, tokens, cache):
+        positions = mx.array(cache.offsets)[:, None, None] + mx.arange(tokens.shape[1])[None, :, None]
+        logits = self.model.decode(tokens, cache)
+        is_eos = mx.arange(logits.shape[-1])[None, None, :] == self.args.eos_token_id
+        return mx.where((positions == self.position) & is_eos, logits.max() + 100.0, logits)
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_rows_stopping_at_eos_in_different_rounds_leave_and_the_rest_stay_exact(pair, prompts, batch_size):
+    """Each row reaches EOS (position 7) in a round of its own, since rows accept
+    different numbers of drafts; the remaining rows and the joining ones are unaffected."""
+    target, draft = EosAt(pair["target"], 7), pair["drafts"]["close"]
+    stats = [Stats() for _ in prompts]
+    tokens, finished = run_batch(speculative_batch(target, draft, prompts, 40, Sampling(), 4, 0.0, stats, batch_size))
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == list(regular_generate(target, prompt, 40, Sampling())), f"prompt {i}"
+        assert len(tokens[i]) == 7
+    assert len({s.target_calls for s in stats}) > 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_regular_batch_rows_equal_each_prompt_alone(pair, prompts, batch_size):
+    target = EosAt(pair["target"], 9)  # some rows stop at EOS, the others at max_tokens
+    short = [p if i % 2 else p[:1] for i, p in enumerate(prompts)]  # a 1-token prompt: EOS alone
+    stats = [Stats() for _ in short]
+    tokens, finished = run_batch(regular_batch(target, short, 12, Sampling(), stats, batch_size))
+    for i, prompt in enumerate(short):
+        single = Stats()
+        assert tokens[i] == list(regular_generate(target, prompt, 12, Sampling(), single)), f"prompt {i}"
+        assert counts(stats[i]) == counts(single)
+    assert sorted(finished) == list(range(len(short)))
+
+
+@pytest.mark.parametrize("delta", [0.3, 1.0])
+def test_each_row_follows_the_single_prompt_acceptance_rule_at_delta(unit_scale_pair, tokenizer, delta):
+    """Greedy with delta > 0 is deterministic: each row accepts exactly what its prompt accepts alone."""
+    target, draft = unit_scale_pair
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    stats = [Stats() for _ in prompts]
+    tokens, _ = run_batch(speculative_batch(target, draft, prompts, 32, Sampling(), 4, delta, stats, 4))
+    for i, prompt in enumerate(prompts):
+        want, want_stats = alone(target, draft, prompt, 32, 4, delta)
+        assert tokens[i] == want and counts(stats[i]) == counts(want_stats), f"prompt {i}"
+    assert sum(s.accepted for s in stats) > 0
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_the_acceptance_rule_on_a_batch_is_the_rule_row_by_row(temp):
+    rng = np.random.default_rng(1)
+    batch, k, vocab = 5, 6, 12
+    target_logits = mx.array(rng.normal(size=(batch, k + 1, vocab)) * 2, mx.float32)
+    draft_logits = mx.array(rng.normal(size=(batch, k, vocab)) * 2, mx.float32)
+    drafts = mx.array(rng.integers(0, vocab, size=(batch, k)))
+    u = mx.array(rng.uniform(size=(batch, k)), mx.float32)
+    for delta in (0.0, 0.4):
+        together = np.array(accept_mask(target_logits, draft_logits, drafts, Sampling(temp=temp), delta, u=u))
+        for row in range(batch):
+            single = accept_mask(target_logits[row], draft_logits[row], drafts[row], Sampling(temp=temp), delta, u=u[row])
+            np.testing.assert_array_equal(together[row], np.array(single))
+
+
+@pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
+def test_batched_sampling_gives_each_row_the_target_distribution(tiny_vocab_pair, temp, top_p):
+    """Two prompts, four rows each, 400 batches: each row's first token passes a chi-square
+    test (false-alarm rate 0.1% per prompt) against the target's exact distribution."""
+    (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
+    prompts = [[5, 3, 6, 1], [2, 7, 7, 4, 6, 1]]
+    batch = [prompts[i % 2] for i in range(8)]
+    mx.random.seed(99)
+    counts_ = np.zeros((2, 8))
+    totals = [Stats() for _ in batch]
+    for _ in range(400):
+        stats = [Stats() for _ in batch]
+        tokens, _ = run_batch(speculative_batch(target, draft, batch, 4, Sampling(temp=temp, top_p=top_p), 3, 0.0, stats, 8))
+        for i in range(len(batch)):
+            counts_[i % 2, tokens[i][0] if tokens[i] else 1] += 1
+        totals = [t + s for t, s in zip(totals, stats)]
+    pooled = sum(totals, Stats())
+    assert 0.1 < pooled.acceptance_rate < 0.9, "the draft must be rejected sometimes for this to test anything"
+    for which, prompt in enumerate(prompts):
+        expected = exact_first_token_distribution(hf_target, prompt, temp, top_p)
+        support, samples = expected > 0, counts_[which].sum()
+        assert counts_[which][~support].sum() == 0
+        chi2 = (((counts_[which] - samples * expected) ** 2)[support] / (samples * expected[support])).sum()
+        critical = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]
+        assert chi2 < critical, (which, chi2, counts_[which] / samples, expected)
+
+
+def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, prompts):
+    """With a draft that is nearly always rejected, each layer's storage stays at the
+    block-rounded length of the longest row (plus one verify pass), for the rows in the batch."""
+    target, draft = pair["target"], pair["drafts"]["unrelated"]
+    seen, original = [], target.decode
+
+    def recording(tokens, cache):
+        out = original(tokens, cache)
+        layer = cache.self_attention[0]
+        seen.append((layer.keys.shape[0], layer.keys.shape[2], max(layer.offsets), len(layer.offsets)))
+        return out
+
+    target.decode = recording
+    try:
+        stats = [Stats() for _ in prompts]
+        run_batch(speculative_batch(target, draft, prompts, 300, Sampling(), 8, 0.0, stats, 4))
+    finally:
+        del target.decode
+    assert sum(s.drafted for s in stats) > 5 * sum(s.accepted for s in stats), "the drafts must be mostly rejected"
+    for rows, capacity, longest, offsets in seen:
+        assert rows == offsets <= 4
+        assert capacity == -(-longest // KVCache.block) * KVCache.block
+
+
+def test_kv_cache_rows_append_and_trim_at_their_own_lengths():
+    cache = KVCache(rows=3)
+    cache.update_and_fetch(mx.zeros((3, 2, 4, 1)), mx.zeros((3, 2, 4, 1)))
+    cache.trim([0, 2, 3])
+    step = mx.array([1.0, 2.0, 3.0]).reshape(3, 1, 1, 1) * mx.ones((3, 2, 2, 1))
+    keys, _ = cache.update_and_fetch(step, step)
+    assert cache.offsets == [6, 4, 3] and keys.shape[2] == 6
+    assert np.array(keys[:, 0, :, 0]).tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 2, 2, 0, 0], [0, 3, 3, 0, 0, 0]]
+    cache.keep([2, 0])
+    assert cache.offsets == [3, 6] and np.array(cache.keys[:, 0, :6, 0]).tolist()[0] == [0, 3, 3, 0, 0, 0]
+
+
+# ---------------------------------------------------------------- the API and the command line
+
+
+@pytest.fixture(scope="module")
+def models(pair):
+    checkpoint = pair["checkpoint"]
+    return Models(pair["target"], pair["drafts"]["close"], load_tokenizer(checkpoint.mlx_dir), checkpoint.mlx_dir)
+
+
+def test_batch_generate_returns_each_prompts_own_generation_in_input_order(models):
+    texts = PROMPTS + ["a", "def f(x): return x"]
+    generations = batch_generate(models, texts, batch_size=3, max_tokens=16, num_draft=3)
+    assert len(generations) == len(texts)
+    for text, generation in zip(texts, generations):
+        responses = list(stream_generate(models, text, max_tokens=16, num_draft=3))
+        assert generation.text == generate(models, text, max_tokens=16, num_draft=3)
+        assert generation.tokens == [r.token for r in responses if r.token is not None]
+        assert generation.finish_reason == responses[-1].finish_reason
+        assert counts(generation.stats) == counts(responses[-1].stats)
+
+
+def test_a_seed_makes_a_sampled_batch_reproducible(models, unit_scale_pair):
+    models = Models(*unit_scale_pair, models.tokenizer, models.target_path)  # spread-out distributions
+    options = dict(batch_size=4, max_tokens=12, temp=1.0, num_draft=3)
+    first = batch_generate(models, PROMPTS, seed=7, **options)
+    assert [g.tokens for g in first] == [g.tokens for g in batch_generate(models, PROMPTS, seed=7, **options)]
+    assert [g.tokens for g in first] != [g.tokens for g in batch_generate(models, PROMPTS, seed=8, **options)]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: batch_generate(m, ["a", " ", "b"]), "prompt 2 of 3 is empty"),
+    (lambda m: batch_generate(m, []), "prompts must be a non-empty list"),
+    (lambda m: batch_generate(m, "one string"), "prompts must be a non-empty list"),
+    (lambda m: batch_generate(m, ["a"], batch_size=0), "batch_size must be an integer >= 1"),
+    (lambda m: batch_generate(m, ["a"], num_draft=0), "num_draft must be an integer >= 1"),
+])
+def test_bad_batch_input_is_refused_before_decoding(models, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(models)
+
+
+def model_flags(pair) -> list[str]:
+    return ["--model", str(pair["checkpoint"].mlx_dir), "--draft-model", str(pair["checkpoint"].mlx_dir)]
+
+
+@pytest.mark.parametrize("extra", [[], ["--regular-decode"], ["--batch-size", "2"]])
+def test_cli_prompts_file_prints_one_json_line_per_prompt_as_run_alone(pair, tmp_path, capsys, extra):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS[:4]) + "\n\n   \n" + PROMPTS[4] + "\n")  # blank lines are skipped
+    assert main.main(model_flags(pair) + ["--prompts-file", str(path), "--json", "--max-tokens", "10", *extra]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5
+    for prompt, line in zip(PROMPTS, lines):
+        assert main.main(model_flags(pair) + ["--prompt", prompt, "--json", "--max-tokens", "10", *extra[:1] * ("--regular-decode" in extra)]) == 0
+        single = json.loads(capsys.readouterr().out)
+        batched = json.loads(line)
+        assert batched["text"] == single["text"] and batched["tokens"] == single["tokens"]
+        assert {k: v for k, v in batched["stats"].items() if "second" not in k} == \
+               {k: v for k, v in single["stats"].items() if "second" not in k}
+
+
+def test_cli_prompts_file_text_shows_each_prompt_in_order_then_the_total(pair, tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS[:3]) + "\n")
+    assert main.main(model_flags(pair) + ["--prompts-file", str(path), "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("--- ")]
+    assert headers[:3] == ["--- prompt 1 of 3", "--- prompt 2 of 3", "--- prompt 3 of 3"]
+    assert headers[3].startswith("--- 3 prompts: 18 tokens in") and out.count("Accepted") == 3
+
+
+@pytest.mark.parametrize("content, argv, message", [
+    (b"", [], "has no prompts"),
+    (b"\n  \n\t\n", [], "has no prompts"),
+    (b"fine\n\xff\xfe bad\n", [], "line 2: not valid UTF-8"),
+    (b"fine\n", ["--batch-size", "0"], "--batch-size must be an integer >= 1 (got 0)"),
+    (None, ["--batch-size", "4"], "--batch-size goes with --prompts-file"),
+    (b"fine\n", ["--prompt", "x"], "give --prompt or --prompts-file, not both"),
+    (b"fine\n", ["--interactive"], "--prompts-file goes with a one-shot run or --sweep"),
+])
+def test_bad_batch_input_gives_one_line_error_before_loading(pair, tmp_path, capsys, content, argv, message):
+    flags = list(argv)
+    if content is not None:
+        path = tmp_path / "prompts.txt"
+        path.write_bytes(content)
+        flags += ["--prompts-file", str(path)]
+    assert main.main(model_flags(pair) + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert "Loading" not in err
+
+
+def test_sweep_with_a_batch_size_times_batched_runs(pair, tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS[:3]) + "\n")
+    assert main.main(model_flags(pair) + ["--sweep", "--num-drafts", "1,4", "--deltas", "0", "--prompts-file", str(path),
+                                          "--batch-size", "3", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "3 prompt(s) in batches of 3" in out
+    assert len([line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]) == 2
