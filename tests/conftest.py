@@ -10,6 +10,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "demo")]
 
 import convert  # noqa: E402
 from checkpoints import PROMPT, make_checkpoint, perturbed_copy, t5_config, train_tokenizer  # noqa: E402
+import mlx.core as mx  # noqa: E402
 from model import load_model  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -125,3 +126,25 @@ def tiny_vocab_pair(tmp_path_factory, tokenizer_dir):
         convert.convert(str(root / f"{name}-hf"), root / name, "float32", force=False)
         models[name] = (load_model(root / name), hf)
     return models
+
+
+class EosAt:
+    """Wraps a model so that its favourite token at decoder position `position` is EOS, in every row."""
+
+    def __init__(self, model, position):
+        self.model, self.position, self.args = model, position, model.args
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, tokens, cache):
+        positions = mx.array(cache.offsets)[:, None, None] + mx.arange(tokens.shape[1])[None, :, None]
+        logits = self.model.decode(tokens, cache)
+        is_eos = mx.arange(logits.shape[-1])[None, None, :] == self.args.eos_token_id
+        return mx.where((positions == self.position) & is_eos, logits.max() + 100.0, logits)
+
+
+@pytest.fixture
+def eos_at():
+    """EosAt(model, position): a model whose favourite token at that decoder position is EOS."""
+    return EosAt

@@ -72,27 +72,11 @@ def test_batched_greedy_equals_alone_at_every_num_draft(pair, prompts, num_draft
     assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats), "needs acceptances and rejections"
 
 
-class EosAt:
-    """Wraps a model so that its favourite token at decoder position `position` is EOS, in every row."""
-
-    def __init__(self, model, position):
-        self.model, self.position, self.args = model, position, model.args
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def decode(self, tokens, cache):
-        positions = mx.array(cache.offsets)[:, None, None] + mx.arange(tokens.shape[1])[None, :, None]
-        logits = self.model.decode(tokens, cache)
-        is_eos = mx.arange(logits.shape[-1])[None, None, :] == self.args.eos_token_id
-        return mx.where((positions == self.position) & is_eos, logits.max() + 100.0, logits)
-
-
 @pytest.mark.parametrize("batch_size", [3, 8])
-def test_rows_stopping_at_eos_in_different_rounds_leave_and_the_rest_stay_exact(pair, prompts, batch_size):
+def test_rows_stopping_at_eos_in_different_rounds_leave_and_the_rest_stay_exact(pair, prompts, batch_size, eos_at):
     """Each row reaches EOS (position 7) in a round of its own, since rows accept
     different numbers of drafts; the remaining rows and the joining ones are unaffected."""
-    target, draft = EosAt(pair["target"], 7), pair["drafts"]["close"]
+    target, draft = eos_at(pair["target"], 7), pair["drafts"]["close"]
     stats = [Stats() for _ in prompts]
     tokens, finished = run_batch(speculative_batch(target, draft, prompts, 40, Sampling(), 4, 0.0, stats, batch_size))
     for i, prompt in enumerate(prompts):
@@ -102,8 +86,8 @@ def test_rows_stopping_at_eos_in_different_rounds_leave_and_the_rest_stay_exact(
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_regular_batch_rows_equal_each_prompt_alone(pair, prompts, batch_size):
-    target = EosAt(pair["target"], 9)  # some rows stop at EOS, the others at max_tokens
+def test_regular_batch_rows_equal_each_prompt_alone(pair, prompts, batch_size, eos_at):
+    target = eos_at(pair["target"], 9)  # some rows stop at EOS, the others at max_tokens
     short = [p if i % 2 else p[:1] for i, p in enumerate(prompts)]  # a 1-token prompt: EOS alone
     stats = [Stats() for _ in short]
     tokens, finished = run_batch(regular_batch(target, short, 12, Sampling(), stats, batch_size))

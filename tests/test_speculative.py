@@ -120,26 +120,9 @@ def test_every_verify_pass_sees_the_cache_of_a_fresh_run(pair):
         np.testing.assert_allclose(logits, np.array(fresh[0, offset:]), rtol=0, atol=1e-4 * np.abs(logits).max())
 
 
-class EosAt:
-    """Wraps a model so that its favourite token at decoder position `position` is EOS."""
-
-    def __init__(self, model, position):
-        self.model, self.position, self.args = model, position, model.args
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def decode(self, tokens, cache):
-        offset = cache.offset
-        logits = self.model.decode(tokens, cache)
-        positions = mx.arange(offset, offset + tokens.shape[1])[None, :, None]
-        is_eos = mx.arange(logits.shape[-1])[None, None, :] == self.args.eos_token_id
-        return mx.where((positions == self.position) & is_eos, logits.max() + 100.0, logits)
-
-
 @pytest.mark.parametrize("num_draft", [1, 3, 5, 8])
-def test_eos_inside_the_drafts_stops_generation_at_eos(pair, num_draft):
-    target = EosAt(pair["target"], position=7)
+def test_eos_inside_the_drafts_stops_generation_at_eos(pair, num_draft, eos_at):
+    target = eos_at(pair["target"], position=7)
     prompt = pair["checkpoint"].prompt_ids
     regular = list(regular_generate(target, prompt, 40, Sampling()))
     assert len(regular) == 7
