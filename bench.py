@@ -391,8 +391,10 @@ def bench_speculative(args) -> None:
 
 def bench_batch(args) -> None:
     """Throughput over many prompts, by batch size: our batched speculative
-    and regular decoding, transformers' batched generate (its assisted mode
-    takes no batches), and our speculative decoding prompt by prompt."""
+    decoding at each num-draft, our batched regular decoding, and
+    transformers' batched generate (its assisted mode takes no batches).
+    Batch size 1 is prompt-by-prompt decoding: `speculative_generate` is a
+    batch of one. Runs alternate within a pass; medians over passes."""
     import main
     from decoder import Sampling, Stats, regular_batch, speculative_batch
     from model import load_model, load_tokenizer
@@ -408,48 +410,61 @@ def bench_batch(args) -> None:
     count = args.prompts or 32
     prompts = [tokenizer.encode(demo[i % len(demo)]) for i in range(count)]
     sizes = [int(size) for size in args.batch_sizes.split(",")]
-    print(f"\nBatched greedy decoding, {count} prompts (the {len(demo)} held-out demo prompts, then again from the first), "
-          f"at most {args.tokens} tokens each, num-draft {args.num_draft}, delta 0; generated tokens per second over all "
-          f"prompts (encoding included), median of {args.repeats} alternating passes\n\nmachine: {machine()}")
+    num_drafts = [int(k) for k in args.num_drafts.split(",")]
+    repeated = ", then again from the first" if count > len(demo) else ""
+    print(f"\nBatched greedy decoding: {count} prompts (the held-out demo prompts{repeated}), "
+          f"at most {args.tokens} tokens each, delta 0. Generated tokens per second over all prompts, encoding included; "
+          f"medians of {args.repeats} passes, runs alternating within a pass.\n\nmachine: {machine()}")
     for name, (target_dir, draft_dir, hf_dir) in pairs.items():
+        if args.pairs and name.split()[0] not in args.pairs.split(","):
+            continue
         target, draft = load_model(target_dir), load_model(draft_dir)
         worker = HFWorker(hf_dir)
 
-        def ours(speculative: bool, batch_size: int) -> tuple[float, list]:
-            stats, out = [Stats() for _ in prompts], [[] for _ in prompts]
+        def ours(batch: list, batch_size: int, num_draft: int | None) -> tuple[float, list]:
+            stats, out = [Stats() for _ in batch], [[] for _ in batch]
             start = time.perf_counter()
-            if speculative:
-                events = speculative_batch(target, draft, prompts, args.tokens, Sampling(), args.num_draft, 0.0, stats, batch_size)
+            if num_draft:
+                events = speculative_batch(target, draft, batch, args.tokens, Sampling(), num_draft, 0.0, stats, batch_size)
             else:
-                events = regular_batch(target, prompts, args.tokens, Sampling(), stats, batch_size)
+                events = regular_batch(target, batch, args.tokens, Sampling(), stats, batch_size)
             for index, token, _ in events:
                 out[index] += [] if token is None else [token]
             return time.perf_counter() - start, out
 
-        def one_pass() -> dict:
-            runs = {("unbatched speculative", 1): ours(True, 1)}
+        def one_pass(batch: list) -> dict:
+            runs = {}
             for size in sizes:
-                runs[("speculative", size)] = ours(True, size)
-                runs[("regular", size)] = ours(False, size)
-                result = worker.run_batched(prompts, args.tokens, size)
+                for k in num_drafts:
+                    runs[(f"speculative {k}", size)] = ours(batch, size, k)
+                runs[("regular", size)] = ours(batch, size, None)
+                result = worker.run_batched(batch, args.tokens, size)
                 runs[("transformers", size)] = (result["seconds"], result["tokens"])
             return runs
 
-        one_pass()  # warm-up
-        passes = [one_pass() for _ in range(args.repeats)]
+        one_pass(prompts[: max(sizes)])  # warm-up: kernels, allocator pools, every batch shape once
+        passes = [one_pass(prompts) for _ in range(args.repeats)]
         worker.close()
-        reference = passes[-1][("unbatched speculative", 1)][1]
+        reference = passes[-1][("regular", 1)][1]
         generated = sum(len(tokens) for tokens in reference)
         rate = {key: generated / statistics.median(p[key][0] for p in passes) for key in passes[0]}
         same = all(p[key][1] == reference for p in passes for key in p)
-        unbatched = rate[("unbatched speculative", 1)]
-        print(f"\n{name} ({generated} tokens; every run's tokens equal the unbatched ones: {'yes' if same else 'NO'})\n\n"
-              "| batch size | speculative | regular | transformers regular | speculative / unbatched speculative | "
-              "speculative / transformers |\n|---|---|---|---|---|---|")
+        best = {size: max(num_drafts, key=lambda k: rate[(f"speculative {k}", size)]) for size in sizes}
+        unbatched = rate[(f"speculative {best[1]}", 1)] if 1 in sizes else None
+        print(f"\n{name}: {generated} tokens; every run's tokens equal regular decoding's prompt by prompt: "
+              f"{'yes' if same else 'NO'}\n\n"
+              "| batch size | speculative (best num-draft) | regular | transformers regular | "
+              "speculative / unbatched speculative | speculative / transformers |\n|---|---|---|---|---|---|")
         for size in sizes:
-            spec, regular, hf = rate[("speculative", size)], rate[("regular", size)], rate[("transformers", size)]
-            print(f"| {size} | {spec:.1f} | {regular:.1f} | {hf:.1f} | {spec / unbatched:.2f}x | {spec / hf:.2f}x |")
-        print(f"\nunbatched speculative: {unbatched:.1f} tokens/s")
+            spec, regular, hf = rate[(f"speculative {best[size]}", size)], rate[("regular", size)], rate[("transformers", size)]
+            over_unbatched = f"{spec / unbatched:.2f}x" if unbatched else "-"
+            print(f"| {size} | {spec:.1f} ({best[size]}) | {regular:.1f} | {hf:.1f} | {over_unbatched} | {spec / hf:.2f}x |")
+        print(f"\n{name}, speculative tokens/s by num-draft (best in bold)\n\n| batch size | "
+              + " | ".join(f"num-draft {k}" for k in num_drafts) + " |\n|---|" + "---|" * len(num_drafts))
+        for size in sizes:
+            cells = [f"{rate[(f'speculative {k}', size)]:.1f}" for k in num_drafts]
+            cells = [f"**{cell}**" if k == best[size] else cell for k, cell in zip(num_drafts, cells)]
+            print(f"| {size} | " + " | ".join(cells) + " |")
 
 
 def decode_worker(folder: str, tokens: int) -> None:
@@ -718,6 +733,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="speculative: how many held-out demo prompts (default 6); "
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
+    parser.add_argument("--num-drafts", default="1,2,3,4", help="batch: num-draft values")
+    parser.add_argument("--pairs", help="batch: only these pairs (demo, benchmark)")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
