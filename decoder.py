@@ -235,7 +235,7 @@ class Row:
     last: int = 0  # speculative: the token the target has not seen
     unseen: list = None  # speculative: the tokens the draft has not seen
 
-    def emit(self, tokens: list[int], eos: int, max_tokens: int):
+    def emit(self, tokens: list[int], eos: int | None, max_tokens: int):
         """Yield (index, token, finished) for each token the row decided,
         counting it as it goes; the output ends at EOS (itself not output,
         token None when it came first) or at max_tokens. Returns finished."""
@@ -292,8 +292,9 @@ class Batch:
         if finished:
             self.rows = [self.rows[i] for i in kept]
             if kept:
+                longest = max(len(self.prompts[row.index]) for row in self.rows)
                 for cache in self.caches:
-                    cache.keep(kept)
+                    cache.keep(kept, longest)
             else:
                 self.caches = []
         return kept

@@ -409,14 +409,16 @@ class DecoderCache:
         for cache in self.self_attention:
             cache.trim(n)
 
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows, in this order."""
+    def keep(self, rows: list[int], cross_length: int | None = None) -> None:
+        """Only these rows, in this order; cross-attention cut to the first
+        cross_length keys if given (the longest prompt left is shorter)."""
         index = mx.array(rows)
         for cache in self.self_attention:
             cache.keep(rows)
-        self.cross_keys_values = [(k[index], v[index]) for k, v in self.cross_keys_values]
+        cut = slice(None, cross_length)
+        self.cross_keys_values = [(k[index, :, cut], v[index, :, cut]) for k, v in self.cross_keys_values]
         if self.cross_bias is not None:
-            self.cross_bias = self.cross_bias[index]
+            self.cross_bias = self.cross_bias[index, ..., cut]
 
     def extend(self, other: "DecoderCache") -> None:
         """Append other's rows (prompts encoded apart) after these. The
