@@ -396,7 +396,7 @@ def bench_batch(args) -> None:
     Batch size 1 is prompt-by-prompt decoding: `speculative_generate` is a
     batch of one. Runs alternate within a pass; medians over passes."""
     import main
-    from decoder import Sampling, Stats, regular_batch, speculative_batch
+    from decoder import Sampling, Stats, encode_prompts, regular_batch, speculative_batch
     from model import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
@@ -432,9 +432,18 @@ def bench_batch(args) -> None:
                 out[index] += [] if token is None else [token]
             return time.perf_counter() - start, out
 
+        def encoding(batch: list, batch_size: int) -> tuple[float, list]:
+            """Both models' encoding of every prompt, in groups of batch_size: the floor under a run."""
+            start = time.perf_counter()
+            for first in range(0, len(batch), batch_size):
+                for model in (target, draft):
+                    encode_prompts(model, batch[first : first + batch_size])
+            return time.perf_counter() - start, None
+
         def one_pass(batch: list) -> dict:
             runs = {}
             for size in sizes:
+                runs[("encoding", size)] = encoding(batch, size)
                 for k in num_drafts:
                     runs[(f"speculative {k}", size)] = ours(batch, size, k)
                 runs[("regular", size)] = ours(batch, size, None)
@@ -447,18 +456,22 @@ def bench_batch(args) -> None:
         worker.close()
         reference = passes[-1][("regular", 1)][1]
         generated = sum(len(tokens) for tokens in reference)
-        rate = {key: generated / statistics.median(p[key][0] for p in passes) for key in passes[0]}
-        same = all(p[key][1] == reference for p in passes for key in p)
+        seconds = {key: statistics.median(p[key][0] for p in passes) for key in passes[0]}
+        rate = {key: generated / value for key, value in seconds.items()}
+        same = all(p[key][1] == reference for p in passes for key in p if key[0] != "encoding")
         best = {size: max(num_drafts, key=lambda k: rate[(f"speculative {k}", size)]) for size in sizes}
         unbatched = rate[(f"speculative {best[1]}", 1)] if 1 in sizes else None
         print(f"\n{name}: {generated} tokens; every run's tokens equal regular decoding's prompt by prompt: "
               f"{'yes' if same else 'NO'}\n\n"
               "| batch size | speculative (best num-draft) | regular | transformers regular | "
-              "speculative / unbatched speculative | speculative / transformers |\n|---|---|---|---|---|---|")
+              "speculative / unbatched speculative | speculative / transformers | encoding's share of the speculative run |\n"
+              "|---|---|---|---|---|---|---|")
         for size in sizes:
-            spec, regular, hf = rate[(f"speculative {best[size]}", size)], rate[("regular", size)], rate[("transformers", size)]
+            key = (f"speculative {best[size]}", size)
+            spec, regular, hf = rate[key], rate[("regular", size)], rate[("transformers", size)]
             over_unbatched = f"{spec / unbatched:.2f}x" if unbatched else "-"
-            print(f"| {size} | {spec:.1f} ({best[size]}) | {regular:.1f} | {hf:.1f} | {over_unbatched} | {spec / hf:.2f}x |")
+            print(f"| {size} | {spec:.1f} ({best[size]}) | {regular:.1f} | {hf:.1f} | {over_unbatched} | {spec / hf:.2f}x | "
+                  f"{seconds[('encoding', size)] / seconds[key]:.0%} |")
         print(f"\n{name}, speculative tokens/s by num-draft (best in bold)\n\n| batch size | "
               + " | ".join(f"num-draft {k}" for k in num_drafts) + " |\n|---|" + "---|" * len(num_drafts))
         for size in sizes:
