@@ -126,22 +126,29 @@ def set_threads(count: int) -> None:
         _thread_setter(count)
 
 
+_encoding = False  # inside many_rows: a prompt's products, spread over cores by the encoder itself
+
+
 @contextlib.contextmanager
 def many_rows():
-    """Evaluate a prompt's products (hundreds of rows) in here. BLIS skips
-    packing its operands for small products ("sup"), which suits decoding's
-    few rows but runs a prompt's at a third of the speed; inside, it packs
-    them. The setting is BLIS's global one, read by every thread."""
-    if _library is None:
-        yield
-        return
-    _library.bli_pack_set_pack_a(True)
-    _library.bli_pack_set_pack_b(True)
+    """Build and evaluate a prompt's products (hundreds of rows) in here.
+    BLIS skips packing its operands for small products ("sup"), which suits
+    decoding's few rows but runs a prompt's at a third of the speed; inside,
+    it packs them. The setting is BLIS's global one, read by every thread.
+    Products built in here are not split (split_matmul): the encoder spreads
+    its blocks of rows over the cores instead."""
+    global _encoding
+    _encoding = True
+    if _library is not None:
+        _library.bli_pack_set_pack_a(True)
+        _library.bli_pack_set_pack_b(True)
     try:
         yield
     finally:
-        _library.bli_pack_set_pack_a(False)
-        _library.bli_pack_set_pack_b(False)
+        _encoding = False
+        if _library is not None:
+            _library.bli_pack_set_pack_a(False)
+            _library.bli_pack_set_pack_b(False)
 
 
 ACTIVE = _load()
@@ -155,7 +162,6 @@ from mlx.utils import tree_map  # noqa: E402
 # weights (T5-large's FFN and head; every projection of T5-11B). On 2 cores,
 # T5-large decoding ran ~5-8% faster than MKL's own 2-thread product.
 SPLIT_MIN_ELEMENTS = 2_000_000
-SPLIT_MAX_ROWS = 16  # decoding: 1 row, a verify pass num-draft + 1
 
 
 @functools.cache  # on first use, not at import: the default device may change in between
@@ -170,11 +176,13 @@ def streams() -> tuple:
 
 def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T with the weight's rows split over the CPU streams, which
-    run on their own threads: decoding reads every weight once per token, and
-    one core alone cannot saturate memory. A product of many rows (a block of
-    a prompt) keeps a core busy by itself: the encoder spreads those blocks."""
+    run on their own threads (the BLAS itself runs on one): decoding reads
+    every weight once per token, and one core alone cannot saturate memory;
+    a batch's verify pass (tens of rows) is bound by arithmetic, and runs
+    1.5-1.8x faster on two cores than on one. A prompt's products are not
+    split (many_rows): the encoder spreads its blocks of rows instead."""
     parts = streams()
-    if len(parts) < 2 or x.size // x.shape[-1] >= SPLIT_MAX_ROWS:
+    if len(parts) < 2 or _encoding:
         return x @ weight.T
     rows = -(-weight.shape[0] // len(parts))
     products = [mx.matmul(x, weight[i * rows : (i + 1) * rows].T, stream=s) for i, s in enumerate(parts)]

@@ -111,6 +111,24 @@ def test_split_matmul_equals_one_matmul():
     np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
 
 
+def test_decoding_products_split_whatever_their_rows_and_a_prompts_do_not(monkeypatch):
+    """A batch's verify pass has tens of rows and is split over the cores;
+    products built while a prompt is encoded (many_rows) stay whole: the
+    encoder spreads its blocks of rows over the cores itself."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(cpu, "streams", lambda: (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)))
+    parts, matmul = [], mx.matmul
+    monkeypatch.setattr(mx, "matmul", lambda *args, **kwargs: parts.append(1) or matmul(*args, **kwargs))
+    x, weight = mx.random.normal((8, 5, 64)), mx.random.normal((300, 64))
+    decoding = cpu.split_matmul(x, weight)
+    assert len(parts) == 2
+    with cpu.many_rows():
+        encoding = cpu.split_matmul(x, weight)
+    assert len(parts) == 2
+    np.testing.assert_allclose(np.array(decoding), np.array(encoding), rtol=1e-5, atol=1e-5)
+
+
 def test_use_cores_swaps_only_large_projections_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
     """A model whose tied head is over the threshold and whose FFN is not: the
     head is split, the FFN is not, and the logits are the unsplit model's."""
