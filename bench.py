@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 DEMO = ROOT / "demo"
 T5_LARGE = dict(vocab_size=32128, d_model=1024, d_ff=4096, num_heads=16, d_kv=64, num_layers=24, initializer_factor=1.0)
+T5_SMALL = dict(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, initializer_factor=1.0)
 PROMPT_IDS = [13, 52, 999, 81, 7, 402, 33, 91, 18, 640, 22, 5, 77, 301, 9, 1]
 # The target grown from the demo target. The scale sets the agreement: at 0.2 the
 # table shows acceptance near 0.8, and greedy outputs that still differ from the draft's.
@@ -58,12 +59,12 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, BLAS {cpu.ACTIVE.split(' (')[0]}"
 
 
-def build_large(folder: Path) -> Path:
+def build_large(folder: Path, shapes: dict = T5_LARGE) -> Path:
     from checkpoints import make_checkpoint, t5_config
 
     if not (folder / "config.json").exists():
-        print(f"building a random T5-large-shaped checkpoint in {folder} ...", file=sys.stderr)
-        make_checkpoint(folder, t5_config(**T5_LARGE), 0, DEMO / "target")
+        print(f"building a random checkpoint of d_model {shapes['d_model']} in {folder} ...", file=sys.stderr)
+        make_checkpoint(folder, t5_config(**shapes), 0, DEMO / "target")
     return folder
 
 
@@ -300,6 +301,151 @@ def step_seconds(model, width: int = 1, steps: int = 20) -> float:
         times.append(time.perf_counter() - start)
         cache.trim(width)
     return statistics.median(times[3:])
+
+
+def graph_size(*outputs) -> int:
+    """Operations in the graph that computes outputs (as MLX will run them)."""
+    import tempfile
+
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return dot.read().count("shape=rectangle")
+
+
+def seconds_per_op(count: int = 1000) -> float:
+    """MLX's cost per operation, measured on a chain of tiny ones (building and running it)."""
+    import mlx.core as mx
+
+    x = mx.zeros((1, 256))
+    mx.eval(x)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        y = x
+        for _ in range(count):
+            y = y + 1.0
+        mx.eval(y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / count
+
+
+def step_profile(model, width: int = 1, steps: int = 30) -> dict:
+    """One decode step over `width` new tokens with a warm cache: the Python
+    time to build its graph, the whole step, and its operations."""
+    import mlx.core as mx
+
+    cache = model.make_cache(model.encode(mx.array([PROMPT_IDS])))
+    mx.eval(model.decode(mx.array([[0] * 20]), cache))
+    tokens = mx.array([[0] * width])
+    builds, totals = [], []
+    for _ in range(steps + 3):
+        start = time.perf_counter()
+        logits = model.decode(tokens, cache)
+        built = time.perf_counter()
+        mx.eval(logits)
+        builds.append(built - start)
+        totals.append(time.perf_counter() - start)
+        cache.trim(width)
+    operations = graph_size(model.decode(tokens, cache))
+    return {"build": statistics.median(builds[3:]), "step": statistics.median(totals[3:]), "operations": operations}
+
+
+def draft_round_seconds(draft, k: int, rounds: int = 30) -> float:
+    """A speculative round's drafting, as decoder.draft_tokens does it: k one-token steps, no host sync between them."""
+    import mlx.core as mx
+
+    from decoder import Row, Sampling, Stats, draft_tokens
+
+    cache = draft.make_cache(draft.encode(mx.array([PROMPT_IDS])))
+    mx.eval(draft.decode(mx.array([[0] * 20]), cache))
+    times = []
+    for _ in range(rounds + 3):
+        row = Row(0, Stats(), 0.0, unseen=[5])
+        start = time.perf_counter()
+        mx.eval(draft_tokens(draft, cache, [row], k, Sampling()))
+        times.append(time.perf_counter() - start)
+        cache.trim(k)
+    return statistics.median(times[3:])
+
+
+def bench_steps(args) -> None:
+    """Regular decoding against transformers on narrow, deep and wide shapes,
+    each step split into Python graph building, MLX's per-operation dispatch
+    and compute; compiled steps (the default) against the graph built op by
+    op; and the draft's step time at num-draft 1-8."""
+    from decoder import Sampling, Stats, regular_generate
+    from model import load_model
+
+    target_hf, draft_hf = build_pair(args.dir)
+    shapes = {
+        "demo": ("the demo target: d_model 256, 6+6 layers, 8 M", draft_hf, DEMO / "target"),
+        "small": ("T5-small shapes (random): d_model 512, 6+6 layers, 60 M", build_large(args.dir / "t5-small-random", T5_SMALL),
+                  args.dir / "t5-small-random-mlx"),
+        "deep": ("deep and narrow: the benchmark pair's target, d_model 256, 24+24 layers, 220 M", target_hf,
+                 args.dir / "pair-target-mlx"),
+        "large": ("T5-large shapes (random): d_model 1024, 24+24 layers, 740 M", build_large(args.dir / "t5-large-random"),
+                  args.dir / "t5-large-random-mlx"),
+    }
+    chosen = args.shapes.split(",") if args.shapes else list(shapes)
+    per_op = seconds_per_op()
+    rows = [("machine", machine()), ("MLX's cost per operation (a chain of 1,000 tiny ones)", f"{per_op * 1e6:.1f} us")]
+    for name in chosen:
+        label, hf_dir, mlx_dir = shapes[name]
+        if not (mlx_dir / "config.json").exists():
+            convert_measuring_memory(hf_dir, mlx_dir)
+        model = load_model(mlx_dir)
+        compiled = model._compiled_step
+        worker = HFWorker(hf_dir)
+
+        def ours(compile: bool) -> float:
+            model._compiled_step = compiled if compile else None
+            stats = Stats()
+            list(regular_generate(model, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
+            return stats.seconds
+
+        def theirs() -> float:
+            return worker.run(PROMPT_IDS, args.tokens, min_tokens=args.tokens)["seconds"]
+
+        runs = {"compiled": lambda: ours(True), "op by op": lambda: ours(False), "transformers": theirs}
+        for run in runs.values():  # warm-up
+            run()
+        times = {key: [] for key in runs}
+        for _ in range(args.repeats):
+            for key, run in runs.items():
+                times[key].append(run())
+        worker.close()
+        rate = {key: args.tokens / statistics.median(values) for key, values in times.items()}
+        profiles = {}
+        for key, step in (("compiled", compiled), ("op by op", None)):
+            model._compiled_step = step
+            profiles[key] = step_profile(model)
+        model._compiled_step = compiled
+
+        def split(p: dict) -> str:
+            dispatch = p["operations"] * per_op
+            return (f"{p['step'] * 1e3:.2f} ms: Python {p['build'] * 1e3:.2f}, dispatch ~{dispatch * 1e3:.2f} "
+                    f"({p['operations']} ops), compute ~{max(0.0, p['step'] - p['build'] - dispatch) * 1e3:.2f}")
+
+        rows += [
+            (f"**{label}**", ""),
+            ("regular decoding: ours compiled / op by op / transformers",
+             f"{rate['compiled']:.1f} / {rate['op by op']:.1f} / {rate['transformers']:.1f} tokens/s"),
+            ("ours compiled over transformers", f"{rate['compiled'] / rate['transformers']:.2f}x"),
+            ("ours compiled over ours op by op", f"{rate['compiled'] / rate['op by op']:.2f}x"),
+            ("a step, compiled", split(profiles["compiled"])),
+            ("a step, op by op", split(profiles["op by op"])),
+        ]
+    if "demo" in chosen:
+        draft = load_model(DEMO / "target")
+        compiled = draft._compiled_step
+        for key, step in (("compiled", compiled), ("op by op", None)):
+            draft._compiled_step = step
+            cells = [f"{draft_round_seconds(draft, k) / k * 1e3:.2f}" for k in range(1, 9)]
+            rows.append((f"the demo target as a draft, ms per draft token at num-draft 1-8, {key}", " / ".join(cells)))
+    print_table(f"Decode steps: regular greedy decoding of {args.tokens} tokens (medians of {args.repeats} alternating runs), "
+                f"a step's time split (medians of 30 steps)", rows)
 
 
 def bench_speculative(args) -> None:
@@ -739,7 +885,7 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "batch", "quantized", "sizes", "encode", "attention", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "quantized", "sizes", "encode", "attention", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -748,6 +894,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
     parser.add_argument("--num-drafts", default="1,2,3,4", help="batch: num-draft values")
     parser.add_argument("--pairs", help="batch: only these pairs (demo, benchmark)")
+    parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large)")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
@@ -776,6 +923,8 @@ def main() -> None:
         bench_regular(args)
     if args.which in ("speculative", "all"):
         bench_speculative(args)
+    if args.which in ("steps", "all"):
+        bench_steps(args)
     if args.which == "batch":
         bench_batch(args)
     if args.which == "quantized":

@@ -203,18 +203,12 @@ class Attention(nn.Module):
     def project_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.split_heads(self.k(x)), self.split_heads(self.v(x))
 
-    def __call__(self, x, bias=None, cache=None, keys_values=None) -> mx.array:
-        """Self-attention over x (appending to `cache` if given), or
-        cross-attention over precomputed `keys_values`."""
+    def __call__(self, x: mx.array, keys_values: tuple[mx.array, mx.array], bias: mx.array | None,
+                 fused: bool = False) -> mx.array:
+        """x's queries over keys_values: the decoder's cached self-attention
+        (fused, see attend) or the prompt's cross-attention."""
         B, L, _ = x.shape
-        queries = self.split_heads(self.q(x))
-        if keys_values is None:
-            keys, values = self.project_keys_values(x)
-            if cache is not None:
-                keys, values = cache.update_and_fetch(keys, values)
-        else:
-            keys, values = keys_values
-        out = attend(queries, keys, values, bias, fused=keys_values is None)
+        out = attend(self.split_heads(self.q(x)), *keys_values, bias, fused)
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array],
@@ -303,19 +297,32 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ffn = FeedForward(args)
 
-    def __call__(self, x, self_bias, cross_bias, self_cache, cross_keys_values) -> mx.array:
-        x = _clamp_float16(x + self.self_attention(self.self_attention_norm(x), self_bias, cache=self_cache))
-        h = self.cross_attention(self.cross_attention_norm(x), cross_bias, keys_values=cross_keys_values)
+    def __call__(self, x, positions, self_bias, keys, values, cross_keys_values, cross_bias):
+        """The new positions' states x (B, L, d_model), at `positions` (B, L):
+        their keys and values are written into the self-attention storage
+        (B, heads, capacity, d_kv), which the layer returns with its output."""
+        h = self.self_attention_norm(x)
+        keys, values = (write(storage, positions, new)
+                        for storage, new in zip((keys, values), self.self_attention.project_keys_values(h)))
+        x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, fused=True))
+        h = self.cross_attention(self.cross_attention_norm(x), cross_keys_values, cross_bias)
         x = _clamp_float16(x + h)
-        return _clamp_float16(x + self.ffn(self.ffn_norm(x)))
+        return _clamp_float16(x + self.ffn(self.ffn_norm(x))), keys, values
+
+
+def write(storage: mx.array, positions: mx.array, new: mx.array) -> mx.array:
+    """storage (B, H, capacity, D) with new (B, H, L, D) put at each row's positions (B, L)."""
+    return mx.put_along_axis(storage, positions[:, None, :, None], new, axis=2)
 
 
 class KVCache:
-    """One layer's self-attention keys/values for a batch, preallocated in
-    blocks so appends are amortised O(1). Each row has its own length
-    (`offsets`): the rows of a speculative batch accept different numbers of
-    drafts. `trim` forgets a row's last positions (rejected drafts); the
-    storage is kept and overwritten by the next append."""
+    """One layer's self-attention keys/values for a batch, in storage
+    preallocated in blocks of positions, so that a step's shapes change once
+    a block, not every token (decode steps are compiled for their shapes).
+    Each row has its own length (`offsets`): the rows of a speculative batch
+    accept different numbers of drafts. Positions past a row's length are
+    stale or empty, and masked. `trim` forgets a row's last positions
+    (rejected drafts); the next step overwrites them."""
 
     block = 256
 
@@ -329,25 +336,21 @@ class KVCache:
         assert len(set(self.offsets)) == 1, "rows of different lengths have no one offset"
         return self.offsets[0]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append L positions to every row; return keys and values up to the
-        longest row's end (a shorter row's tail is stale: the decoder masks it)."""
-        B, H, L, D = keys.shape
-        end = max(self.offsets) + L
-        if self.keys is None or end > self.keys.shape[2]:
-            capacity = -(-end // self.block) * self.block
-            self.keys, self.values = (self._resized(old, (B, H, capacity, D), new.dtype)
-                                      for old, new in ((self.keys, keys), (self.values, values)))
-        first = self.offsets[0]
-        if all(offset == first for offset in self.offsets):
-            self.keys[..., first : first + L, :] = keys
-            self.values[..., first : first + L, :] = values
-        else:  # each row at its own position: one scatter
-            positions = (mx.array(self.offsets)[:, None] + mx.arange(L))[:, None, :, None]
-            self.keys = mx.put_along_axis(self.keys, positions, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, positions, values, axis=2)
-        self.offsets = [offset + L for offset in self.offsets]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def reserve(self, length: int, heads: int, dim: int, dtype) -> None:
+        """Room for `length` more positions in every row, grown a block at a time."""
+        end = max(self.offsets) + length
+        if end > self.capacity:
+            shape = (len(self.offsets), heads, -(-end // self.block) * self.block, dim)
+            self.keys, self.values = (self._resized(old, shape, dtype) for old in (self.keys, self.values))
+
+    def advance(self, length: int, keys: mx.array, values: mx.array) -> None:
+        """Take the storage a step wrote `length` new positions of every row into."""
+        self.keys, self.values = keys, values
+        self.offsets = [offset + length for offset in self.offsets]
 
     def _resized(self, old, shape, dtype) -> mx.array:
         new = mx.zeros(shape, dtype)
@@ -408,6 +411,17 @@ class DecoderCache:
     def trim(self, n: int | list[int]) -> None:
         for cache in self.self_attention:
             cache.trim(n)
+
+    def reserve(self, length: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Every layer's storage, with room for `length` more positions."""
+        _, heads, _, dim = self.cross_keys_values[0][0].shape
+        for cache in self.self_attention:
+            cache.reserve(length, heads, dim, self.cross_keys_values[0][0].dtype)
+        return [cache.keys for cache in self.self_attention], [cache.values for cache in self.self_attention]
+
+    def advance(self, length: int, keys: list[mx.array], values: list[mx.array]) -> None:
+        for cache, k, v in zip(self.self_attention, keys, values):
+            cache.advance(length, k, v)
 
     def keep(self, rows: list[int], cross_length: int | None = None) -> None:
         """Only these rows, in this order; cross-attention cut to the first
@@ -485,22 +499,22 @@ class Decoder(nn.Module):
         self.layers = [DecoderLayer(args) for _ in range(args.num_decoder_layers)]
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
-    def __call__(self, x: mx.array, cache: DecoderCache) -> mx.array:
-        B, L = x.shape[:2]
-        offsets = cache.offsets
-        first = offsets[0]
-        same = all(offset == first for offset in offsets)
-        # The new query positions of each row (one row for all, when they agree)
-        # against every cached key, up to the longest row's end.
-        queries = mx.arange(first, first + L)[None] if same else mx.array(offsets)[:, None] + mx.arange(L)
-        keys = max(offsets) + L
-        bias = self.relative_attention_bias(queries, keys)
-        if L > 1 or not same:  # mask the future, and a shorter row's stale tail
-            future = mx.arange(keys) > queries[..., None]
-            bias = bias + mx.where(future, -mx.inf, 0.0).astype(bias.dtype)[:, None]
-        for layer, self_cache, cross_kv in zip(self.layers, cache.self_attention, cache.cross_keys_values):
-            x = layer(x, bias, cache.cross_bias, self_cache, cross_kv)
-        return self.final_norm(x)
+    def __call__(self, x, positions, keys, values, cross_keys_values, cross_bias):
+        """The new tokens' embeddings x (B, L, d_model) at positions (B, L),
+        each row at its own; keys and values: each layer's storage. Every
+        query attends to the whole storage: the bias masks the future, and a
+        row's stale or empty positions, so the shapes (and the compiled graph)
+        change only when the storage grows by a block."""
+        capacity = keys[0].shape[2]
+        bias = self.relative_attention_bias(positions, capacity)
+        unseen = mx.arange(capacity) > positions[..., None]
+        bias = mx.where(unseen[:, None], mx.array(-mx.inf, bias.dtype), bias)
+        new_keys, new_values = [], []
+        for layer, k, v, cross_kv in zip(self.layers, keys, values, cross_keys_values):
+            x, k, v = layer(x, positions, bias, k, v, cross_kv, cross_bias)
+            new_keys.append(k)
+            new_values.append(v)
+        return self.final_norm(x), new_keys, new_values
 
 
 class T5(nn.Module):
@@ -528,12 +542,44 @@ class T5(nn.Module):
 
     def decode(self, tokens: mx.array, cache: DecoderCache) -> mx.array:
         """(B, L) new decoder ids -> (B, L, vocab) logits; appends L positions to the cache."""
-        x = self.decoder(self.shared(tokens), cache)
+        length = tokens.shape[1]
+        keys, values = cache.reserve(length)
+        step = self._compiled_step or self.decode_step
+        logits, keys, values = step(tokens, mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias)
+        cache.advance(length, keys, values)
+        return logits
+
+    def decode_step(self, tokens, offsets, keys, values, cross_keys_values, cross_bias):
+        """decode as a function of arrays alone, whose shapes decide its graph:
+        tokens (B, L) of rows whose caches hold offsets (B,) positions ->
+        logits, and each layer's storage with the new positions written in."""
+        positions = offsets[:, None] + mx.arange(tokens.shape[1])
+        x, keys, values = self.decoder(self.shared(tokens), positions, keys, values, cross_keys_values, cross_bias)
         if self.args.scale_decoder_outputs:
             x = x * self.args.d_model**-0.5
-        if self.args.tie_word_embeddings:
-            return self.shared.as_linear(x)
-        return self.lm_head(x)
+        logits = self.shared.as_linear(x) if self.args.tie_word_embeddings else self.lm_head(x)
+        return logits, keys, values
+
+    _compiled_step = None
+
+    def compile_decoding(self) -> "T5":
+        """Run decode steps as compiled graphs, one per shape (rows, new
+        tokens, storage capacity): MLX then fuses their elementwise work and
+        skips rebuilding the graph op by op, which is much of a narrow
+        model's step. The weights become constants of those graphs, so
+        compile once they are final: changing them (update, update_modules)
+        turns compilation off again. Training never compiles."""
+        mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
+        self._compiled_step = mx.compile(self.decode_step)
+        return self
+
+    def update(self, parameters: dict, strict: bool = True) -> "T5":
+        self._compiled_step = None
+        return super().update(parameters, strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> "T5":
+        self._compiled_step = None
+        return super().update_modules(modules, strict)
 
 
 # ---------------------------------------------------------------- loading
@@ -639,7 +685,7 @@ def load_model(folder: str | Path) -> T5:
         detail = " ".join(str(e).split())  # one line: MLX lists the names on lines of their own
         raise LoadError(f"{folder}'s weights do not match its config ({detail[:200]}): convert the model again")
     model.eval()
-    return cpu.use_cores(model)
+    return cpu.use_cores(model).compile_decoding()
 
 
 class Tokenizer:

@@ -12,6 +12,7 @@ import mlx.core as mx
 from decoder import (Sampling, Stats, accept_mask, batch_generate, generate, regular_batch, regular_generate,
                      speculative_batch, speculative_generate, stream_generate)
 from model import KVCache, Models, load_tokenizer
+from test_model import append
 
 # Nine prompts from 3 to ~90 tokens: padding matters in the encoder and in cross-attention.
 LENGTHS = [3, 90, 12, 40, 5, 64, 27, 8, 50]
@@ -179,12 +180,11 @@ def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, p
 
 def test_kv_cache_rows_append_and_trim_at_their_own_lengths():
     cache = KVCache(rows=3)
-    cache.update_and_fetch(mx.zeros((3, 2, 4, 1)), mx.zeros((3, 2, 4, 1)))
+    append(cache, mx.zeros((3, 2, 4, 1)))
     cache.trim([0, 2, 3])
-    step = mx.array([1.0, 2.0, 3.0]).reshape(3, 1, 1, 1) * mx.ones((3, 2, 2, 1))
-    keys, _ = cache.update_and_fetch(step, step)
-    assert cache.offsets == [6, 4, 3] and keys.shape[2] == 6
-    assert np.array(keys[:, 0, :, 0]).tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 2, 2, 0, 0], [0, 3, 3, 0, 0, 0]]
+    append(cache, mx.array([1.0, 2.0, 3.0]).reshape(3, 1, 1, 1) * mx.ones((3, 2, 2, 1)))
+    assert cache.offsets == [6, 4, 3]
+    assert np.array(cache.keys[:, 0, :6, 0]).tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 2, 2, 0, 0], [0, 3, 3, 0, 0, 0]]
     cache.keep([2, 0])
     assert cache.offsets == [3, 6] and np.array(cache.keys[:, 0, :6, 0]).tolist()[0] == [0, 3, 3, 0, 0, 0]
 

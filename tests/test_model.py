@@ -6,7 +6,7 @@ import torch
 from checkpoints import reference_greedy
 
 import mlx.core as mx
-from model import KVCache, RelativePositionBias, ModelArgs, load_model
+from model import KVCache, RelativePositionBias, ModelArgs, load_model, write
 
 
 def assert_within(ours: mx.array, reference: np.ndarray, tolerance=1e-4) -> None:
@@ -102,19 +102,54 @@ def test_relative_position_buckets_match_transformers(bidirectional):
     np.testing.assert_array_equal(np.array(ours), ref.numpy())
 
 
-def test_kv_cache_appends_without_reallocating_every_token():
+def append(cache: KVCache, new: mx.array) -> None:
+    """What a decode step does to one layer's cache: room, the write, the new lengths."""
+    cache.reserve(new.shape[2], new.shape[1], new.shape[3], new.dtype)
+    positions = mx.array(cache.offsets)[:, None] + mx.arange(new.shape[2])
+    cache.advance(new.shape[2], write(cache.keys, positions, new), write(cache.values, positions, new))
+
+
+def test_kv_cache_grows_a_block_at_a_time_and_overwrites_trimmed_positions():
+    """A step's shapes (and so its compiled graph) change once a block, not every token."""
     cache = KVCache()
-    storages = set()
+    capacities = set()
     for _ in range(300):
-        keys = mx.ones((1, 2, 1, 4))
-        cache.update_and_fetch(keys, keys)
-        storages.add(id(cache.keys))
+        append(cache, mx.ones((1, 2, 1, 4)))
+        capacities.add(cache.capacity)
     assert cache.offset == 300
-    assert len(storages) <= 2 + 300 // KVCache.block  # grown in blocks, not per token
+    assert capacities == {KVCache.block, 2 * KVCache.block}
     cache.trim(5)
     assert cache.offset == 295
-    keys, _ = cache.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
-    assert keys.shape[2] == 296 and float(keys[..., -1, :].sum()) == 0
+    append(cache, mx.zeros((1, 2, 1, 4)))
+    assert cache.offset == 296 and float(cache.keys[..., 295, :].sum()) == 0 and float(cache.keys[..., 294, :].min()) == 1
+
+
+def test_compiled_decoding_equals_the_graph_built_op_by_op(checkpoint):
+    """load_model compiles decode steps; the same steps uncompiled give the
+    same logits (to rounding) and the same greedy tokens."""
+    model = load_model(checkpoint.mlx_dir)
+    assert model._compiled_step is not None
+    encoded = model.encode(mx.array([checkpoint.prompt_ids]))
+    ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 20)
+    outputs = []
+    for compiled in (model._compiled_step, None):
+        model._compiled_step = compiled
+        cache = model.make_cache(encoded)
+        outputs.append(mx.concatenate([model.decode(mx.array([ids[i : i + 3]]), cache) for i in range(0, len(ids), 3)], axis=1))
+    compiled, plain = (np.array(x) for x in outputs)
+    np.testing.assert_allclose(compiled, plain, rtol=0, atol=1e-5 * np.abs(plain).max())
+    assert (compiled.argmax(-1) == plain.argmax(-1)).all()
+
+
+def test_changing_the_weights_of_a_compiled_model_is_not_ignored(checkpoint):
+    """Compiled steps hold the weights as constants: an update must switch them off."""
+    model = load_model(checkpoint.mlx_dir)
+    prompt = mx.array([checkpoint.prompt_ids])
+    before = model.decode(mx.array([[0]]), model.make_cache(model.encode(prompt)))
+    model.update({"shared": {"weight": model.shared.weight * 2}})
+    assert model._compiled_step is None
+    after = model.decode(mx.array([[0]]), model.make_cache(model.encode(prompt)))
+    assert not np.allclose(np.array(before), np.array(after))
 
 
 @pytest.fixture(scope="module")
