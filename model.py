@@ -168,20 +168,25 @@ _compiled_exp_below_zero = mx.compile(_exp_below_zero)
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, fused: bool = False) -> mx.array:
     """Softmax attention with an additive bias, scale 1 (T5 folds 1/sqrt(d_kv)
-    into its initialisation). On the CPU, queries that each score many keys
-    (a long input, and cross-attention over it) take a softmax of our own:
-    MLX's CPU exp costs ~17 ns an element on x86, ours ~6 (bench.py
-    attention), and the exponentials are most of a long input's encoding.
-    Elsewhere the fused kernel, and always when the caller asks: the decoder's
-    self-attention, whose growing keys would otherwise cross the threshold
-    at different steps in a verify pass and a regular step. The choice
-    depends on each query's own scores, never on how many queries come, so a
-    row gets the same arithmetic alone or in a verify pass."""
+    into its initialisation). On a GPU, the fused kernel. On the CPU, where
+    MLX's fused attention is built of plain operations anyway, our own: the
+    bias added in the scores' product, and no scaling by 1, two operations
+    fewer, which matters in a narrow model's decode step. Queries that each
+    score many keys (a long input, and cross-attention over it) also take an
+    exponential of our own: MLX's CPU exp costs ~17 ns an element on x86,
+    ours ~6 (bench.py attention), and the exponentials are most of a long
+    input's encoding. Not when the caller asks for the `fused` softmax: the
+    decoder's self-attention, whose growing keys would otherwise cross the
+    threshold at different steps in a verify pass and a regular step. The
+    choice depends on each query's own scores, never on how many queries
+    come, so a row gets the same arithmetic alone or in a verify pass."""
     B, H, L, _ = queries.shape
-    if fused or mx.default_device() != mx.cpu or H * keys.shape[2] < OWN_SOFTMAX_FROM:
+    if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     transposed = keys.swapaxes(-1, -2)
     scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
+    if fused or H * keys.shape[2] < OWN_SOFTMAX_FROM:
+        return mx.softmax(scores, axis=-1, precise=True) @ values
     weights = _compiled_exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
     return (weights @ values) / weights.sum(axis=-1, keepdims=True)
 
@@ -196,20 +201,21 @@ class Attention(nn.Module):
         self.v = nn.Linear(args.d_model, inner, bias=False)
         self.o = nn.Linear(inner, args.d_model, bias=False)
 
-    def split_heads(self, x: mx.array) -> mx.array:
-        B, L, _ = x.shape
-        return x.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
+    def split_heads(self, x: mx.array, rows: int | None = None) -> mx.array:
+        """(B, L, inner), or (B * L, inner) given rows=B -> (B, heads, L, d_kv)."""
+        return x.reshape(rows or x.shape[0], -1, self.num_heads, x.shape[-1] // self.num_heads).transpose(0, 2, 1, 3)
 
-    def project_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        return self.split_heads(self.k(x)), self.split_heads(self.v(x))
+    def project_keys_values(self, x: mx.array, rows: int | None = None) -> tuple[mx.array, mx.array]:
+        return self.split_heads(self.k(x), rows), self.split_heads(self.v(x), rows)
 
     def __call__(self, x: mx.array, keys_values: tuple[mx.array, mx.array], bias: mx.array | None,
                  fused: bool = False) -> mx.array:
         """x's queries over keys_values: the decoder's cached self-attention
-        (fused, see attend) or the prompt's cross-attention."""
-        B, L, _ = x.shape
-        out = attend(self.split_heads(self.q(x)), *keys_values, bias, fused)
-        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        (fused, see attend) or the prompt's cross-attention. x is (B * L,
+        d_model): the decoder keeps its states as a matrix, whose products
+        need no reshaping around them."""
+        out = attend(self.split_heads(self.q(x), keys_values[0].shape[0]), *keys_values, bias, fused)
+        return self.o(out.transpose(0, 2, 1, 3).reshape(x.shape[0], -1))
 
     def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array],
                          lanes: tuple = ()) -> mx.array:
@@ -298,12 +304,12 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(args)
 
     def __call__(self, x, positions, self_bias, keys, values, cross_keys_values, cross_bias):
-        """The new positions' states x (B, L, d_model), at `positions` (B, L):
+        """The new positions' states x (B * L, d_model), at `positions` (B, L):
         their keys and values are written into the self-attention storage
         (B, heads, capacity, d_kv), which the layer returns with its output."""
         h = self.self_attention_norm(x)
-        keys, values = (write(storage, positions, new)
-                        for storage, new in zip((keys, values), self.self_attention.project_keys_values(h)))
+        new_keys_values = self.self_attention.project_keys_values(h, positions.shape[0])
+        keys, values = (write(storage, positions, new) for storage, new in zip((keys, values), new_keys_values))
         x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, fused=True))
         h = self.cross_attention(self.cross_attention_norm(x), cross_keys_values, cross_bias)
         x = _clamp_float16(x + h)
@@ -324,7 +330,9 @@ class KVCache:
     stale or empty, and masked. `trim` forgets a row's last positions
     (rejected drafts); the next step overwrites them."""
 
-    block = 256
+    # Every query reads the whole storage, so a block's unused tail is read
+    # every step; each new size compiles a new graph. 64 weighs the two.
+    block = 64
 
     def __init__(self, rows: int = 1):
         self.keys = None
@@ -500,7 +508,7 @@ class Decoder(nn.Module):
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
     def __call__(self, x, positions, keys, values, cross_keys_values, cross_bias):
-        """The new tokens' embeddings x (B, L, d_model) at positions (B, L),
+        """The new tokens' embeddings x (B * L, d_model) at positions (B, L),
         each row at its own; keys and values: each layer's storage. Every
         query attends to the whole storage: the bias masks the future, and a
         row's stale or empty positions, so the shapes (and the compiled graph)
@@ -553,12 +561,13 @@ class T5(nn.Module):
         """decode as a function of arrays alone, whose shapes decide its graph:
         tokens (B, L) of rows whose caches hold offsets (B,) positions ->
         logits, and each layer's storage with the new positions written in."""
-        positions = offsets[:, None] + mx.arange(tokens.shape[1])
-        x, keys, values = self.decoder(self.shared(tokens), positions, keys, values, cross_keys_values, cross_bias)
+        B, L = tokens.shape
+        positions = offsets[:, None] + mx.arange(L)
+        x, keys, values = self.decoder(self.shared(tokens.reshape(-1)), positions, keys, values, cross_keys_values, cross_bias)
         if self.args.scale_decoder_outputs:
             x = x * self.args.d_model**-0.5
         logits = self.shared.as_linear(x) if self.args.tie_word_embeddings else self.lm_head(x)
-        return logits, keys, values
+        return logits.reshape(B, L, -1), keys, values
 
     _compiled_step = None
 

@@ -117,7 +117,7 @@ def test_kv_cache_grows_a_block_at_a_time_and_overwrites_trimmed_positions():
         append(cache, mx.ones((1, 2, 1, 4)))
         capacities.add(cache.capacity)
     assert cache.offset == 300
-    assert capacities == {KVCache.block, 2 * KVCache.block}
+    assert capacities == {KVCache.block * n for n in range(1, -(-300 // KVCache.block) + 1)}
     cache.trim(5)
     assert cache.offset == 295
     append(cache, mx.zeros((1, 2, 1, 4)))
