@@ -29,6 +29,8 @@ import functools
 import importlib.metadata
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 def _mkl_path():
@@ -231,3 +233,16 @@ def use_cores(model: nn.Module) -> nn.Module:
     leaves = tree_map(split, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
     return model
+
+
+def uncompiled_kernels() -> Path | None:
+    """Where MLX will put the CPU kernels it compiles, when none are there yet.
+    On Linux, MLX builds the fused kernels of compiled graphs (model.py
+    compiles each decode step) with the system's C++ compiler, once per MLX
+    version, into a folder under the temporary directory; the first run that
+    needs them waits for the compiler (about 20 s for the demo's kernels on
+    2 cores). None on macOS and GPUs, where kernels compile in moments."""
+    if sys.platform == "darwin" or mx.default_device() != mx.cpu:
+        return None
+    folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    return None if folder.is_dir() and any(folder.iterdir()) else folder

@@ -535,6 +535,7 @@ class T5(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self.lanes = ()  # streams that independent blocks of a prompt's work spread over (cpu.py sets them)
+        self._compiled_step = None  # compile_decoding sets it
 
     def encode(self, tokens: mx.array, mask: mx.array | None = None) -> mx.array:
         """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model)."""
@@ -569,15 +570,15 @@ class T5(nn.Module):
         logits = self.shared.as_linear(x) if self.args.tie_word_embeddings else self.lm_head(x)
         return logits.reshape(B, L, -1), keys, values
 
-    _compiled_step = None
-
     def compile_decoding(self) -> "T5":
-        """Run decode steps as compiled graphs, one per shape (rows, new
-        tokens, storage capacity): MLX then fuses their elementwise work and
-        skips rebuilding the graph op by op, which is much of a narrow
-        model's step. The weights become constants of those graphs, so
-        compile once they are final: changing them (update, update_modules)
-        turns compilation off again. Training never compiles."""
+        """Run decode steps as compiled graphs, traced once per shape (rows,
+        new tokens, prompt length, storage capacity; a trace costs about a
+        step): MLX then replays the traced graph instead of running the
+        Python that builds it, and fuses its elementwise work, which is much
+        of a narrow model's step (bench.py steps). The weights become
+        constants of those graphs, so compile once they are final: changing
+        them (update, update_modules) turns compilation off again. Models
+        built directly, as training builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
         self._compiled_step = mx.compile(self.decode_step)
         return self
@@ -798,5 +799,9 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
                  for path in (target_path, draft_path) if path is not None]
         print(f"Loading {' and '.join(names)} ...", file=sys.stderr, flush=True)
+        if (kernels := cpu.uncompiled_kernels()) is not None:
+            print(f"First run of MLX {mx.__version__} here: its CPU kernels are compiled as they are first needed "
+                  f"(once, kept in {kernels}), which slows the first generation by up to half a minute.",
+                  file=sys.stderr, flush=True)
     mx.eval(target_model.parameters(), draft_model.parameters() if draft_model is not None else [])
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve())

@@ -10,6 +10,7 @@ import pytest
 import torch
 from checkpoints import PROMPT, reference_greedy
 
+import cpu
 import interactive
 import main
 import model
@@ -150,6 +151,18 @@ def test_models_read_every_weight_before_the_first_timed_generation(v1_1_checkpo
     assert all(id(weight) in read for _, weight in tree_flatten(models.target.parameters()))
     assert main.main(["--model", str(v1_1_checkpoint.mlx_dir), "--regular-decode", "--max-tokens", "2", "--json"]) == 0
     assert "Loading" in capsys.readouterr().err  # said on stderr, as stdout may be --json
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="MLX compiles kernels with a C++ compiler on Linux only")
+def test_a_first_run_says_it_waits_for_mlx_to_compile_its_cpu_kernels(v1_1_checkpoint, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cpu.tempfile, "gettempdir", lambda: str(tmp_path))
+    model.load(str(v1_1_checkpoint.mlx_dir), verbose=True)
+    assert "First run of MLX" in capsys.readouterr().err
+    kernels = tmp_path / "mlx" / model.mx.__version__ / "cpu"
+    kernels.mkdir(parents=True)
+    (kernels / "libkernel.so").touch()
+    model.load(str(v1_1_checkpoint.mlx_dir), verbose=True)
+    assert "First run" not in capsys.readouterr().err
 
 
 def test_unconverted_folder_is_refused_with_the_convert_command(v1_1_checkpoint, capsys):

@@ -122,7 +122,9 @@ def test_cli_demo_shows_the_prompt_output_acceptance_speedup_and_filled_in_text(
     assert re.search(r"Speculative decoding ran \d+\.\d\dx as fast as regular decoding on this prompt", out)
     filled = out.split("Filled in:\n")[1]
     assert "«" in filled and "<extra_id_0>" not in filled
-    assert done.stderr == "Loading demo/target and demo/draft ...\n"  # nothing else: no warnings, no noise
+    first, *rest = done.stderr.splitlines()  # nothing else: no warnings, no noise
+    assert first == "Loading demo/target and demo/draft ..."
+    assert rest == [] or (len(rest) == 1 and rest[0].startswith("First run of MLX"))  # a machine's first run only
 
 
 def test_cli_demo_interactive_runs_a_demo_prompt_by_number_and_help_lists_it():
