@@ -166,7 +166,7 @@ def _exp_below_zero(x: mx.array) -> mx.array:
 _compiled_exp_below_zero = mx.compile(_exp_below_zero)
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, fused: bool = False) -> mx.array:
+def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, mlx_softmax: bool = False) -> mx.array:
     """Softmax attention with an additive bias, scale 1 (T5 folds 1/sqrt(d_kv)
     into its initialisation). On a GPU, the fused kernel. On the CPU, where
     MLX's fused attention is built of plain operations anyway, our own: the
@@ -175,7 +175,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array |
     score many keys (a long input, and cross-attention over it) also take an
     exponential of our own: MLX's CPU exp costs ~17 ns an element on x86,
     ours ~6 (bench.py attention), and the exponentials are most of a long
-    input's encoding. Not when the caller asks for the `fused` softmax: the
+    input's encoding. Not when the caller asks for MLX's (`mlx_softmax`): the
     decoder's self-attention, whose growing keys would otherwise cross the
     threshold at different steps in a verify pass and a regular step. The
     choice depends on each query's own scores, never on how many queries
@@ -185,7 +185,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array |
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     transposed = keys.swapaxes(-1, -2)
     scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
-    if fused or H * keys.shape[2] < OWN_SOFTMAX_FROM:
+    if mlx_softmax or H * keys.shape[2] < OWN_SOFTMAX_FROM:
         return mx.softmax(scores, axis=-1, precise=True) @ values
     weights = _compiled_exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
     return (weights @ values) / weights.sum(axis=-1, keepdims=True)
@@ -209,12 +209,12 @@ class Attention(nn.Module):
         return self.split_heads(self.k(x), rows), self.split_heads(self.v(x), rows)
 
     def __call__(self, x: mx.array, keys_values: tuple[mx.array, mx.array], bias: mx.array | None,
-                 fused: bool = False) -> mx.array:
+                 mlx_softmax: bool = False) -> mx.array:
         """x's queries over keys_values: the decoder's cached self-attention
-        (fused, see attend) or the prompt's cross-attention. x is (B * L,
+        (with MLX's softmax, see attend) or the prompt's cross-attention. x is (B * L,
         d_model): the decoder keeps its states as a matrix, whose products
         need no reshaping around them."""
-        out = attend(self.split_heads(self.q(x), keys_values[0].shape[0]), *keys_values, bias, fused)
+        out = attend(self.split_heads(self.q(x), keys_values[0].shape[0]), *keys_values, bias, mlx_softmax)
         return self.o(out.transpose(0, 2, 1, 3).reshape(x.shape[0], -1))
 
     def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array],
@@ -310,7 +310,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attention_norm(x)
         new_keys_values = self.self_attention.project_keys_values(h, positions.shape[0])
         keys, values = (write(storage, positions, new) for storage, new in zip((keys, values), new_keys_values))
-        x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, fused=True))
+        x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, mlx_softmax=True))
         h = self.cross_attention(self.cross_attention_norm(x), cross_keys_values, cross_bias)
         x = _clamp_float16(x + h)
         return _clamp_float16(x + self.ffn(self.ffn_norm(x))), keys, values
