@@ -3,6 +3,7 @@
     python bench.py regular          # T5-large-shaped random fp32 checkpoint, 100 tokens
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
     python bench.py batch            # many prompts: batched speculative and regular decoding, by batch size
+    python bench.py drafting         # num-draft auto against fixed num-draft; prompt lookup (no draft model)
     python bench.py quantized        # float and quantized: size, memory, speed and quality
     python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
     python bench.py encode           # long inputs: time to the first token and peak memory, 128 to 8,192 tokens
@@ -557,7 +558,7 @@ def bench_batch(args) -> None:
     count = args.prompts or 32
     prompts = [tokenizer.encode(demo[i % len(demo)]) for i in range(count)]
     sizes = [int(size) for size in args.batch_sizes.split(",")]
-    num_drafts = [int(k) for k in args.num_drafts.split(",")]
+    num_drafts = [int(k) for k in (args.num_drafts or "1,2,3,4").split(",")]
     repeated = ", then again from the first" if count > len(demo) else ""
     print(f"\nBatched greedy decoding: {count} prompts (the held-out demo prompts{repeated}), "
           f"at most {args.tokens} tokens each, delta 0. Generated tokens per second over all prompts, encoding included; "
@@ -625,6 +626,120 @@ def bench_batch(args) -> None:
             cells = [f"{rate[(f'speculative {k}', size)]:.1f}" for k in num_drafts]
             cells = [f"**{cell}**" if k == best[size] else cell for k, cell in zip(num_drafts, cells)]
             print(f"| {size} | " + " | ".join(cells) + " |")
+
+
+def copy_prompts(tokenizer, count: int = 20) -> list[list[int]]:
+    """A copy-heavy task for the demo pair: held-out code (pieces of 64
+    tokens, as the pair was trained on) whose masked 13-token span occurs,
+    word for word, earlier in the same piece. Spread evenly over the
+    held-out files' candidates."""
+    import train
+
+    sentinel, eos = tokenizer.encode("<extra_id_0>")[0], tokenizer.encode("")[-1]
+    pieces = [tokenizer.backend.id_to_token(i) for i in range(len(tokenizer))]
+    is_word_start = [p.startswith("\u2581") and len(p) > 1 for p in pieces]  # as train.word_starts
+    span, candidates = 13, []
+    for file in train.corpus_files()[1]:
+        ids = tokenizer.backend.encode(train.read(file), add_special_tokens=False).ids
+        for first in range(0, len(ids) - train.RAW_LENGTH + 1, train.RAW_LENGTH):
+            piece = ids[first : first + train.RAW_LENGTH]
+            for start in range(len(piece) - span - 1, span - 1, -1):  # the last span with an earlier copy
+                masked = piece[start : start + span]
+                if is_word_start[masked[0]] and any(piece[j : j + span] == masked for j in range(start - span + 1)):
+                    candidates.append(piece[:start] + [sentinel] + piece[start + span :] + [eos])
+                    break
+    step = max(1, len(candidates) // count)
+    return candidates[::step][:count]
+
+
+def bench_drafting(args) -> None:
+    """num-draft auto against every fixed num-draft, and prompt lookup
+    against regular decoding. Greedy, one prompt at a time; the settings
+    alternate prompt by prompt, and auto keeps what it learnt from one
+    prompt to the next (as `Models.drafting` does in a session)."""
+    import main
+    from decoder import AutoDraft, Sampling, Stats, regular_generate, speculative_generate
+    from model import load_model, load_tokenizer
+
+    target_hf, _ = build_pair(args.dir)
+    target_dir = args.dir / "pair-target-mlx"
+    if not (target_dir / "config.json").exists():
+        convert_measuring_memory(target_hf, target_dir)
+    models = {"demo target": load_model(DEMO / "target"), "demo draft": load_model(DEMO / "draft"),
+              "benchmark target": load_model(target_dir)}
+    tokenizer = load_tokenizer(DEMO / "target")
+    demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
+    copies = copy_prompts(tokenizer, args.prompts or 20)
+    fixed = [int(k) for k in (args.num_drafts or "1,2,3,4,5,6,8").split(",")]
+    print(f"\nDrafting without tuning: greedy, at most {args.tokens} tokens a prompt, one prompt at a time, "
+          f"settings alternating prompt by prompt; tokens/s over all prompts (encoding included), "
+          f"medians of {args.repeats} passes.\n\nmachine: {machine()}")
+
+    def timed(run) -> tuple[float, Stats, list]:
+        stats = Stats()
+        started = time.perf_counter()
+        tokens = list(run(stats))
+        return time.perf_counter() - started, stats, tokens
+
+    def compare(prompts: list, runs: dict) -> dict:
+        """Every run over every prompt, alternating: {name: (tokens/s median, pooled Stats, outputs of the last pass)}."""
+        for prompt in prompts[:3]:  # warm-up: kernels and traces of each run's shapes
+            for run in runs.values():
+                timed(lambda stats: run(prompt, stats))
+        passes = []
+        for _ in range(args.repeats):
+            totals = {name: [0.0, Stats(), []] for name in runs}
+            for prompt in prompts:
+                for name, run in runs.items():
+                    seconds, stats, tokens = timed(lambda stats: run(prompt, stats))
+                    totals[name][0] += seconds
+                    totals[name][1] += stats
+                    totals[name][2].append(tokens)
+            passes.append(totals)
+        return {name: (statistics.median(p[name][1].generated / p[name][0] for p in passes),
+                       sum((p[name][1] for p in passes), Stats()), passes[-1][name][2]) for name in runs}
+
+    cases = [("demo pair", "demo target", "demo draft", 0.0), ("demo pair", "demo target", "demo draft", 0.5),
+             ("benchmark pair", "benchmark target", "demo target", 0.0)]
+    pairs = args.pairs.split(",") if args.pairs else ["demo", "benchmark"]
+    for pair, target_name, draft_name, delta in cases:
+        if pair.split()[0] not in pairs:
+            continue
+        target, draft = models[target_name], models[draft_name]
+        auto = AutoDraft()
+        runs = {k: (lambda prompt, stats, k=k: speculative_generate(target, draft, prompt, args.tokens, Sampling(), k,
+                                                                    delta, stats)) for k in fixed}
+        runs["auto"] = lambda prompt, stats: speculative_generate(target, draft, prompt, args.tokens, Sampling(), auto,
+                                                                  delta, stats)
+        results = compare(demo, runs)
+        best = max(fixed, key=lambda k: results[k][0])
+        print(f"\n{pair} (target: the {target_name}, draft: the {draft_name}), delta {delta}, {len(demo)} held-out demo "
+              f"prompts\n\n| num-draft | tokens/s | acceptance | drafts a round |\n|---|---|---|---|")
+        for name, (rate, stats, _) in results.items():
+            mark = " (best fixed)" if name == best else ""
+            print(f"| {name}{mark} | {rate:.1f} | {stats.acceptance_rate:.2f} | {stats.drafts_per_round:.2f} |")
+        print(f"\nauto / best fixed: {results['auto'][0] / results[best][0]:.1%}")
+
+    lookup_drafts = [2, 4, 8]
+    print(f"\nPrompt lookup (no draft model) against regular decoding, delta 0, num-draft {lookup_drafts} "
+          "(the longest draft)\n\n| target | prompts | regular tokens/s | "
+          + " | ".join(f"lookup {k}: tokens/s, acceptance, speedup" for k in lookup_drafts)
+          + " | same tokens as regular |\n|---|---|---|" + "---|" * len(lookup_drafts) + "---|")
+    for target_name in ("demo target", "benchmark target"):
+        if target_name.split()[0] not in pairs:
+            continue
+        target = models[target_name]
+        for prompts_name, prompts in (("held-out demo", demo), ("copy-heavy", copies)):
+            runs = {0: lambda prompt, stats: regular_generate(target, prompt, args.tokens, Sampling(), stats)}
+            runs |= {k: (lambda prompt, stats, k=k: speculative_generate(target, None, prompt, args.tokens, Sampling(), k,
+                                                                         0.0, stats)) for k in lookup_drafts}
+            results = compare(prompts, runs)
+            regular = results[0][0]
+            same = all(results[k][2] == results[0][2] for k in lookup_drafts)
+            cells = [f"{results[k][0]:.1f}, {results[k][1].acceptance_rate:.2f}, {results[k][0] / regular:.2f}x"
+                     for k in lookup_drafts]
+            print(f"| {target_name} | {prompts_name} ({len(prompts)}) | {regular:.1f} | " + " | ".join(cells)
+                  + f" | {'yes' if same else 'NO'} |")
 
 
 def decode_worker(folder: str, tokens: int) -> None:
@@ -886,15 +1001,15 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "quantized", "sizes", "encode", "attention", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "quantized", "sizes", "encode", "attention", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
     parser.add_argument("--prompts", type=int, help="speculative: how many held-out demo prompts (default 6); "
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
-    parser.add_argument("--num-drafts", default="1,2,3,4", help="batch: num-draft values")
-    parser.add_argument("--pairs", help="batch: only these pairs (demo, benchmark)")
+    parser.add_argument("--num-drafts", help="batch, drafting: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
+    parser.add_argument("--pairs", help="batch, drafting: only these pairs (demo, benchmark)")
     parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large)")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
@@ -928,6 +1043,8 @@ def main() -> None:
         bench_steps(args)
     if args.which == "batch":
         bench_batch(args)
+    if args.which == "drafting":
+        bench_drafting(args)
     if args.which == "quantized":
         bench_quantized(args)
     if args.which == "sizes":

@@ -19,7 +19,7 @@ import math
 import numbers
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from typing import Callable, Iterator
 
 import cpu  # before mlx.core
@@ -30,6 +30,9 @@ from model import T5, DecoderCache, Models, T5Error
 
 class OptionError(T5Error, ValueError):
     """A generation option out of its range."""
+
+
+AUTO = "auto"  # num_draft: adapted as decoding goes (AutoDraft)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Knob:
     expected: str  # what `valid` accepts, for messages
     help: str
     optional: bool = False  # None (or "none") allowed
+    words: tuple = ()  # values other than numbers, e.g. "auto"
 
     @property
     def flag(self) -> str:
@@ -51,7 +55,7 @@ class Knob:
 
     def check(self, value, label: str | None = None):
         """value, if this knob takes it; OptionError otherwise."""
-        if value is None and self.optional:
+        if (value is None and self.optional) or value in self.words:
             return value
         kind = numbers.Real if self.type is float else numbers.Integral
         if not isinstance(value, kind) or isinstance(value, bool) or not self.valid(value):
@@ -62,6 +66,8 @@ class Knob:
         """A value from text, checked; errors quote the text."""
         if self.optional and text.strip().lower() == "none":
             return None
+        if text.strip().lower() in self.words:
+            return text.strip().lower()
         try:
             return self.check(self.type(text), label)
         except (ValueError, OptionError):
@@ -69,7 +75,8 @@ class Knob:
 
 
 KNOBS = {knob.name: knob for knob in [
-    Knob("num_draft", int, lambda v: v >= 1, "an integer >= 1", "draft tokens per verify step"),
+    Knob("num_draft", int, lambda v: v >= 1, "an integer >= 1 or auto",
+         "draft tokens per verify step; auto: as many as the draft's confidence makes worth it", words=("auto",)),
     Knob("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
          "acceptance lenience in [0, 1]: 0 exact, 1 accepts every draft"),
     Knob("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0", "sampling temperature; 0 is greedy"),
@@ -90,15 +97,30 @@ class Settings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    num_draft: int = 5
+    num_draft: int | str = 5  # or "auto"
     delta: float = 0.0
-    speculative: bool = True  # with a draft loaded; False: the target alone
+    speculative: bool = True  # with a draft loaded or prompt_lookup; False: the target alone
+    prompt_lookup: bool = False  # drafts copied from the prompt and the output, not from the draft model
 
     def __post_init__(self):
         for name, knob in KNOBS.items():
             knob.check(getattr(self, name))
-        if not isinstance(self.speculative, bool):
-            raise OptionError(f"speculative must be True or False (got {self.speculative!r})")
+        for name in ("speculative", "prompt_lookup"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{name} must be True or False (got {getattr(self, name)!r})")
+        if self.prompt_lookup and self.num_draft == AUTO:
+            raise OptionError("num_draft 'auto' follows the draft model's confidence: with prompt_lookup give a "
+                              "number (the longest draft)")
+
+    def drafts(self, models: Models) -> bool:
+        """Whether decoding drafts and verifies (else the target decodes alone)."""
+        return self.speculative and (self.prompt_lookup or models.draft is not None)
+
+    def check_models(self, models: Models) -> "Settings":
+        """These settings, if the models can run them; OptionError otherwise."""
+        if self.num_draft == AUTO and self.speculative and not self.drafts(models):
+            raise OptionError("num_draft 'auto' follows the draft model's confidence, and no draft model is loaded")
+        return self
 
     @classmethod
     def of(cls, options: dict) -> "Settings":
@@ -145,9 +167,13 @@ class Stats:
     def tokens_per_target_call(self) -> float:
         return self.generated / self.target_calls if self.target_calls else 0.0
 
+    @property
+    def drafts_per_round(self) -> float:
+        return self.drafted / self.target_calls if self.target_calls else 0.0
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second,
-                "acceptance_rate": self.acceptance_rate, "tokens_per_target_call": self.tokens_per_target_call}
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second, "acceptance_rate": self.acceptance_rate,
+                "tokens_per_target_call": self.tokens_per_target_call, "drafts_per_round": self.drafts_per_round}
 
 
 def logits_to_probs(logits: mx.array, sampling: Sampling) -> mx.array:
@@ -234,6 +260,7 @@ class Row:
     produced: int = 0
     last: int = 0  # speculative: the token the target has not seen
     unseen: list = None  # speculative: the tokens the draft has not seen
+    lookup: "PromptLookup | None" = None  # prompt lookup: where this row's drafts come from
 
     def emit(self, tokens: list[int], eos: int | None, max_tokens: int):
         """Yield (index, token, finished) for each token the row decided,
@@ -410,16 +437,130 @@ def verify(target_logits, draft_logits, drafts, sampling: Sampling, delta: float
     return num_accepted, mx.take_along_axis(next_tokens, num_accepted[:, None], axis=-1)[:, 0]
 
 
-def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], k: int, sampling: Sampling) -> tuple[mx.array, mx.array]:
-    """k tokens drafted for every row, one draft call each and no host sync:
-    (drafts (B, k), the draft's logits (B, k, V)). The first call feeds each
-    row's unseen tokens (one or two), padded on the right where they differ;
-    the padding's cache positions are trimmed at once."""
+class AutoDraft:
+    """num_draft="auto": the batch drafts one more token while that token is
+    worth its draft step,
+
+        a * sum over rows of P(row)  >=  R * d,
+
+    the tokens it is expected to add on the left, what its time would have
+    made at the current speed on the right. P(row) is the chance that all of
+    the row's drafts so far pass: the product of g(c) over them, c the
+    draft's own probability for the token it drafted, and g(c) the share of
+    recent drafts of about that confidence (a fifth of [0, 1]) that the
+    target accepted; a is the share of all recent drafts accepted (used for
+    a draft whose c is not read yet). R is the speed (tokens a second, all
+    rows), d the seconds of a draft step. Only drafts the target judged
+    count (up to each row's first rejection), and recent rounds weigh more.
+    So drafting goes further after full acceptances and stops sooner after
+    rejections; a slow draft, or a fast target, drafts less; a draft whose
+    confidence says nothing (it agrees either way) is trusted on its record.
+    Two drafts at least (the first's confidence is read while the second
+    runs), `cap` at most; before any timing, it drafts while a * sum P >= 0.5.
+    `python bench.py drafting` measures it against each fixed num-draft."""
+
+    cap = 8
+    decay = 0.95  # the weight of the past against one new round
+    cost_decay = 0.98  # for the cost of a draft, which changes slowly
+    bins = 5
+
+    def __init__(self):
+        self.accepted, self.judged = [0.0] * self.bins, [0.0] * self.bins  # decayed counts by confidence
+        self.tokens = self.seconds = 0.0  # decayed sums over rounds
+        self.draft_seconds = None
+        self.rounds = [0.0] * 5  # decayed sums of 1, k, k^2, seconds, k * seconds over rounds of k drafts
+
+    def bin(self, confidence: float) -> int:
+        return min(int(confidence * self.bins), self.bins - 1)
+
+    @property
+    def pass_rate(self) -> float:  # a
+        judged = sum(self.judged)
+        return sum(self.accepted) / judged if judged else 1.0
+
+    def reach(self, previous: float, confidence: float) -> float:
+        """P after one more draft of this confidence: g(c), a bin's record
+        with one draft at the overall rate added (a bin seldom seen follows a)."""
+        b = self.bin(confidence)
+        return previous * (self.accepted[b] + self.pass_rate) / (self.judged[b] + 1)
+
+    @property
+    def draft_cost(self) -> float:
+        """Seconds one more draft adds to a round (d): its draft step, and its
+        share of the target's pass, which on a small target is most of it.
+        The slope of round seconds against drafts, once rounds of different
+        lengths were seen; the draft step alone until then."""
+        weight, drafts, squares, seconds, products = self.rounds
+        spread = squares / weight - (drafts / weight) ** 2 if weight else 0.0
+        if spread < 0.25:
+            return self.draft_seconds
+        slope = (products / weight - drafts / weight * seconds / weight) / spread
+        return max(slope, self.draft_seconds)
+
+    def more(self, reach: list[float]) -> bool:
+        """Whether to draft another token, given each row's P."""
+        gain = self.pass_rate * sum(reach)
+        if self.draft_seconds is None or not self.seconds:
+            return gain >= 0.5
+        return gain >= self.tokens / self.seconds * self.draft_cost
+
+    def verify_more(self, reach: list[float]) -> bool:
+        """Whether a draft already made is worth its place in the target's
+        pass: what one more draft costs beyond its draft step."""
+        gain = self.pass_rate * sum(reach)
+        if self.draft_seconds is None or not self.seconds:
+            return True
+        return gain >= self.tokens / self.seconds * (self.draft_cost - self.draft_seconds)
+
+    def timed(self, seconds: float):
+        """A draft step took this long. The estimate follows a faster step at
+        once and a slower one slowly: a first call's tracing and compiling,
+        or a busy machine, would otherwise read as the step's cost."""
+        if self.draft_seconds is None or seconds < self.draft_seconds:
+            self.draft_seconds = seconds
+        else:
+            self.draft_seconds += (1 - self.decay) / 2 * (seconds - self.draft_seconds)
+
+    def learn(self, confidences: list[list[float]], accepted: list[int], seconds: float):
+        """After a round: each row's drafts' confidences and how many passed, and the round's seconds."""
+        self.accepted = [self.decay * n for n in self.accepted]
+        self.judged = [self.decay * n for n in self.judged]
+        for row, passed in zip(confidences, accepted):
+            for i, confidence in enumerate(row[: passed + 1]):  # the first rejected draft is judged too
+                self.judged[self.bin(confidence)] += 1
+                self.accepted[self.bin(confidence)] += i < passed
+        self.tokens = self.decay * self.tokens + sum(accepted) + len(accepted)
+        self.seconds = self.decay * self.seconds + seconds
+        drafts = max(len(row) for row in confidences)
+        keep = self.cost_decay
+        self.rounds = [keep * total + new for total, new in
+                       zip(self.rounds, (1, drafts, drafts * drafts, seconds, drafts * seconds))]
+
+
+def draft_confidence(scores: mx.array, tokens: mx.array, sampling: Sampling) -> mx.array:
+    """The draft's probability for the tokens it drafted: (B, V), (B,) -> (B,).
+    Greedy: the argmax's probability at temperature 1."""
+    if sampling.temp == 0:
+        return mx.exp(scores.max(axis=-1) - mx.logsumexp(scores, axis=-1))
+    return mx.take_along_axis(logits_to_probs(scores, sampling), tokens[:, None], axis=-1)[:, 0]
+
+
+def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[int], sampling: Sampling,
+                 auto: AutoDraft | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Tokens drafted for every row, one draft call each: (drafts (B, k),
+    the draft's logits (B, k, V), with `auto` the draft's confidence in
+    each draft (B, k)). k = max(limits), or fewer when `auto` stops early.
+    No host sync without `auto`; with it, each step's confidences are read
+    while the next step runs, so deciding to stop keeps that next draft too.
+    The first call feeds each row's unseen tokens (one or two), padded on
+    the right where they differ; the padding's cache positions are trimmed
+    at once."""
     lengths = [len(row.unseen) for row in rows]
     width = max(lengths)
     inputs = mx.array([row.unseen + [0] * (width - len(row.unseen)) for row in rows])
-    drafts, logits = [], []
-    for i in range(k):
+    drafts, logits, confidences = [], [], []
+    reach, last_read = [1.0] * len(rows), time.perf_counter()  # P(row), from the confidences read so far
+    for i in range(max(limits)):
         scores = draft.decode(inputs, cache)
         if i == 0 and width > 1:
             last = mx.array(lengths)[:, None, None] - 1
@@ -427,40 +568,120 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], k: int, sampli
             cache.trim([width - n for n in lengths])
         scores = scores[:, -1]
         token = sample(scores, sampling)
-        mx.async_eval(token)
         drafts.append(token)
         logits.append(scores)
         inputs = token[:, None]
-    return mx.stack(drafts, axis=1), mx.stack(logits, axis=1)
+        if auto is None:
+            mx.async_eval(token)
+            continue
+        confidences.append(draft_confidence(scores, token, sampling))
+        mx.async_eval(token, confidences[-1])
+        if i > 0:  # (so auto drafts two at least) step i runs while step i - 1's confidences are read and timed
+            for row, confidence in enumerate(confidences[-2].tolist()):
+                reach[row] = auto.reach(reach[row], confidence)
+            now = time.perf_counter()
+            auto.timed(now - last_read)
+            last_read = now
+            wanted = [p * auto.pass_rate if i + 2 <= limit else 0.0 for p, limit in zip(reach, limits)]
+            if not auto.more(wanted):
+                if not auto.verify_more([p if i + 1 <= limit else 0.0 for p, limit in zip(reach, limits)]):  # step i ran for nothing: its draft is not worth verifying
+                    drafts.pop(), logits.pop(), confidences.pop()
+                    cache.trim([1] * len(rows))  # step i's input, draft i - 1, is fed again next round
+                break
+    return mx.stack(drafts, axis=1), mx.stack(logits, axis=1), mx.stack(confidences, axis=1) if auto else None
 
 
-def speculative_batch(target: T5, draft: T5, prompts: list[list[int]], max_tokens: int, sampling: Sampling,
-                      num_draft: int, delta: float, stats: list[Stats],
+class PromptLookup:
+    """One row's drafts without a draft model: the tokens that followed the
+    last earlier occurrence of its output's final n tokens, for the longest
+    n up to 3 that occurs, in the output first, then in the prompt (the
+    encoder's input, where a T5's copies come from)."""
+
+    longest = 3
+
+    def __init__(self, prompt: list[int]):
+        self.prompt, self.output = list(prompt), []
+        self.in_prompt, self.in_output = {}, {}  # n-gram -> the position after its last occurrence
+        self.index(self.in_prompt, self.prompt, 0, len(self.prompt))
+        self.indexed = 0  # output positions whose n-grams are indexed
+
+    @classmethod
+    def index(cls, table: dict, tokens: list[int], start: int, stop: int):
+        """Index the n-grams ending at positions start..stop-1."""
+        for end in range(start, stop):
+            for n in range(1, min(cls.longest, end + 1) + 1):
+                table[tuple(tokens[end + 1 - n : end + 1])] = end + 1
+
+    def add(self, tokens: list[int]):
+        self.output += tokens
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to limit tokens; none when nothing matches."""
+        if limit <= 0 or not self.output:
+            return []
+        # Every output n-gram but those ending at the last token: the tail must not match itself.
+        self.index(self.in_output, self.output, self.indexed, len(self.output) - 1)
+        self.indexed = len(self.output) - 1
+        for n in range(min(self.longest, len(self.output)), 0, -1):
+            tail = tuple(self.output[-n:])
+            for table, tokens in ((self.in_output, self.output), (self.in_prompt, self.prompt)):
+                after = table.get(tail)
+                if after is not None and after < len(tokens):
+                    return tokens[after : after + limit]
+        return []
+
+
+def lookup_drafts(rows: list[Row], limits: list[int], vocab: int, sampling: Sampling):
+    """Every row's looked-up drafts, padded to the longest: (drafts (B, k), their one-hot
+    logits (None when greedy, which needs none), each row's count)."""
+    proposals = [row.lookup.draft(limit) for row, limit in zip(rows, limits)]
+    k = max(len(p) for p in proposals)
+    drafts = mx.array([p + [0] * (k - len(p)) for p in proposals], dtype=mx.int32)
+    one_hot = None
+    if sampling.temp > 0 and k:  # q(x) = 1: accept x with probability p(x), and resample from p without x
+        one_hot = mx.where(mx.arange(vocab) == drafts[..., None], 0.0, -mx.inf)
+    return drafts, one_hot, [len(p) for p in proposals]
+
+
+def speculative_batch(target: T5, draft: T5 | None, prompts: list[list[int]], max_tokens: int, sampling: Sampling,
+                      num_draft: "int | str | AutoDraft", delta: float, stats: list[Stats],
                       batch_size: int = 8) -> Iterator[tuple[int, int | None, bool]]:
     """Decode prompts batch_size rows at a time, and yield (prompt index,
-    token, finished) for each new token of each row after each round: the draft proposes
-    num_draft tokens for every row, the target scores them all in one pass,
-    and each row keeps its own accepted prefix, rolling back its own caches.
+    token, finished) for each new token of each row after each round: the
+    draft proposes up to num_draft tokens for every row (with "auto", or an
+    AutoDraft that carries what earlier calls learnt, it decides how many;
+    with draft None, PromptLookup proposes them), the
+    target scores them all in one pass, and each row keeps its own accepted
+    prefix, rolling back its own caches.
 
     Invariants between rounds, per row: the target's cache holds every
     token but `last`; the draft's every token but those in `unseen` (`last`,
     and the final draft after a full acceptance, which it never ran on).
     """
-    batch = Batch([target, draft], prompts, stats, batch_size)
+    batch = Batch([target] if draft is None else [target, draft], prompts, stats, batch_size)
     eos, start = target.args.eos_token_id, target.args.decoder_start_token_id
+    auto = num_draft if isinstance(num_draft, AutoDraft) else AutoDraft() if num_draft == AUTO else None
+    longest = auto.cap if auto else num_draft
     while True:
         batch.join()
         rows = batch.rows
         if not rows:
             return
+        started = time.perf_counter()
         for row in rows:
             if not row.unseen:  # just joined
                 row.last, row.unseen = start, [start]
-        target_cache, draft_cache = batch.caches
-        limits = [min(num_draft, max_tokens - row.produced - 1) for row in rows]  # drafts past max_tokens are wasted
+                row.lookup = PromptLookup(prompts[row.index]) if draft is None else None
+        target_cache = batch.caches[0]
+        limits = [min(longest, max_tokens - row.produced - 1) for row in rows]  # drafts past max_tokens are wasted
+        # 1. Draft up to num_draft tokens for every row.
+        draft_logits = confidences = None
+        if draft is None:
+            drafts, draft_logits, limits = lookup_drafts(rows, limits, target.args.vocab_size, sampling)
+        elif max(limits):
+            drafts, draft_logits, confidences = draft_tokens(draft, batch.caches[1], rows, limits, sampling, auto)
+            limits = [min(limit, drafts.shape[1]) for limit in limits]
         k = max(limits)
-        # 1. Draft k tokens for every row.
-        drafts, draft_logits = draft_tokens(draft, draft_cache, rows, k, sampling) if k else (None, None)
         # 2. The target scores each row's `last` and drafts in one pass.
         lasts = mx.array([[row.last] for row in rows])
         target_logits = target.decode(mx.concatenate([lasts, drafts], axis=1) if k else lasts, target_cache)
@@ -469,35 +690,41 @@ def speculative_batch(target: T5, draft: T5, prompts: list[list[int]], max_token
         else:
             num_accepted, next_tokens = mx.zeros((len(rows),), mx.int32), sample(target_logits[:, 0], sampling)
             drafts = mx.zeros((len(rows), 0), mx.int32)
-        mx.eval(num_accepted, next_tokens, drafts)  # the round's one host sync
+        mx.eval(num_accepted, next_tokens, drafts)  # the round's one host sync (with auto, one a draft step too)
+        confidences = confidences.tolist() if confidences is not None else None
         # 3. Each row takes its accepted prefix; both caches roll back to it.
         finished = set()
+        accepted_counts = num_accepted.tolist()
         for position, (row, accepted, token, drafted) in enumerate(
-                zip(rows, num_accepted.tolist(), next_tokens.tolist(), drafts.tolist())):
+                zip(rows, accepted_counts, next_tokens.tolist(), drafts.tolist())):
             limit = limits[position]
             new_tokens = drafted[:accepted] + [token]
             counted = limit
             if eos in new_tokens[:accepted]:  # drafts after an accepted EOS never reach the output: not counted
                 counted = accepted = new_tokens.index(eos) + 1
             row.stats.target_calls += 1
-            row.stats.draft_calls += limit
+            row.stats.draft_calls += limit if draft is not None else 0
             row.stats.drafted += counted
             row.stats.accepted += accepted
-            if k:
+            if draft is None:
+                row.lookup.add(new_tokens)
+            elif k:
                 row.unseen = new_tokens[-2:] if accepted == k else new_tokens[-1:]
             else:
                 row.unseen = row.unseen + new_tokens
             row.last = new_tokens[-1]
             if (yield from row.emit(new_tokens, eos, max_tokens)):
                 finished.add(position)
-        target_cache.trim([k - a for a in num_accepted.tolist()])
-        if k:
-            draft_cache.trim([k - 1 - min(a, k - 1) for a in num_accepted.tolist()])
+        if auto and k:
+            auto.learn([c[:limit] for c, limit in zip(confidences, limits)], accepted_counts, time.perf_counter() - started)
+        target_cache.trim([k - a for a in accepted_counts])
+        if draft is not None and k:
+            batch.caches[1].trim([k - 1 - min(a, k - 1) for a in accepted_counts])
         batch.leave(finished)
 
 
-def speculative_generate(target: T5, draft: T5, prompt: list[int], max_tokens: int, sampling: Sampling,
-                         num_draft: int, delta: float, stats: Stats | None = None) -> Iterator[int]:
+def speculative_generate(target: T5, draft: T5 | None, prompt: list[int], max_tokens: int, sampling: Sampling,
+                         num_draft: int | str, delta: float, stats: Stats | None = None) -> Iterator[int]:
     """Yield up to max_tokens ids of one prompt: a batch of one."""
     for _, token, _ in speculative_batch(target, draft, [prompt], max_tokens, sampling, num_draft, delta,
                                          [stats if stats is not None else Stats()], 1):
@@ -581,14 +808,19 @@ def tokenize(models: Models, prompts: list[str]) -> list[list[int]]:
 
 def decode_batch(models: Models, ids: list[list[int]], settings: Settings, stats: list[Stats],
                  batch_size: int) -> Iterator[tuple[int, int | None, bool]]:
-    """(prompt index, token, finished) as rows decide them (Row.emit): speculative
-    decoding when a draft is loaded and settings.speculative, else the target
-    alone. The seed is set when decoding starts."""
+    """(prompt index, token, finished) as rows decide them (Row.emit):
+    speculative decoding when settings.drafts(models) (with prompt lookup's
+    drafts, or the draft model's), else the target alone. The seed is set
+    when decoding starts."""
     if settings.seed is not None:
         mx.random.seed(settings.seed)
-    if settings.speculative and models.draft is not None:
-        yield from speculative_batch(models.target, models.draft, ids, settings.max_tokens, settings.sampling,
-                                     settings.num_draft, settings.delta, stats, batch_size)
+    if settings.drafts(models):
+        draft = None if settings.prompt_lookup else models.draft
+        num_draft = settings.num_draft
+        if num_draft == AUTO:  # what the pair has shown so far, at these settings
+            num_draft = models.drafting.setdefault((settings.delta, astuple(settings.sampling)), AutoDraft())
+        yield from speculative_batch(models.target, draft, ids, settings.max_tokens, settings.sampling,
+                                     num_draft, settings.delta, stats, batch_size)
     else:
         yield from regular_batch(models.target, ids, settings.max_tokens, settings.sampling, stats, batch_size)
 
@@ -601,11 +833,14 @@ def generate_tokens(models: Models, prompt: str, settings: Settings, stats: Stat
 
 def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response]:
     """Yield a Response as each token is decided. Options, all keywords:
-    max_tokens=100, num_draft=5, delta=0.0, temp=0.0, top_k=0, top_p=1.0,
-    seed=None (reseeds MLX's global generator), speculative=True (False: the
-    target alone, even with a draft). Options and the prompt are checked at
-    the call, before any decoding: OptionError names one out of range."""
-    settings = Settings.of(options)
+    max_tokens=100, num_draft=5 (or "auto": see AutoDraft), delta=0.0,
+    temp=0.0, top_k=0, top_p=1.0, seed=None (reseeds MLX's global
+    generator), speculative=True (False: the target alone, even with a
+    draft), prompt_lookup=False (True: drafts copied from the prompt and the
+    output, see PromptLookup; a draft model, if loaded, is not used).
+    Options and the prompt are checked at the call, before any decoding:
+    OptionError names one out of range."""
+    settings = Settings.of(options).check_models(models)
     stats = Stats()
     tokens = generate_tokens(models, prompt, settings, stats)
     detokenizer = Detokenizer(models.tokenizer)
@@ -669,7 +904,7 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
     the batch and waiting prompts take its place. Greedy at delta 0, each
     text equals `generate` on its prompt alone. Options as for
     stream_generate; they, batch_size and every prompt are checked at the call."""
-    settings = Settings.of(options)
+    settings = Settings.of(options).check_models(models)
     BATCH_SIZE.check(batch_size)
     ids = tokenize(models, prompts)
     stats = [Stats() for _ in prompts]

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import cpu  # must precede mlx.core: picks a fast BLAS on Linux
@@ -744,13 +744,16 @@ def load_tokenizer(folder: str | Path):
 
 @dataclass
 class Models:
-    """A target, its draft (None: regular decoding only) and their shared tokenizer."""
+    """A target, its draft (None: regular decoding only) and their shared
+    tokenizer; `drafting` keeps what num_draft "auto" learnt about the pair
+    (decoder.AutoDraft), from one generation to the next."""
 
     target: T5
     draft: T5 | None
     tokenizer: object
     target_path: Path
     draft_path: Path | None = None
+    drafting: dict = field(default_factory=dict, repr=False)
 
 
 _warned_slow_blas = False
