@@ -718,7 +718,9 @@ def bench_drafting(args) -> None:
         for name, (rate, stats, _) in results.items():
             mark = " (best fixed)" if name == best else ""
             print(f"| {name}{mark} | {rate:.1f} | {stats.acceptance_rate:.2f} | {stats.drafts_per_round:.2f} |")
-        print(f"\nauto / best fixed: {results['auto'][0] / results[best][0]:.1%}")
+        same = all(result[2] == results[fixed[0]][2] for result in results.values())
+        exact = f"; every run's tokens the same: {'yes' if same else 'NO'}" if delta == 0 else ""
+        print(f"\nauto / best fixed: {results['auto'][0] / results[best][0]:.1%}{exact}")
 
     lookup_drafts = [2, 4, 8]
     print(f"\nPrompt lookup (no draft model) against regular decoding, delta 0, num-draft {lookup_drafts} "

@@ -11,8 +11,11 @@
 Underneath, `regular_batch` and `speculative_batch` decode a batch of
 prompts whose rows move independently (each its own cache lengths and
 accepted drafts); `regular_generate` and `speculative_generate` are their
-one-prompt forms, generators of token ids. All turn logits into a sampling
-distribution with the same `logits_to_probs`, and update `Stats` as they go.
+one-prompt forms, generators of token ids. Drafts come from the draft model,
+num_draft at a time or as many as `AutoDraft` finds worth it
+(num_draft="auto"), or from `PromptLookup` (prompt_lookup=True: copies of the
+prompt, no draft model). All turn logits into a sampling distribution with
+the same `logits_to_probs`, and update `Stats` as they go.
 """
 
 import math
@@ -109,8 +112,8 @@ class Settings:
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be True or False (got {getattr(self, name)!r})")
         if self.prompt_lookup and self.num_draft == AUTO:
-            raise OptionError("num_draft 'auto' follows the draft model's confidence: with prompt_lookup give a "
-                              "number (the longest draft)")
+            raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
+                              "the longest draft")
 
     def drafts(self, models: Models) -> bool:
         """Whether decoding drafts and verifies (else the target decodes alone)."""
@@ -118,8 +121,8 @@ class Settings:
 
     def check_models(self, models: Models) -> "Settings":
         """These settings, if the models can run them; OptionError otherwise."""
-        if self.num_draft == AUTO and self.speculative and not self.drafts(models):
-            raise OptionError("num_draft 'auto' follows the draft model's confidence, and no draft model is loaded")
+        if self.num_draft == AUTO and models.draft is None:
+            raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
         return self
 
     @classmethod
@@ -439,7 +442,7 @@ def verify(target_logits, draft_logits, drafts, sampling: Sampling, delta: float
 
 class AutoDraft:
     """num_draft="auto": the batch drafts one more token while that token is
-    worth its draft step,
+    worth its cost,
 
         a * sum over rows of P(row)  >=  R * d,
 
@@ -448,16 +451,23 @@ class AutoDraft:
     the row's drafts so far pass: the product of g(c) over them, c the
     draft's own probability for the token it drafted, and g(c) the share of
     recent drafts of about that confidence (a fifth of [0, 1]) that the
-    target accepted; a is the share of all recent drafts accepted (used for
-    a draft whose c is not read yet). R is the speed (tokens a second, all
-    rows), d the seconds of a draft step. Only drafts the target judged
-    count (up to each row's first rejection), and recent rounds weigh more.
-    So drafting goes further after full acceptances and stops sooner after
-    rejections; a slow draft, or a fast target, drafts less; a draft whose
-    confidence says nothing (it agrees either way) is trusted on its record.
-    Two drafts at least (the first's confidence is read while the second
-    runs), `cap` at most; before any timing, it drafts while a * sum P >= 0.5.
-    `python bench.py drafting` measures it against each fixed num-draft."""
+    target accepted; a is the share of all recent drafts accepted (standing
+    in for g of a draft whose c is not read yet). R is the speed (tokens a
+    second, all rows); d the seconds one more draft adds to a round, its
+    draft step and its share of the target's pass (the slope of round
+    seconds against drafts). Only drafts the target judged count (up to
+    each row's first rejection), and recent rounds weigh more. So drafting
+    goes further after full acceptances and stops sooner after rejections;
+    a slow draft, or a fast target, drafts less; a draft whose confidence
+    says nothing (it agrees either way) is trusted on its record.
+
+    Step i's confidences are read while step i + 1 runs (a read per step
+    that waited would cost more than it saves), so the decision comes one
+    draft late: that draft is kept if it is worth its share of the target's
+    pass alone, its step being spent. Two drafts at least, `cap` at most;
+    before any timing, drafting goes on while a * sum P >= 0.5.
+    `python bench.py drafting` measures it against each fixed num-draft
+    (docs/PERFORMANCE.md, "Drafting without tuning")."""
 
     cap = 8
     decay = 0.95  # the weight of the past against one new round

@@ -25,7 +25,8 @@ def stats_line(stats: Stats, speculative: bool) -> str:
             f"prompt {stats.prompt_tokens:,} tokens")
     if speculative:
         return (
-            f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}), "
+            f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}; "
+            f"{stats.drafts_per_round:.1f} a round), "
             f"{stats.target_calls} decode steps ({stats.tokens_per_target_call:.2f} tokens each), " + line
         )
     return f"{stats.target_calls} decode steps, " + line
@@ -37,7 +38,7 @@ def show_generation(models: Models, prompt: str, settings: Settings, out=None) -
     out = out or sys.stdout
     tokens = len(models.tokenizer.encode(prompt))
     seconds = encoding_seconds(models.target, tokens)
-    if settings.speculative and models.draft is not None:
+    if settings.drafts(models) and not settings.prompt_lookup:
         seconds += encoding_seconds(models.draft, tokens)
     if seconds > 3:
         print(f"Encoding a {tokens:,}-token prompt: about {seconds:.0f} s ...", file=sys.stderr, flush=True)
@@ -47,8 +48,7 @@ def show_generation(models: Models, prompt: str, settings: Settings, out=None) -
         out.flush()
         pieces.append(response.text)
     print(file=out)
-    speculative = settings.speculative and models.draft is not None
-    print(stats_line(response.stats, speculative), file=out)
+    print(stats_line(response.stats, settings.drafts(models)), file=out)
     return "".join(pieces), response.stats
 
 
@@ -74,8 +74,9 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
         _, results[label] = show_generation(models, prompt, replace(settings, speculative=speculative), out)
     regular, spec = results["regular"], results["speculative"]
     speedup = spec.tokens_per_second / regular.tokens_per_second if regular.tokens_per_second else 0.0
+    lookup = ", prompt lookup" if settings.prompt_lookup else ""
     print(f"regular {regular.seconds:.2f} s, speculative {spec.seconds:.2f} s: speedup {speedup:.2f}x "
-          f"(num-draft {settings.num_draft}, delta {settings.delta})", file=out)
+          f"(num-draft {settings.num_draft}, delta {settings.delta}{lookup})", file=out)
 
 
 def show_speedup(models: Models, prompt: str, settings: Settings, runs: int = 5, out=None) -> float:
@@ -132,6 +133,7 @@ class Session:
     def help(self) -> str:
         lines = ["Type a prompt to generate. Commands:", knob_lines(),
                  "  :regular / :speculative   decoding mode",
+                 "  :lookup                   speculative, drafts copied from the prompt (no draft model)",
                  "  :compare                  regular vs speculative on the last prompt",
                  "  :show                     current settings",
                  "  :help   :quit             (Ctrl-C stops a generation, Ctrl-D exits)"]
@@ -140,9 +142,19 @@ class Session:
         return "\n".join(lines)
 
     def describe(self) -> str:
-        has_draft = self.models.draft is not None
-        mode = ("speculative" if self.settings.speculative and has_draft else "regular") + ("" if has_draft else " (no draft model)")
+        if self.settings.drafts(self.models):
+            mode = "speculative, prompt lookup" if self.settings.prompt_lookup else "speculative"
+        else:
+            mode = "regular" + ("" if self.models.draft is not None else " (no draft model)")
         return f"mode {mode}, " + ", ".join(f"{knob.flag} {getattr(self.settings, name)}" for name, knob in KNOBS.items())
+
+    def change(self, **changes) -> None:
+        """New settings, or the reason they cannot be."""
+        try:
+            self.settings = replace(self.settings, **changes).check_models(self.models)
+            self.say(self.describe())
+        except OptionError as e:
+            self.say(str(e))
 
     def generate(self, prompt: str) -> None:
         self.last_prompt = prompt
@@ -161,13 +173,14 @@ class Session:
             self.say(self.describe())
         elif name in ("regular", "speculative"):
             if name == "speculative" and self.models.draft is None:
-                self.say("no draft model loaded (started with --regular-decode)")
+                self.say("no draft model loaded (:lookup drafts without one)")
             else:
-                self.settings = replace(self.settings, speculative=name == "speculative")
-                self.say(self.describe())
+                self.change(speculative=name == "speculative", prompt_lookup=False)
+        elif name == "lookup":
+            self.change(speculative=True, prompt_lookup=True)
         elif name == "compare":
-            if self.models.draft is None:
-                self.say("no draft model loaded")
+            if not replace(self.settings, speculative=True).drafts(self.models):
+                self.say("no draft model loaded (:lookup drafts without one)")
             elif self.last_prompt is None:
                 self.say("type a prompt first")
             else:
@@ -177,8 +190,7 @@ class Session:
         elif name.replace("-", "_") in KNOBS:
             knob = KNOBS[name.replace("-", "_")]
             try:
-                self.settings = replace(self.settings, **{knob.name: knob.parse(value, f":{name}")})
-                self.say(self.describe())
+                self.change(**{knob.name: knob.parse(value, f":{name}")})
             except OptionError as e:
                 self.say(str(e))
         else:

@@ -4,7 +4,9 @@
     python main.py --num-draft 4 --delta 0.2 --prompt "summarize: ..."
     python main.py --compare                         # regular vs speculative, same prompt
     python main.py --interactive                     # load once, tune knobs at a prompt
-    python main.py --sweep --num-drafts 1,2,4,8 --deltas 0,0.1,0.3 --plot sweep.png
+    python main.py --sweep --num-drafts 1,2,4,auto --deltas 0,0.1,0.3 --plot sweep.png
+    python main.py --num-draft auto                  # drafts per round adapt to the draft's confidence
+    python main.py --prompt-lookup --prompt "..."    # drafts copied from the prompt: no draft model
     python main.py --prompts-file prompts.txt --json # every line's output, 8 prompts decoded together
     python main.py --demo                            # the small trained pair in demo/ (demo/train.py), no download
 """
@@ -15,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from decoder import BATCH_SIZE, KNOBS, Settings, stream_batch_generate, stream_generate, warm_up
+from decoder import AUTO, BATCH_SIZE, KNOBS, Settings, stream_batch_generate, stream_generate, warm_up
 from interactive import Session, compare, show_batch, show_filled, show_generation, show_speedup
 from model import ModelNotFound, T5Error, load
 from sweep import check_plot_path, parse_list, sweep
@@ -79,7 +81,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 # Options that only --sweep reads, with their defaults (argparse's default is
 # None, so that one given without --sweep is noticed).
-SWEEP_OPTIONS = {"num_drafts": "1,2,4,8", "deltas": "0,0.1,0.3", "plot": None, "repeats": 1}
+SWEEP_OPTIONS = {"num_drafts": "1,2,4,8,auto", "deltas": "0,0.1,0.3", "plot": None, "repeats": 1}
 # Prompts decoded together from a prompts file; a sweep times one prompt at a time unless told.
 BATCH_SIZE_DEFAULT, SWEEP_BATCH_SIZE_DEFAULT = 8, 1
 
@@ -89,13 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="target model: converted folder, a name under mlx_models/, or the hub id it was "
                    "converted from (default: t5-11b; demo/target with --demo)")
     p.add_argument("--draft-model", help="draft model for speculative decoding (default: t5-small; demo/draft with --demo)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="draft by copying from the prompt and the text so far, with no draft model: for outputs that "
+                        "repeat their input (summaries, edits, code); --num-draft caps a draft")
     p.add_argument("--prompt", help="input text (default: a translation prompt; with --demo, held-out code with masked spans)")
     p.add_argument("--demo", action="store_true",
                    help="use the small trained pair in demo/ (built by demo/train.py; no download): it fills in masked spans of Python code")
     for name, knob in KNOBS.items():  # default None: --demo has defaults of its own
         default = "" if DEFAULTS[name] is None else f" (default: {DEFAULTS[name]}"
         default += "" if DEFAULTS[name] == DEMO_DEFAULTS[name] else f"; {DEMO_DEFAULTS[name]} with --demo"
-        p.add_argument(f"--{knob.flag}", type=knob.type, help=knob.help + default + ")" * bool(default))
+        p.add_argument(f"--{knob.flag}", type=str if knob.words else knob.type, help=knob.help + default + ")" * bool(default))
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming; "
                    "with --prompts-file, one per prompt and line (JSON Lines)")
@@ -118,11 +123,21 @@ def check_usage(args) -> Settings:
     """Every check that needs no model, so that bad input fails at once; the settings."""
     defaults = DEMO_DEFAULTS if args.demo else DEFAULTS
     values = {name: defaults[name] if getattr(args, name) is None else getattr(args, name) for name in KNOBS}
-    settings = Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()},
-                        speculative=not args.regular_decode)
+    values = {name: KNOBS[name].parse(value, f"--{KNOBS[name].flag}") if isinstance(value, str) else value
+              for name, value in values.items()}
     if args.regular_decode and (args.compare or args.sweep):
         raise UsageError("--compare and --sweep run regular decoding themselves: drop --regular-decode")
-    if not args.regular_decode and not args.draft_model:
+    if args.regular_decode and (args.prompt_lookup or values["num_draft"] == AUTO):
+        raise UsageError(f"{'--prompt-lookup' if args.prompt_lookup else '--num-draft auto'} is for speculative decoding: "
+                         "drop --regular-decode")
+    if args.prompt_lookup and args.draft_model_given:
+        raise UsageError("--prompt-lookup drafts without a draft model: drop --draft-model (or --prompt-lookup)")
+    if args.prompt_lookup and values["num_draft"] == AUTO:
+        raise UsageError("--num-draft auto follows a draft model's confidence: with --prompt-lookup give a number, "
+                         "the longest draft")
+    settings = Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()},
+                        speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup)
+    if not args.regular_decode and not args.draft_model and not args.prompt_lookup:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     if args.json and (args.interactive or args.compare or args.sweep):
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
@@ -150,7 +165,7 @@ def check_usage(args) -> Settings:
 
 def load_models(args, speculative: bool):
     try:
-        return load(args.model, draft=args.draft_model if speculative else None, verbose=True)
+        return load(args.model, draft=args.draft_model if speculative and not args.prompt_lookup else None, verbose=True)
     except ModelNotFound as e:
         if e.role == "draft":
             raise UsageError(f"{e} (or pass --regular-decode to run the target alone)")
@@ -162,7 +177,8 @@ def run(args) -> int:
     examples = demo_prompts() if args.demo else None
     if args.model is None:
         args.model = str(DEMO_DIR / "target") if args.demo else "t5-11b"
-    if args.draft_model is None:
+    args.draft_model_given = args.draft_model is not None
+    if args.draft_model is None and not args.prompt_lookup:
         args.draft_model = str(DEMO_DIR / "draft") if args.demo else "t5-small"
     if args.prompt is None:
         args.prompt = examples[DEMO_PROMPT - 1] if args.demo else DEFAULT_PROMPT
@@ -171,7 +187,11 @@ def run(args) -> int:
 
     if args.sweep:
         prompts = prompts or (examples if examples and not prompt_given else [args.prompt])
+        if args.prompt_lookup and args.num_drafts == SWEEP_OPTIONS["num_drafts"]:
+            args.num_drafts = args.num_drafts.replace(",auto", "")  # auto needs a draft model
         num_drafts = parse_list(args.num_drafts, "num_draft", "--num-drafts")
+        if args.prompt_lookup and AUTO in num_drafts:
+            raise UsageError("--num-drafts: auto follows a draft model's confidence, not --prompt-lookup's drafts")
         deltas = parse_list(args.deltas, "delta", "--deltas")
         if args.plot:  # fail before loading anything
             check_plot_path(args.plot)
@@ -186,7 +206,7 @@ def run(args) -> int:
                 print(json.dumps({"text": generation.text, "tokens": generation.tokens, "stats": generation.stats.to_dict()}),
                       flush=True)
         else:
-            show_batch(generations, len(prompts), settings.speculative and models.draft is not None)
+            show_batch(generations, len(prompts), settings.drafts(models))
     elif args.interactive:
         Session(models, settings, examples).run(first_prompt=args.prompt if prompt_given else None)
     elif args.compare:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoder import KNOBS, OptionError, Settings, Stats, measure_batch, warm_up
+from decoder import AUTO, KNOBS, OptionError, Settings, Stats, measure_batch, warm_up
 from model import Models, T5Error
 
 
@@ -112,13 +112,18 @@ def check_plot_path(path: str) -> None:
 
 
 def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
-    """Speedup against num-draft, one line per delta."""
+    """Speedup against num-draft, one line per delta; num-draft auto, which
+    has no place on that axis, as a dashed level in its delta's colour."""
     plt = import_pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     for delta in deltas:
-        points = [(row["num_draft"], row["speedup"]) for row in rows if row["delta"] == delta]
-        axes.plot(*zip(*points), marker="o", label=f"delta {delta}")
-    axes.set_xticks(sorted({row["num_draft"] for row in rows}))  # whole numbers only
+        points = [(row["num_draft"], row["speedup"]) for row in rows if row["delta"] == delta and row["num_draft"] != AUTO]
+        line = axes.plot(*zip(*points), marker="o", label=f"delta {delta}")[0] if points else None
+        for row in rows:
+            if row["delta"] == delta and row["num_draft"] == AUTO:
+                axes.axhline(row["speedup"], linestyle=":", linewidth=1.5, color=line.get_color() if line else None,
+                             label=f"delta {delta}, num-draft auto")
+    axes.set_xticks(sorted({row["num_draft"] for row in rows if row["num_draft"] != AUTO}))  # whole numbers only
     axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     axes.set_xlabel("num-draft")
     axes.set_ylabel("speedup over regular decoding")

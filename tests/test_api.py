@@ -171,7 +171,7 @@ def test_load_errors_are_the_librarys_own_and_name_no_cli_flags(call, error, mes
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(num_draft=0), "num_draft must be an integer >= 1 (got 0)"),
+    (dict(num_draft=0), "num_draft must be an integer >= 1 or auto (got 0)"),
     (dict(delta=-0.1), "delta must be a number in [0, 1]"),
     (dict(temp=float("inf")), "temp must be a finite number >= 0"),
     (dict(top_p=0), "top_p must be a number in (0, 1]"),

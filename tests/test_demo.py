@@ -118,7 +118,7 @@ def test_cli_demo_shows_the_prompt_output_acceptance_speedup_and_filled_in_text(
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert main.demo_prompts()[main.DEMO_PROMPT - 1] in out
-    assert re.search(r"Accepted \d+ / \d+ drafts \(\d+%\)", out)
+    assert re.search(r"Accepted \d+ / \d+ drafts \(\d+%; \d+\.\d a round\)", out)
     assert re.search(r"Speculative decoding ran \d+\.\d\dx as fast as regular decoding on this prompt", out)
     filled = out.split("Filled in:\n")[1]
     assert "«" in filled and "<extra_id_0>" not in filled

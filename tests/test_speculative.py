@@ -177,7 +177,7 @@ def test_interactive_loop_changes_knobs_and_survives_bad_commands(pair):
     out = done.stdout
     assert "mode speculative, num-draft 3, delta 0.5" in out
     assert ":delta must be a number in [0, 1] (got '7')" in out
-    assert ":num-draft must be an integer >= 1 (got 'two')" in out
+    assert ":num-draft must be an integer >= 1 or auto (got 'two')" in out
     assert ":seed must be an integer in [0, 2**64) (got '-5')" in out
     assert "unknown command ':bogus'" in out
     assert "Accepted" in out and "decode steps, 8 tokens" in out
@@ -260,7 +260,7 @@ def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys, monkeypa
         (["--draft-model", ""], "speculative decoding needs --draft-model"),
         (["--draft-model", "no-such-draft"], "no converted draft 'no-such-draft' (looked for"),  # and says:
         (["--draft-model", "no-such-draft"], "(or pass --regular-decode to run the target alone)"),
-        (["--num-draft", "0"], "--num-draft must be an integer >= 1 (got 0)"),
+        (["--num-draft", "0"], "--num-draft must be an integer >= 1 or auto (got '0')"),
         (["--delta", "1.5"], "--delta must be a number in [0, 1] (got 1.5)"),
         (["--temp", "nan"], "--temp must be a finite number >= 0"),
         (["--temp", "inf"], "--temp must be a finite number >= 0"),
