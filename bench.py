@@ -3,7 +3,8 @@
     python bench.py regular          # T5-large-shaped random fp32 checkpoint, 100 tokens
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
     python bench.py batch            # many prompts: batched speculative and regular decoding, by batch size
-    python bench.py drafting         # num-draft auto against fixed num-draft; prompt lookup (no draft model)
+    python bench.py drafting         # num-draft auto against each fixed num-draft
+    python bench.py lookup           # prompt lookup (no draft model) against regular decoding
     python bench.py quantized        # float and quantized: size, memory, speed and quality
     python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
     python bench.py encode           # long inputs: time to the first token and peak memory, 128 to 8,192 tokens
@@ -628,12 +629,49 @@ def bench_batch(args) -> None:
             print(f"| {size} | " + " | ".join(cells) + " |")
 
 
-def copy_prompts(tokenizer, count: int = 20) -> list[list[int]]:
-    """A copy-heavy task for the demo pair: held-out code (pieces of 64
+def timed(run) -> tuple[float, object, list]:
+    """Seconds, statistics and tokens of run(stats)."""
+    from decoder import Stats
+
+    stats = Stats()
+    started = time.perf_counter()
+    tokens = list(run(stats))
+    return time.perf_counter() - started, stats, tokens
+
+
+def compare_runs(prompts: list, runs: dict, repeats: int) -> dict:
+    """Every run(prompt, stats) over every prompt, alternating, repeats times:
+    {name: (tokens/s median, pooled Stats, outputs of the last pass)}."""
+    from decoder import Stats
+
+    for prompt in prompts[:3]:  # warm-up: kernels and traces of each run's shapes
+        for run in runs.values():
+            timed(lambda stats: run(prompt, stats))
+    passes = []
+    for _ in range(repeats):
+        totals = {name: [0.0, Stats(), []] for name in runs}
+        for prompt in prompts:
+            for name, run in runs.items():
+                seconds, stats, tokens = timed(lambda stats: run(prompt, stats))
+                totals[name][0] += seconds
+                totals[name][1] += stats
+                totals[name][2].append(tokens)
+        passes.append(totals)
+    return {name: (statistics.median(p[name][1].generated / p[name][0] for p in passes),
+                   sum((p[name][1] for p in passes), Stats()), passes[-1][name][2]) for name in runs}
+
+
+def copy_prompts(tokenizer, target, count: int = 20, run: int = 5) -> list[list[int]]:
+    """A copy-heavy task for the demo target: held-out code (pieces of 64
     tokens, as the pair was trained on) whose masked 13-token span occurs,
-    word for word, earlier in the same piece. Spread evenly over the
-    held-out files' candidates."""
+    word for word, earlier in the same piece, kept when the target's own
+    greedy filling repeats at least `run` tokens of the prompt in a row (a
+    model this small often fills the span otherwise). Pieces are taken in a
+    fixed shuffled order of all held-out files."""
+    import random
+
     import train
+    from decoder import Sampling, regular_generate
 
     sentinel, eos = tokenizer.encode("<extra_id_0>")[0], tokenizer.encode("")[-1]
     pieces = [tokenizer.backend.id_to_token(i) for i in range(len(tokenizer))]
@@ -648,17 +686,25 @@ def copy_prompts(tokenizer, count: int = 20) -> list[list[int]]:
                 if is_word_start[masked[0]] and any(piece[j : j + span] == masked for j in range(start - span + 1)):
                     candidates.append(piece[:start] + [sentinel] + piece[start + span :] + [eos])
                     break
-    step = max(1, len(candidates) // count)
-    return candidates[::step][:count]
+    random.Random(0).shuffle(candidates)
+    chosen = []
+    for prompt in candidates:
+        output = list(regular_generate(target, prompt, 30, Sampling()))
+        runs = {tuple(prompt[i : i + run]) for i in range(len(prompt) - run + 1)}
+        if any(tuple(output[i : i + run]) in runs for i in range(len(output) - run + 1)):
+            chosen.append(prompt)
+            if len(chosen) == count:
+                break
+    return chosen
 
 
 def bench_drafting(args) -> None:
-    """num-draft auto against every fixed num-draft, and prompt lookup
-    against regular decoding. Greedy, one prompt at a time; the settings
-    alternate prompt by prompt, and auto keeps what it learnt from one
-    prompt to the next (as `Models.drafting` does in a session)."""
+    """num-draft auto against every fixed num-draft, on both pairs. Greedy,
+    one prompt at a time; the settings alternate prompt by prompt, and auto
+    keeps what it learnt from one prompt to the next (as `Models.drafting`
+    does in a session)."""
     import main
-    from decoder import AutoDraft, Sampling, Stats, regular_generate, speculative_generate
+    from decoder import AutoDraft, Sampling, speculative_generate
     from model import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
@@ -669,35 +715,10 @@ def bench_drafting(args) -> None:
               "benchmark target": load_model(target_dir)}
     tokenizer = load_tokenizer(DEMO / "target")
     demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
-    copies = copy_prompts(tokenizer, args.prompts or 20)
     fixed = [int(k) for k in (args.num_drafts or "1,2,3,4,5,6,8").split(",")]
     print(f"\nDrafting without tuning: greedy, at most {args.tokens} tokens a prompt, one prompt at a time, "
           f"settings alternating prompt by prompt; tokens/s over all prompts (encoding included), "
           f"medians of {args.repeats} passes.\n\nmachine: {machine()}")
-
-    def timed(run) -> tuple[float, Stats, list]:
-        stats = Stats()
-        started = time.perf_counter()
-        tokens = list(run(stats))
-        return time.perf_counter() - started, stats, tokens
-
-    def compare(prompts: list, runs: dict) -> dict:
-        """Every run over every prompt, alternating: {name: (tokens/s median, pooled Stats, outputs of the last pass)}."""
-        for prompt in prompts[:3]:  # warm-up: kernels and traces of each run's shapes
-            for run in runs.values():
-                timed(lambda stats: run(prompt, stats))
-        passes = []
-        for _ in range(args.repeats):
-            totals = {name: [0.0, Stats(), []] for name in runs}
-            for prompt in prompts:
-                for name, run in runs.items():
-                    seconds, stats, tokens = timed(lambda stats: run(prompt, stats))
-                    totals[name][0] += seconds
-                    totals[name][1] += stats
-                    totals[name][2].append(tokens)
-            passes.append(totals)
-        return {name: (statistics.median(p[name][1].generated / p[name][0] for p in passes),
-                       sum((p[name][1] for p in passes), Stats()), passes[-1][name][2]) for name in runs}
 
     cases = [("demo pair", "demo target", "demo draft", 0.0), ("demo pair", "demo target", "demo draft", 0.5),
              ("benchmark pair", "benchmark target", "demo target", 0.0)]
@@ -711,7 +732,7 @@ def bench_drafting(args) -> None:
                                                                     delta, stats)) for k in fixed}
         runs["auto"] = lambda prompt, stats: speculative_generate(target, draft, prompt, args.tokens, Sampling(), auto,
                                                                   delta, stats)
-        results = compare(demo, runs)
+        results = compare_runs(demo, runs, args.repeats)
         best = max(fixed, key=lambda k: results[k][0])
         print(f"\n{pair} (target: the {target_name}, draft: the {draft_name}), delta {delta}, {len(demo)} held-out demo "
               f"prompts\n\n| num-draft | tokens/s | acceptance | drafts a round |\n|---|---|---|---|")
@@ -722,9 +743,27 @@ def bench_drafting(args) -> None:
         exact = f"; every run's tokens the same: {'yes' if same else 'NO'}" if delta == 0 else ""
         print(f"\nauto / best fixed: {results['auto'][0] / results[best][0]:.1%}{exact}")
 
+
+def bench_lookup(args) -> None:
+    """Prompt lookup against regular decoding, on both targets, over the
+    held-out demo prompts and the copy-heavy ones (copy_prompts)."""
+    import main
+    from decoder import Sampling, regular_generate, speculative_generate
+    from model import load_model, load_tokenizer
+
+    target_hf, _ = build_pair(args.dir)
+    target_dir = args.dir / "pair-target-mlx"
+    if not (target_dir / "config.json").exists():
+        convert_measuring_memory(target_hf, target_dir)
+    models = {"demo target": load_model(DEMO / "target"), "benchmark target": load_model(target_dir)}
+    tokenizer = load_tokenizer(DEMO / "target")
+    demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
+    copies = copy_prompts(tokenizer, models["demo target"], args.prompts or 20)
+    pairs = args.pairs.split(",") if args.pairs else ["demo", "benchmark"]
     lookup_drafts = [2, 4, 8]
-    print(f"\nPrompt lookup (no draft model) against regular decoding, delta 0, num-draft {lookup_drafts} "
-          "(the longest draft)\n\n| target | prompts | regular tokens/s | "
+    print(f"\nPrompt lookup (no draft model) against regular decoding: greedy, delta 0, num-draft {lookup_drafts} "
+          f"(the longest draft), at most {args.tokens} tokens a prompt, runs alternating prompt by prompt, medians of "
+          f"{args.repeats} passes.\n\nmachine: {machine()}\n\n| target | prompts | regular tokens/s | "
           + " | ".join(f"lookup {k}: tokens/s, acceptance, speedup" for k in lookup_drafts)
           + " | same tokens as regular |\n|---|---|---|" + "---|" * len(lookup_drafts) + "---|")
     for target_name in ("demo target", "benchmark target"):
@@ -735,7 +774,7 @@ def bench_drafting(args) -> None:
             runs = {0: lambda prompt, stats: regular_generate(target, prompt, args.tokens, Sampling(), stats)}
             runs |= {k: (lambda prompt, stats, k=k: speculative_generate(target, None, prompt, args.tokens, Sampling(), k,
                                                                          0.0, stats)) for k in lookup_drafts}
-            results = compare(prompts, runs)
+            results = compare_runs(prompts, runs, args.repeats)
             regular = results[0][0]
             same = all(results[k][2] == results[0][2] for k in lookup_drafts)
             cells = [f"{results[k][0]:.1f}, {results[k][1].acceptance_rate:.2f}, {results[k][0] / regular:.2f}x"
@@ -1003,7 +1042,7 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "quantized", "sizes", "encode", "attention", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode", "attention", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -1047,6 +1086,8 @@ def main() -> None:
         bench_batch(args)
     if args.which == "drafting":
         bench_drafting(args)
+    if args.which == "lookup":
+        bench_lookup(args)
     if args.which == "quantized":
         bench_quantized(args)
     if args.which == "sizes":

@@ -577,8 +577,10 @@ class T5(nn.Module):
         Python that builds it, and fuses its elementwise work, which is much
         of a narrow model's step (bench.py steps). The weights become
         constants of those graphs, so compile once they are final: changing
-        them (update, update_modules) turns compilation off again. Models
-        built directly, as training builds them, are not compiled."""
+        them with update or update_modules turns compilation off again, and
+        after any other change (assigning a weight or a layer, patching a
+        function the step calls) call this again. Models built directly, as
+        training builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
         self._compiled_step = mx.compile(self.decode_step)
         return self
@@ -673,9 +675,15 @@ def weight_files(folder: Path, config: dict) -> list[Path]:
 
 
 def load_model(folder: str | Path) -> T5:
-    """Load a converted folder. mx.load maps the safetensors lazily: weights are
-    read on first use, never copied through numpy. In a quantized folder (its
-    config says "quantization"), the layers with `.scales` are quantized ones."""
+    """Load a converted folder, every weight read and decoding compiled."""
+    return open_model(folder).compile_decoding()
+
+
+def open_model(folder: str | Path) -> T5:
+    """A converted folder's model, checked against its config, its weights
+    not read yet: mx.load maps the safetensors lazily (never copying through
+    numpy), so they are read on first use. In a quantized folder (its config
+    says "quantization"), the layers with `.scales` are quantized ones."""
     folder = Path(folder)
     config = read_config(folder)
     model = T5(ModelArgs.from_dict(config))
@@ -695,7 +703,7 @@ def load_model(folder: str | Path) -> T5:
         detail = " ".join(str(e).split())  # one line: MLX lists the names on lines of their own
         raise LoadError(f"{folder}'s weights do not match its config ({detail[:200]}): convert the model again")
     model.eval()
-    return cpu.use_cores(model).compile_decoding()
+    return cpu.use_cores(model)
 
 
 class Tokenizer:
@@ -793,11 +801,8 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         _warned_slow_blas = True
         advice = ": several times slower; import model, decoder or cpu before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
-    target_model = load_model(target_path)
-    draft_model = load_model(draft_path) if draft_path is not None else None
-    for path, model in ((target_path, target_model), (draft_path, draft_model)):
-        if model is not None:
-            check_fit(path, model, tokenizer)
+    target_model = open_model(target_path)
+    draft_model = open_model(draft_path) if draft_path is not None else None
     if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
         names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
                  for path in (target_path, draft_path) if path is not None]
@@ -806,5 +811,8 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
             print(f"First run of MLX {mx.__version__} here: its CPU kernels are compiled as they are first needed "
                   f"(once, kept in {kernels}), which slows the first generation by up to half a minute.",
                   file=sys.stderr, flush=True)
-    mx.eval(target_model.parameters(), draft_model.parameters() if draft_model is not None else [])
+    for path, model in ((target_path, target_model), (draft_path, draft_model)):
+        if model is not None:
+            model.compile_decoding()  # reads every weight
+            check_fit(path, model, tokenizer)
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve())

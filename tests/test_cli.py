@@ -142,7 +142,8 @@ def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
 
 
 def test_models_read_every_weight_before_the_first_timed_generation(v1_1_checkpoint, monkeypatch, capsys):
-    """load_model maps weights lazily; a one-shot run's tokens/s must not include reading them."""
+    """mx.load maps weights lazily; load reads every one (compile_decoding evaluates them), so a
+    one-shot run's tokens/s does not include reading them."""
     evaluated = []
     real_eval = model.mx.eval
     monkeypatch.setattr(model.mx, "eval", lambda *trees: (evaluated.extend(tree_flatten(trees)), real_eval(*trees))[1])
