@@ -760,12 +760,12 @@ def bench_lookup(args) -> None:
     demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
     copies = copy_prompts(tokenizer, models["demo target"], args.prompts or 20)
     pairs = args.pairs.split(",") if args.pairs else ["demo", "benchmark"]
-    lookup_drafts = [2, 4, 8]
-    print(f"\nPrompt lookup (no draft model) against regular decoding: greedy, delta 0, num-draft {lookup_drafts} "
+    longest = [2, 4, 8]
+    print(f"\nPrompt lookup (no draft model) against regular decoding: greedy, delta 0, num-draft {longest} "
           f"(the longest draft), at most {args.tokens} tokens a prompt, runs alternating prompt by prompt, medians of "
           f"{args.repeats} passes.\n\nmachine: {machine()}\n\n| target | prompts | regular tokens/s | "
-          + " | ".join(f"lookup {k}: tokens/s, acceptance, speedup" for k in lookup_drafts)
-          + " | same tokens as regular |\n|---|---|---|" + "---|" * len(lookup_drafts) + "---|")
+          + " | ".join(f"lookup {k}: tokens/s, acceptance, speedup" for k in longest)
+          + " | same tokens as regular |\n|---|---|---|" + "---|" * len(longest) + "---|")
     for target_name in ("demo target", "benchmark target"):
         if target_name.split()[0] not in pairs:
             continue
@@ -773,12 +773,12 @@ def bench_lookup(args) -> None:
         for prompts_name, prompts in (("held-out demo", demo), ("copy-heavy", copies)):
             runs = {0: lambda prompt, stats: regular_generate(target, prompt, args.tokens, Sampling(), stats)}
             runs |= {k: (lambda prompt, stats, k=k: speculative_generate(target, None, prompt, args.tokens, Sampling(), k,
-                                                                         0.0, stats)) for k in lookup_drafts}
+                                                                         0.0, stats)) for k in longest}
             results = compare_runs(prompts, runs, args.repeats)
             regular = results[0][0]
-            same = all(results[k][2] == results[0][2] for k in lookup_drafts)
+            same = all(results[k][2] == results[0][2] for k in longest)
             cells = [f"{results[k][0]:.1f}, {results[k][1].acceptance_rate:.2f}, {results[k][0] / regular:.2f}x"
-                     for k in lookup_drafts]
+                     for k in longest]
             print(f"| {target_name} | {prompts_name} ({len(prompts)}) | {regular:.1f} | " + " | ".join(cells)
                   + f" | {'yes' if same else 'NO'} |")
 
@@ -1050,7 +1050,7 @@ def main() -> None:
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
     parser.add_argument("--num-drafts", help="batch, drafting: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
-    parser.add_argument("--pairs", help="batch, drafting: only these pairs (demo, benchmark)")
+    parser.add_argument("--pairs", help="batch, drafting, lookup: only these pairs (demo, benchmark)")
     parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large)")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)

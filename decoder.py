@@ -464,8 +464,9 @@ class AutoDraft:
     Step i's confidences are read while step i + 1 runs (a read per step
     that waited would cost more than it saves), so the decision comes one
     draft late: that draft is kept if it is worth its share of the target's
-    pass alone, its step being spent. Two drafts at least, `cap` at most;
-    before any timing, drafting goes on while a * sum P >= 0.5.
+    pass alone, its step being spent. Two draft steps at least (one draft
+    kept), `cap` drafts at most; before any timing, drafting goes on while
+    a * sum P >= 0.5.
     `python bench.py drafting` measures it against each fixed num-draft
     (docs/PERFORMANCE.md, "Drafting without tuning")."""
 
@@ -479,6 +480,7 @@ class AutoDraft:
         self.tokens = self.seconds = 0.0  # decayed sums over rounds
         self.draft_seconds = None
         self.rounds = [0.0] * 5  # decayed sums of 1, k, k^2, seconds, k * seconds over rounds of k drafts
+        self.shapes = set()  # (rows, drafts) of the rounds seen
 
     def bin(self, confidence: float) -> int:
         return min(int(confidence * self.bins), self.bins - 1)
@@ -507,20 +509,27 @@ class AutoDraft:
         slope = (products / weight - drafts / weight * seconds / weight) / spread
         return max(slope, self.draft_seconds)
 
-    def more(self, reach: list[float]) -> bool:
-        """Whether to draft another token, given each row's P."""
+    def worth(self, reach: list[float], seconds: float | None) -> bool:
+        """Whether drafts that rows reach with these P add more tokens than
+        `seconds` would make at the current speed (before any timing: half
+        a token)."""
         gain = self.pass_rate * sum(reach)
-        if self.draft_seconds is None or not self.seconds:
+        if seconds is None or not self.seconds:
             return gain >= 0.5
-        return gain >= self.tokens / self.seconds * self.draft_cost
+        return gain >= self.tokens / self.seconds * seconds
 
-    def verify_more(self, reach: list[float]) -> bool:
-        """Whether a draft already made is worth its place in the target's
-        pass: what one more draft costs beyond its draft step."""
-        gain = self.pass_rate * sum(reach)
-        if self.draft_seconds is None or not self.seconds:
-            return True
-        return gain >= self.tokens / self.seconds * (self.draft_cost - self.draft_seconds)
+    def decide(self, reach: list[float], limits: list[int], made: int) -> tuple[bool, bool]:
+        """With `made` drafts made, the last one's confidences not read yet,
+        and each row's P over the others: (draft another?, keep the last?).
+        The last draft's step is spent, so it stays if it is worth its share
+        of the target's pass alone."""
+        last = [p if made <= limit else 0.0 for p, limit in zip(reach, limits)]
+        following = [p * self.pass_rate if made < limit else 0.0 for p, limit in zip(reach, limits)]
+        if self.draft_seconds is None:
+            return self.worth(following, None), True
+        if self.worth(following, self.draft_cost):
+            return True, True
+        return False, self.worth(last, self.draft_cost - self.draft_seconds)
 
     def timed(self, seconds: float):
         """A draft step took this long. The estimate follows a faster step at
@@ -532,16 +541,21 @@ class AutoDraft:
             self.draft_seconds += (1 - self.decay) / 2 * (seconds - self.draft_seconds)
 
     def learn(self, confidences: list[list[float]], accepted: list[int], seconds: float):
-        """After a round: each row's drafts' confidences and how many passed, and the round's seconds."""
+        """After a round: each row's drafts' confidences and how many passed,
+        and the round's seconds (not counted the first time a batch of its
+        size drafts as many: those rounds trace graphs for their shapes)."""
         self.accepted = [self.decay * n for n in self.accepted]
         self.judged = [self.decay * n for n in self.judged]
         for row, passed in zip(confidences, accepted):
             for i, confidence in enumerate(row[: passed + 1]):  # the first rejected draft is judged too
                 self.judged[self.bin(confidence)] += 1
                 self.accepted[self.bin(confidence)] += i < passed
+        drafts = max(len(row) for row in confidences)
+        if (len(accepted), drafts) not in self.shapes:  # the first round of a shape also traces its graphs
+            self.shapes.add((len(accepted), drafts))
+            return
         self.tokens = self.decay * self.tokens + sum(accepted) + len(accepted)
         self.seconds = self.decay * self.seconds + seconds
-        drafts = max(len(row) for row in confidences)
         keep = self.cost_decay
         self.rounds = [keep * total + new for total, new in
                        zip(self.rounds, (1, drafts, drafts * drafts, seconds, drafts * seconds))]
@@ -586,17 +600,17 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[i
             continue
         confidences.append(draft_confidence(scores, token, sampling))
         mx.async_eval(token, confidences[-1])
-        if i > 0:  # (so auto drafts two at least) step i runs while step i - 1's confidences are read and timed
+        if i > 0:  # step i runs while step i - 1's confidences are read and timed
             for row, confidence in enumerate(confidences[-2].tolist()):
                 reach[row] = auto.reach(reach[row], confidence)
             now = time.perf_counter()
             auto.timed(now - last_read)
             last_read = now
-            wanted = [p * auto.pass_rate if i + 2 <= limit else 0.0 for p, limit in zip(reach, limits)]
-            if not auto.more(wanted):
-                if not auto.verify_more([p if i + 1 <= limit else 0.0 for p, limit in zip(reach, limits)]):  # step i ran for nothing: its draft is not worth verifying
-                    drafts.pop(), logits.pop(), confidences.pop()
-                    cache.trim([1] * len(rows))  # step i's input, draft i - 1, is fed again next round
+            more, keep = auto.decide(reach, limits, i + 1)
+            if not keep:  # step i ran for nothing
+                drafts.pop(), logits.pop(), confidences.pop()
+                cache.trim([1] * len(rows))  # its input, draft i - 1, is fed again next round
+            if not more:
                 break
     return mx.stack(drafts, axis=1), mx.stack(logits, axis=1), mx.stack(confidences, axis=1) if auto else None
 
@@ -612,7 +626,7 @@ class PromptLookup:
     def __init__(self, prompt: list[int]):
         self.prompt, self.output = list(prompt), []
         self.in_prompt, self.in_output = {}, {}  # n-gram -> the position after its last occurrence
-        self.index(self.in_prompt, self.prompt, 0, len(self.prompt))
+        self.index(self.in_prompt, self.prompt, 0, len(self.prompt) - 1)  # n-grams with a token after them
         self.indexed = 0  # output positions whose n-grams are indexed
 
     @classmethod
@@ -635,9 +649,8 @@ class PromptLookup:
         for n in range(min(self.longest, len(self.output)), 0, -1):
             tail = tuple(self.output[-n:])
             for table, tokens in ((self.in_output, self.output), (self.in_prompt, self.prompt)):
-                after = table.get(tail)
-                if after is not None and after < len(tokens):
-                    return tokens[after : after + limit]
+                if tail in table:
+                    return tokens[table[tail] : table[tail] + limit]
         return []
 
 
@@ -670,7 +683,9 @@ def speculative_batch(target: T5, draft: T5 | None, prompts: list[list[int]], ma
     """
     batch = Batch([target] if draft is None else [target, draft], prompts, stats, batch_size)
     eos, start = target.args.eos_token_id, target.args.decoder_start_token_id
-    auto = num_draft if isinstance(num_draft, AutoDraft) else AutoDraft() if num_draft == AUTO else None
+    auto = None
+    if num_draft == AUTO or isinstance(num_draft, AutoDraft):
+        auto = num_draft if isinstance(num_draft, AutoDraft) else AutoDraft()
     longest = auto.cap if auto else num_draft
     while True:
         batch.join()
@@ -701,6 +716,7 @@ def speculative_batch(target: T5, draft: T5 | None, prompts: list[list[int]], ma
             num_accepted, next_tokens = mx.zeros((len(rows),), mx.int32), sample(target_logits[:, 0], sampling)
             drafts = mx.zeros((len(rows), 0), mx.int32)
         mx.eval(num_accepted, next_tokens, drafts)  # the round's one host sync (with auto, one a draft step too)
+        seconds = time.perf_counter() - started  # before the rows' tokens go out to the caller
         confidences = confidences.tolist() if confidences is not None else None
         # 3. Each row takes its accepted prefix; both caches roll back to it.
         finished = set()
@@ -726,7 +742,7 @@ def speculative_batch(target: T5, draft: T5 | None, prompts: list[list[int]], ma
             if (yield from row.emit(new_tokens, eos, max_tokens)):
                 finished.add(position)
         if auto and k:
-            auto.learn([c[:limit] for c, limit in zip(confidences, limits)], accepted_counts, time.perf_counter() - started)
+            auto.learn([c[:limit] for c, limit in zip(confidences, limits)], accepted_counts, seconds)
         target_cache.trim([k - a for a in accepted_counts])
         if draft is not None and k:
             batch.caches[1].trim([k - 1 - min(a, k - 1) for a in accepted_counts])
@@ -828,7 +844,7 @@ def decode_batch(models: Models, ids: list[list[int]], settings: Settings, stats
         draft = None if settings.prompt_lookup else models.draft
         num_draft = settings.num_draft
         if num_draft == AUTO:  # what the pair has shown so far, at these settings
-            num_draft = models.drafting.setdefault((settings.delta, astuple(settings.sampling)), AutoDraft())
+            num_draft = models.drafting.setdefault((settings.delta, astuple(settings.sampling), batch_size), AutoDraft())
         yield from speculative_batch(models.target, draft, ids, settings.max_tokens, settings.sampling,
                                      num_draft, settings.delta, stats, batch_size)
     else:
@@ -891,7 +907,7 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
 def warm_up(models: Models, prompt: str, settings: Settings = Settings()) -> None:
     """A few tokens of each decoding path, so that first-call costs (compiling
     kernels, growing the allocator's pools) stay out of timings."""
-    for speculative in (False, True) if models.draft is not None else (False,):
+    for speculative in (False, True) if replace(settings, speculative=True).drafts(models) else (False,):
         measure(models, prompt, replace(settings, max_tokens=4, speculative=speculative))
 
 

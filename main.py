@@ -82,6 +82,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 # Options that only --sweep reads, with their defaults (argparse's default is
 # None, so that one given without --sweep is noticed).
 SWEEP_OPTIONS = {"num_drafts": "1,2,4,8,auto", "deltas": "0,0.1,0.3", "plot": None, "repeats": 1}
+LOOKUP_NUM_DRAFTS = "1,2,4,8"  # the sweep's default with --prompt-lookup, which auto cannot follow
 # Prompts decoded together from a prompts file; a sweep times one prompt at a time unless told.
 BATCH_SIZE_DEFAULT, SWEEP_BATCH_SIZE_DEFAULT = 8, 1
 
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--compare", action="store_true", help="run regular and speculative decoding and print the speedup")
     modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands); --prompt, if given, runs first")
     modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
-    p.add_argument("--num-drafts", help=f"sweep: num-draft values (default: {SWEEP_OPTIONS['num_drafts']})")
+    p.add_argument("--num-drafts", help=f"sweep: num-draft values (default: {SWEEP_OPTIONS['num_drafts']}; "
+                   f"{LOOKUP_NUM_DRAFTS} with --prompt-lookup)")
     p.add_argument("--deltas", help=f"sweep: delta values (default: {SWEEP_OPTIONS['deltas']})")
     p.add_argument("--prompts-file", help="prompts, one a line: generate for each, in order (with --json, one JSON object a line), "
                    "or sweep over them (the sweep's default: --prompt; with --demo, demo/prompts.txt)")
@@ -143,7 +145,7 @@ def check_usage(args) -> Settings:
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
     for name, default in SWEEP_OPTIONS.items():
         if getattr(args, name) is None:
-            setattr(args, name, default)
+            setattr(args, name, LOOKUP_NUM_DRAFTS if name == "num_drafts" and args.prompt_lookup else default)
         elif not args.sweep:
             raise UsageError(f"--{name.replace('_', '-')} goes with --sweep")
     if args.repeats < 1:
@@ -187,8 +189,6 @@ def run(args) -> int:
 
     if args.sweep:
         prompts = prompts or (examples if examples and not prompt_given else [args.prompt])
-        if args.prompt_lookup and args.num_drafts == SWEEP_OPTIONS["num_drafts"]:
-            args.num_drafts = args.num_drafts.replace(",auto", "")  # auto needs a draft model
         num_drafts = parse_list(args.num_drafts, "num_draft", "--num-drafts")
         if args.prompt_lookup and AUTO in num_drafts:
             raise UsageError("--num-drafts: auto follows a draft model's confidence, not --prompt-lookup's drafts")

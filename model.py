@@ -526,6 +526,8 @@ class Decoder(nn.Module):
 
 
 class T5(nn.Module):
+    most_traces = 64  # compiled decode-step shapes kept (compile_decoding)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -554,6 +556,12 @@ class T5(nn.Module):
         length = tokens.shape[1]
         keys, values = cache.reserve(length)
         step = self._compiled_step or self.decode_step
+        if self._compiled_step is not None:
+            shapes = (tokens.shape, keys[0].shape, cache.cross_keys_values[0][0].shape, cache.cross_bias is None)
+            if shapes not in self._traced:
+                if len(self._traced) == self.most_traces:
+                    step = self.compile_decoding()._compiled_step  # a fresh start: MLX frees the old traces
+                self._traced.add(shapes)
         logits, keys, values = step(tokens, mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias)
         cache.advance(length, keys, values)
         return logits
@@ -573,7 +581,8 @@ class T5(nn.Module):
     def compile_decoding(self) -> "T5":
         """Run decode steps as compiled graphs, traced once per shape (rows,
         new tokens, prompt length, storage capacity; a trace costs about a
-        step): MLX then replays the traced graph instead of running the
+        step, and half a megabyte for the demo target: after `most_traces`
+        shapes, a long session starts over with none): MLX then replays the traced graph instead of running the
         Python that builds it, and fuses its elementwise work, which is much
         of a narrow model's step (bench.py steps). The weights become
         constants of those graphs, so compile once they are final: changing
@@ -583,6 +592,7 @@ class T5(nn.Module):
         training builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
         self._compiled_step = mx.compile(self.decode_step)
+        self._traced = set()  # the shapes traced so far
         return self
 
     def update(self, parameters: dict, strict: bool = True) -> "T5":
@@ -754,7 +764,8 @@ def load_tokenizer(folder: str | Path):
 class Models:
     """A target, its draft (None: regular decoding only) and their shared
     tokenizer; `drafting` keeps what num_draft "auto" learnt about the pair
-    (decoder.AutoDraft), from one generation to the next."""
+    (decoder.AutoDraft) for each delta, sampling setting and batch size, from
+    one generation to the next."""
 
     target: T5
     draft: T5 | None

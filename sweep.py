@@ -113,7 +113,7 @@ def check_plot_path(path: str) -> None:
 
 def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
     """Speedup against num-draft, one line per delta; num-draft auto, which
-    has no place on that axis, as a dashed level in its delta's colour."""
+    has no place on that axis, as a dotted level in its delta's colour."""
     plt = import_pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     for delta in deltas:

@@ -112,16 +112,40 @@ def test_sampling_with_looked_up_drafts_follows_the_target_distribution(tiny_voc
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
 def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, temp, top_p):
-    """auto's draft lengths depend on the draft's confidences; the first token's distribution is still the target's."""
+    """auto drafts as many tokens as the draft's confidences make worth it;
+    the first token's distribution, and the second's given the most frequent
+    first, are still the target's."""
     (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
     prompt = [5, 3, 6, 1]
+    sampling = Sampling(temp=temp, top_p=top_p)
     mx.random.seed(1234)
-    counts, totals, auto = np.zeros(8), Stats(), AutoDraft()
+    outputs, totals, auto = [], Stats(), AutoDraft()
     for _ in range(3000):
-        out = list(speculative_generate(target, draft, prompt, 4, Sampling(temp=temp, top_p=top_p), auto, 0.0, totals))
-        counts[out[0] if out else 1] += 1
+        outputs.append(list(speculative_generate(target, draft, prompt, 4, sampling, auto, 0.0, totals)))
     assert 0.1 < totals.acceptance_rate < 0.9
-    assert chi_square_passes(counts, exact_first_token_distribution(hf_target, prompt, temp, top_p))
+    firsts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)
+    assert chi_square_passes(firsts, exact_first_token_distribution(hf_target, prompt, temp, top_p))
+    first = int(np.argmax(np.where(np.arange(8) == 1, 0, firsts)))
+    seconds = np.bincount([out[1] if len(out) > 1 else 1 for out in outputs if out and out[0] == first], minlength=8)
+    assert chi_square_passes(seconds, exact_second_token_distribution(hf_target, prompt, first, temp, top_p))
+
+
+class DropsTheSecond(AutoDraft):
+    """Decides against the second draft every round, once it is made."""
+
+    def decide(self, reach, limits, made):
+        return False, False
+
+
+def test_a_dropped_draft_leaves_the_draft_cache_as_one_draft_would(pair):
+    """Dropping the late draft rolls the draft's cache back a position: every
+    round then proposes what num-draft 1 proposes (a stale position would
+    change the draft's next proposals, and so the counts)."""
+    target, draft, prompt = pair["target"], pair["drafts"]["close"], pair["checkpoint"].prompt_ids
+    dropped, one = Stats(), Stats()
+    out = list(speculative_generate(target, draft, prompt, 40, Sampling(), DropsTheSecond(), 0.0, dropped))
+    assert out == list(speculative_generate(target, draft, prompt, 40, Sampling(), 1, 0.0, one))
+    assert (dropped.drafted, dropped.accepted, dropped.target_calls) == (one.drafted, one.accepted, one.target_calls)
 
 
 # ---------------------------------------------------------------- auto's rule
@@ -183,9 +207,9 @@ def test_lookup_copies_a_span_found_only_in_the_prompt():
 
 
 def test_lookup_prefers_the_longest_match_and_never_matches_its_own_tail():
-    lookup = PromptLookup([5, 9, 8, 3, 5, 6, 1])  # 5 is followed by 9, then by 6; (3, 5) by 6
+    lookup = PromptLookup([3, 5, 6, 8, 5, 9, 1])  # (3, 5) is followed by 6; 5, last, by 9
     lookup.add([3, 5])
-    assert lookup.draft(1) == [6]  # the 2-gram (3, 5), not the 1-gram's other occurrence
+    assert lookup.draft(1) == [6]  # the 2-gram, not the 1-gram's last occurrence
     lookup = PromptLookup([1])
     lookup.add([4, 4])  # (4,) occurred before the tail; (4, 4) only as the tail
     assert lookup.draft(3) == [4]

@@ -152,6 +152,26 @@ def test_changing_the_weights_of_a_compiled_model_is_not_ignored(checkpoint):
     assert not np.allclose(np.array(before), np.array(after))
 
 
+def test_a_long_session_keeps_a_bounded_number_of_compiled_steps(checkpoint):
+    """Each new shape (here, prompt length) traces a graph; past most_traces
+    they are dropped and tracing starts over, with the same logits."""
+    model = load_model(checkpoint.mlx_dir)
+    model.most_traces = 3
+    for length in range(4, 10):
+        prompt = mx.array([checkpoint.prompt_ids[:length - 1] + [1]])
+        compiled = model.decode(mx.array([[0, 5]]), model.make_cache(model.encode(prompt)))
+        assert 1 <= len(model._traced) <= 3
+        plain = model.decode_step(mx.array([[0, 5]]), *model_inputs(model, prompt))[0]
+        np.testing.assert_allclose(np.array(compiled), np.array(plain), rtol=0, atol=1e-5 * float(mx.abs(plain).max()))
+
+
+def model_inputs(model, prompt: mx.array) -> tuple:
+    """decode_step's arguments after `prompt` is encoded, for two new tokens."""
+    cache = model.make_cache(model.encode(prompt))
+    keys, values = cache.reserve(2)
+    return mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias
+
+
 @pytest.fixture(scope="module")
 def unit_scale_v1_0(tmp_path_factory, tokenizer_dir, tokenizer):
     import conftest
