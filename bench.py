@@ -367,7 +367,7 @@ def draft_round_seconds(draft, k: int, rounds: int = 30) -> float:
     for _ in range(rounds + 3):
         row = Row(0, Stats(), 0.0, unseen=[5])
         start = time.perf_counter()
-        mx.eval(draft_tokens(draft, cache, [row], k, Sampling()))
+        mx.eval(draft_tokens(draft, cache, [row], [k], Sampling())[:2])
         times.append(time.perf_counter() - start)
         cache.trim(k)
     return statistics.median(times[3:])

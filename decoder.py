@@ -455,7 +455,7 @@ class AutoDraft:
     in for g of a draft whose c is not read yet). R is the speed (tokens a
     second, all rows); d the seconds one more draft adds to a round, its
     draft step and its share of the target's pass (the slope of round
-    seconds against drafts). Only drafts the target judged count (up to
+    seconds against draft steps). Only drafts the target judged count (up to
     each row's first rejection), and recent rounds weigh more. So drafting
     goes further after full acceptances and stops sooner after rejections;
     a slow draft, or a fast target, drafts less; a draft whose confidence
@@ -481,6 +481,7 @@ class AutoDraft:
         self.draft_seconds = None
         self.rounds = [0.0] * 5  # decayed sums of 1, k, k^2, seconds, k * seconds over rounds of k drafts
         self.shapes = set()  # (rows, drafts) of the rounds seen
+        self.steps = 0  # draft steps run this round (draft_tokens counts them)
 
     def bin(self, confidence: float) -> int:
         return min(int(confidence * self.bins), self.bins - 1)
@@ -500,7 +501,7 @@ class AutoDraft:
     def draft_cost(self) -> float:
         """Seconds one more draft adds to a round (d): its draft step, and its
         share of the target's pass, which on a small target is most of it.
-        The slope of round seconds against drafts, once rounds of different
+        The slope of round seconds against draft steps, once rounds of different
         lengths were seen; the draft step alone until then."""
         weight, drafts, squares, seconds, products = self.rounds
         spread = squares / weight - (drafts / weight) ** 2 if weight else 0.0
@@ -556,9 +557,11 @@ class AutoDraft:
             return
         self.tokens = self.decay * self.tokens + sum(accepted) + len(accepted)
         self.seconds = self.decay * self.seconds + seconds
-        keep = self.cost_decay
+        # Against the draft steps run, a dropped one included: against the drafts
+        # kept, rounds that dropped one would look dear for their length.
+        steps, keep = self.steps, self.cost_decay
         self.rounds = [keep * total + new for total, new in
-                       zip(self.rounds, (1, drafts, drafts * drafts, seconds, drafts * seconds))]
+                       zip(self.rounds, (1, steps, steps * steps, seconds, steps * seconds))]
 
 
 def draft_confidence(scores: mx.array, tokens: mx.array, sampling: Sampling) -> mx.array:
@@ -600,6 +603,7 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[i
             continue
         confidences.append(draft_confidence(scores, token, sampling))
         mx.async_eval(token, confidences[-1])
+        auto.steps = i + 1
         if i > 0:  # step i runs while step i - 1's confidences are read and timed
             for row, confidence in enumerate(confidences[-2].tolist()):
                 reach[row] = auto.reach(reach[row], confidence)
