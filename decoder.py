@@ -578,7 +578,8 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[i
     the draft's logits (B, k, V), with `auto` the draft's confidence in
     each draft (B, k)). k = max(limits), or fewer when `auto` stops early.
     No host sync without `auto`; with it, each step's confidences are read
-    while the next step runs, so deciding to stop keeps that next draft too.
+    while the next step runs, so a decision to stop comes one draft late
+    (AutoDraft.decide says whether that draft is kept).
     The first call feeds each row's unseen tokens (one or two), padded on
     the right where they differ; the padding's cache positions are trimmed
     at once."""
