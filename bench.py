@@ -661,7 +661,7 @@ def compare_runs(prompts: list, runs: dict, repeats: int) -> dict:
                    sum((p[name][1] for p in passes), Stats()), passes[-1][name][2]) for name in runs}
 
 
-def copy_prompts(tokenizer, target, count: int = 20, run: int = 5) -> list[list[int]]:
+def copy_prompts(target, count: int = 20, run: int = 5) -> list[list[int]]:
     """A copy-heavy task for the demo target: held-out code (pieces of 64
     tokens, as the pair was trained on) whose masked 13-token span occurs,
     word for word, earlier in the same piece, kept when the target's own
@@ -672,20 +672,18 @@ def copy_prompts(tokenizer, target, count: int = 20, run: int = 5) -> list[list[
 
     import train
     from decoder import Sampling, regular_generate
+    from transformers import AutoTokenizer
 
-    sentinel, eos = tokenizer.encode("<extra_id_0>")[0], tokenizer.encode("")[-1]
-    pieces = [tokenizer.backend.id_to_token(i) for i in range(len(tokenizer))]
-    is_word_start = [p.startswith("\u2581") and len(p) > 1 for p in pieces]  # as train.word_starts
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO / "target"))  # train.py's helpers take transformers' tokenizers
+    sentinel, eos = tokenizer.convert_tokens_to_ids("<extra_id_0>"), tokenizer.eos_token_id
+    is_word_start = train.word_starts(tokenizer)
     span, candidates = 13, []
-    for file in train.corpus_files()[1]:
-        ids = tokenizer.backend.encode(train.read(file), add_special_tokens=False).ids
-        for first in range(0, len(ids) - train.RAW_LENGTH + 1, train.RAW_LENGTH):
-            piece = ids[first : first + train.RAW_LENGTH]
-            for start in range(len(piece) - span - 1, span - 1, -1):  # the last span with an earlier copy
-                masked = piece[start : start + span]
-                if is_word_start[masked[0]] and any(piece[j : j + span] == masked for j in range(start - span + 1)):
-                    candidates.append(piece[:start] + [sentinel] + piece[start + span :] + [eos])
-                    break
+    for piece in train.chunks(tokenizer, train.corpus_files()[1]).tolist():
+        for start in range(len(piece) - span - 1, span - 1, -1):  # the last span with an earlier copy
+            masked = piece[start : start + span]
+            if is_word_start[masked[0]] and any(piece[j : j + span] == masked for j in range(start - span + 1)):
+                candidates.append(piece[:start] + [sentinel] + piece[start + span :] + [eos])
+                break
     random.Random(0).shuffle(candidates)
     chosen = []
     for prompt in candidates:
@@ -758,7 +756,7 @@ def bench_lookup(args) -> None:
     models = {"demo target": load_model(DEMO / "target"), "benchmark target": load_model(target_dir)}
     tokenizer = load_tokenizer(DEMO / "target")
     demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
-    copies = copy_prompts(tokenizer, models["demo target"], args.prompts or 20)
+    copies = copy_prompts(models["demo target"], args.prompts or 20)
     pairs = args.pairs.split(",") if args.pairs else ["demo", "benchmark"]
     longest = [2, 4, 8]
     print(f"\nPrompt lookup (no draft model) against regular decoding: greedy, delta 0, num-draft {longest} "

@@ -165,10 +165,12 @@ def perturbed_copy(source: Path, out: Path, noise: float, seed: int) -> Path:
     return out
 
 
-def exact_first_token_distribution(hf_model, prompt, temp, top_p) -> np.ndarray:
-    """The target's distribution of its first token, from transformers' logits."""
+def exact_first_token_distribution(hf_model, prompt, temp, top_p, after: tuple = ()) -> np.ndarray:
+    """The target's distribution of its first token (or of the one after
+    the tokens `after`), from transformers' logits."""
     with torch.no_grad():
-        logits = hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[0]])).logits[0, -1].double()
+        decoded = torch.tensor([[0, *after]])
+        logits = hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=decoded).logits[0, -1].double()
     probs = torch.softmax(logits / temp, dim=-1).numpy()
     if top_p < 1:
         order = np.argsort(-probs)
