@@ -10,7 +10,10 @@ Loading the chosen library with RTLD_GLOBAL before MLX's own library resolves
 its symbols makes MLX call it. Debian's BLIS (`libblis4-serial`;
 `libblis3-serial` on older releases) and Intel MKL (from PyPI) are both fast
 for one-row products; BLIS is the faster of the two for the few-row products
-of speculative verification (docs/PERFORMANCE.md has the measurements).
+of speculative verification on the CPUs it has kernels for. On a CPU newer
+than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its portable "generic"
+kernels, 2-3x slower than MKL for those products, so the default order skips
+such a BLIS (docs/PERFORMANCE.md has the measurements).
 
 The library runs one thread: a single core's matrix-vector product reads memory
 as fast as the BLAS's own threading would, so `use_cores` splits each
@@ -61,8 +64,10 @@ def _load() -> str:
     if "mlx.core" in sys.modules:
         return MLX_FIRST
     order = [name.strip() for name in os.environ.get("T5_MLX_BLAS", "").lower().split(",") if name.strip()]
-    if order in ([], ["auto"]):
+    asked = order not in ([], ["auto"])  # a library named by the user is taken whatever its kernels
+    if not asked:
         order = DEFAULT_ORDER.split(",")
+    skipped = ""
     for name in order:
         if name == "bundled":
             break
@@ -72,6 +77,9 @@ def _load() -> str:
         find, setter_name, count_type = _LIBRARIES[name]
         path = find()
         if path is None:
+            continue
+        if name == "blis" and not asked and blis_kernels(path) == "generic":
+            skipped = "; BLIS skipped: it has only generic kernels for this CPU"
             continue
         if name == "mkl":  # one thread per MLX stream anyway: no OpenMP runtime in the way (training asks for it)
             os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
@@ -90,8 +98,20 @@ def _load() -> str:
         for setter in ("bli_pack_set_pack_a", "bli_pack_set_pack_b"):
             if name == "blis" and hasattr(library, setter):
                 getattr(library, setter).argtypes = [ctypes.c_bool]
-        return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream)"
+        return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream{skipped})"
     return "bundled reference BLAS (slow: apt install libblis4-serial, or pip install mkl)"
+
+
+def blis_kernels(path: str) -> str | None:
+    """The kernels ("sub-configuration") BLIS chose for this CPU: zen3,
+    haswell, skx..., or "generic" when its build does not know the CPU.
+    Asked of a private copy (RTLD_LOCAL), which MLX never binds to."""
+    try:
+        library = ctypes.CDLL(path)
+        library.bli_arch_string.restype, library.bli_arch_string.argtypes = ctypes.c_char_p, [ctypes.c_int]
+        return library.bli_arch_string(library.bli_arch_query_id()).decode()
+    except (OSError, AttributeError):  # not loadable, or a BLIS too old to say
+        return None
 
 
 _thread_setter = None

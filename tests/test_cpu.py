@@ -35,10 +35,42 @@ def active(order: str | None) -> str:
 
 
 @linux_only
-def test_the_default_is_blis_when_installed_else_another_fast_library():
-    expected = {"blis"} if find_library("blis") else {"mkl", "openblas"}
+def test_the_default_is_blis_when_it_has_kernels_for_this_cpu_else_another_fast_library():
+    """BLIS on a CPU its build does not know runs generic kernels, slower than MKL: the default skips it, and says so."""
+    blis = find_library("blis")
+    with_kernels = blis is not None and cpu.blis_kernels(blis) not in ("generic", None)
+    expected = {"blis"} if with_kernels else {"mkl", "openblas"}
     for order in (None, "", "auto"):
-        assert active(order).split()[0] in expected, order
+        chosen = active(order)
+        assert chosen.split()[0] in expected, order
+        assert ("BLIS skipped: it has only generic kernels" in chosen) == (blis is not None and not with_kernels)
+
+
+@linux_only
+@pytest.mark.skipif(find_library("blis") is None, reason="BLIS is not installed")
+def test_blis_asked_for_by_name_is_taken_whatever_its_kernels():
+    assert active("blis").startswith("blis")
+    assert active("blis,mkl").startswith("blis")
+
+
+GLOBAL_SGEMM = """
+import ctypes, cpu
+class Found(ctypes.Structure):
+    _fields_ = [("file", ctypes.c_char_p), ("base", ctypes.c_void_p), ("name", ctypes.c_char_p), ("address", ctypes.c_void_p)]
+process, found = ctypes.CDLL(None), Found()  # dlopen(NULL): the global scope, where MLX's BLAS calls resolve first
+process.dladdr(ctypes.cast(process.cblas_sgemm, ctypes.c_void_p), ctypes.byref(found))
+print(cpu.ACTIVE.split()[0], found.file.decode())
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("order", [None, "mkl", "blis"])
+def test_the_library_named_active_is_the_one_whose_products_mlx_calls(order):
+    """A BLIS only asked for its kernels (loaded privately) never provides the products, even when skipped."""
+    if order == "blis" and find_library("blis") is None:
+        pytest.skip("BLIS is not installed")
+    name, provider = python(GLOBAL_SGEMM, order).stdout.split()
+    assert name in ("blis", "mkl", "openblas") and name in Path(provider).name, provider
 
 
 @linux_only
