@@ -120,7 +120,7 @@ def bias_rows(by_distance: mx.array, first: int, last: int, length: int) -> mx.a
 ROWS_PER_CHUNK = 512
 SCORES_PER_BLOCK = 1 << 21
 ROWS_PER_BLOCK = 32  # at least
-OWN_SOFTMAX_FROM = 4096  # scores per query (heads x keys); see attend
+OWN_SOFTMAX_FROM = 4096  # scores per query (heads x keys) from which cross-attention takes our softmax; see attend
 
 
 def row_chunks(length: int, lanes: int) -> list[tuple[int, int]]:
@@ -166,28 +166,42 @@ def _exp_below_zero(x: mx.array) -> mx.array:
 _compiled_exp_below_zero = mx.compile(_exp_below_zero)
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, mlx_softmax: bool = False) -> mx.array:
+@mx.custom_function
+def exp_below_zero(x: mx.array) -> mx.array:
+    """_exp_below_zero, compiled, with exp's gradient: its bit cast has none,
+    and training runs the encoder's attention through it."""
+    return _compiled_exp_below_zero(x)
+
+
+@exp_below_zero.vjp
+def _exp_below_zero_vjp(primals, cotangent, output):
+    return cotangent * output
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, softmax: str = "by-keys") -> mx.array:
     """Softmax attention with an additive bias, scale 1 (T5 folds 1/sqrt(d_kv)
     into its initialisation). On a GPU, the fused kernel. On the CPU, where
     MLX's fused attention is built of plain operations anyway, our own: the
     bias added in the scores' product, and no scaling by 1, two operations
-    fewer, which matters in a narrow model's decode step. Queries that each
-    score many keys (a long input, and cross-attention over it) also take an
-    exponential of our own: MLX's CPU exp costs ~17 ns an element on x86,
-    ours ~6 (bench.py attention), and the exponentials are most of a long
-    input's encoding. Not when the caller asks for MLX's (`mlx_softmax`): the
-    decoder's self-attention, whose growing keys would otherwise cross the
-    threshold at different steps in a verify pass and a regular step. The
-    choice depends on each query's own scores, never on how many queries
-    come, so a row gets the same arithmetic alone or in a verify pass."""
+    fewer, which matters in a narrow model's decode step. The softmax is
+    MLX's (`softmax="mlx"`) or ours (`"ours"`): an exponential of our own,
+    ~7 ns a score where MLX's costs ~13 on x86 (bench.py attention), in four
+    operations more, which pay once a call has tens of queries. So the
+    encoder, whose queries are its whole prompt, takes ours; the decoder's
+    self-attention takes MLX's (its keys grow step by step: a rule on their
+    count would switch in a verify pass at a different step than in a
+    regular one); and cross-attention (`"by-keys"`) takes ours when each
+    query scores OWN_SOFTMAX_FROM keys x heads or more (a long prompt), a rule
+    on each query's own scores, never on how many queries come, so a row gets
+    the same arithmetic alone or in a verify pass."""
     B, H, L, _ = queries.shape
     if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     transposed = keys.swapaxes(-1, -2)
     scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
-    if mlx_softmax or H * keys.shape[2] < OWN_SOFTMAX_FROM:
+    if softmax == "mlx" or (softmax == "by-keys" and H * keys.shape[2] < OWN_SOFTMAX_FROM):
         return mx.softmax(scores, axis=-1, precise=True) @ values
-    weights = _compiled_exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
+    weights = exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
     return (weights @ values) / weights.sum(axis=-1, keepdims=True)
 
 
@@ -209,12 +223,12 @@ class Attention(nn.Module):
         return self.split_heads(self.k(x), rows), self.split_heads(self.v(x), rows)
 
     def __call__(self, x: mx.array, keys_values: tuple[mx.array, mx.array], bias: mx.array | None,
-                 mlx_softmax: bool = False) -> mx.array:
+                 softmax: str = "by-keys") -> mx.array:
         """x's queries over keys_values: the decoder's cached self-attention
         (with MLX's softmax, see attend) or the prompt's cross-attention. x is (B * L,
         d_model): the decoder keeps its states as a matrix, whose products
         need no reshaping around them."""
-        out = attend(self.split_heads(self.q(x), keys_values[0].shape[0]), *keys_values, bias, mlx_softmax)
+        out = attend(self.split_heads(self.q(x), keys_values[0].shape[0]), *keys_values, bias, softmax)
         return self.o(out.transpose(0, 2, 1, 3).reshape(x.shape[0], -1))
 
     def attend_in_blocks(self, x: mx.array, first: int, bias_of, keys_values: tuple[mx.array, mx.array],
@@ -233,7 +247,8 @@ class Attention(nn.Module):
         for i, (a, b, h, g) in enumerate(attention_blocks(first, last, self.num_heads, keys.shape[2])):
             with lane(lanes, i):
                 blocks.setdefault(a, []).append(
-                    attend(queries[:, h:g, a - first:b - first], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]))
+                    attend(queries[:, h:g, a - first:b - first], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g],
+                           "ours"))
         out = mx.concatenate([mx.concatenate(heads, axis=1) for heads in blocks.values()], axis=2)
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -310,7 +325,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attention_norm(x)
         new_keys_values = self.self_attention.project_keys_values(h, positions.shape[0])
         keys, values = (write(storage, positions, new) for storage, new in zip((keys, values), new_keys_values))
-        x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, mlx_softmax=True))
+        x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, softmax="mlx"))
         h = self.cross_attention(self.cross_attention_norm(x), cross_keys_values, cross_bias)
         x = _clamp_float16(x + h)
         return _clamp_float16(x + self.ffn(self.ffn_norm(x))), keys, values
