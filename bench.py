@@ -51,11 +51,13 @@ def machine() -> str:
     import cpu
 
     model = platform.processor() or platform.machine()
-    if sys.platform == "linux":
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    if sys.platform == "linux":  # a virtual machine's "AMD EPYC" may be any generation: its family tells which
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        model = fields.get("model name", model)
+        if "cpu family" in fields:
+            wide = ", AVX-512" if "avx512f" in fields.get("flags", "").split() else ""
+            model += f" (family {fields['cpu family']} model {fields.get('model', '?')}{wide})"
     elif sys.platform == "darwin":
         model = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
     return f"{model}, {os.cpu_count()} cores, BLAS {cpu.ACTIVE.split(' (')[0]}"
@@ -991,6 +993,66 @@ def bench_attention(args) -> None:
           f"{cost(lambda: small + 1, 1 << 20):.2f} / {cost(lambda: large + 1, 1 << 23):.2f} ns per element |")
 
 
+# (rows, columns) of the weights a decode step multiplies: the demo target's, the
+# benchmark pair target's FFN, T5-large's attention and FFN.
+BLAS_SHAPES = [(256, 256), (512, 256), (8192, 256), (256, 8192), (1024, 1024), (4096, 1024)]
+BLAS_ROWS = [1, 2, 5, 8, 40]  # a regular step, verify passes of 1 and 4 drafts, batches of 8 (x 5)
+
+
+def blas_worker() -> None:
+    """In a process whose BLAS T5_MLX_BLAS chose: microseconds per product
+    x @ w.T (split over the cores as decoding splits it) for each weight
+    shape and row count, medians over 7 runs of 10 products."""
+    import cpu
+    import mlx.core as mx
+
+    times = {}
+    for shape in BLAS_SHAPES:
+        weights = [mx.random.normal(shape) for _ in range(10)]
+        mx.eval(weights)
+        for rows in BLAS_ROWS:
+            x = mx.random.normal((rows, shape[1]))
+            mx.eval(x)
+            runs = []
+            for _ in range(9):
+                start = time.perf_counter()
+                mx.eval([cpu.split_matmul(x, w) for w in weights])
+                runs.append((time.perf_counter() - start) / len(weights))
+            times[f"{shape}x{rows}"] = statistics.median(runs[2:]) * 1e6
+    print(json.dumps({"active": cpu.ACTIVE, "times": times}))
+
+
+def bench_blas(args) -> None:
+    """Every installed BLAS on decoding's products, each in its own process
+    (the library is chosen once per process), and the kernels BLIS picked for
+    this CPU: what cpu.py's default order rests on."""
+    import ctypes.util
+
+    import cpu
+
+    blis = ctypes.util.find_library("blis")
+    print(f"\nDecoding's products (x @ w.T, split over the cores as decoding splits them), microseconds each, "
+          f"by BLAS\n\nmachine: {machine()}\nBLIS's kernels for this CPU: "
+          f"{cpu.blis_kernels(blis) if blis else 'BLIS not installed'}\n")
+    results = {}
+    for name in ("blis", "mkl", "openblas"):
+        env = {**os.environ, "T5_MLX_BLAS": name}
+        done = subprocess.run([sys.executable, __file__, "--blas-worker"], cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode == 0:
+            result = json.loads(done.stdout)
+            if result["active"].startswith(name):  # not installed: the worker fell back to the bundled BLAS
+                results[name] = result["times"]
+    names = list(results)
+    print("| weight (rows x columns) | x rows | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
+    for shape in BLAS_SHAPES:
+        for rows in BLAS_ROWS:
+            key = f"{shape}x{rows}"
+            cells = [results[name][key] for name in names]
+            best = min(cells)
+            print(f"| {shape[0]} x {shape[1]} | {rows} | "
+                  + " | ".join(f"**{c:.0f}**" if c == best else f"{c:.0f}" for c in cells) + " |")
+
+
 # Shapes from the public configs on the Hugging Face hub (v1.0 T5: tied head, vocabulary 32128).
 PUBLIC_T5 = {
     "t5-small": dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6),
@@ -1045,7 +1107,7 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode", "attention", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode", "attention", "blas", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -1063,7 +1125,10 @@ def main() -> None:
     parser.add_argument("--decode-worker", help=argparse.SUPPRESS)
     parser.add_argument("--encode-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blas-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.blas_worker:
+        return blas_worker()
     if args.encode_worker:
         import cpu  # noqa: F401  (before mlx.core)
 
@@ -1099,6 +1164,8 @@ def main() -> None:
         bench_encode(args)
     if args.which == "attention":
         bench_attention(args)
+    if args.which == "blas":
+        bench_blas(args)
 
 
 if __name__ == "__main__":
