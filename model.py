@@ -178,7 +178,15 @@ def _exp_below_zero_vjp(primals, cotangent, output):
     return cotangent * output
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, softmax: str = "by-keys") -> mx.array:
+def with_summing_column(values: mx.array) -> mx.array:
+    """values (..., keys, d) with a column of ones appended: the weights'
+    product with them is then the weighted values and, in the last column,
+    the weights' sum, in one product (a sum of its own costs ~1 ns a score)."""
+    return mx.concatenate([values, mx.ones((*values.shape[:-1], 1), values.dtype)], axis=-1)
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array | None, softmax: str = "by-keys",
+           summing_column: bool = False) -> mx.array:
     """Softmax attention with an additive bias, scale 1 (T5 folds 1/sqrt(d_kv)
     into its initialisation). On a GPU, the fused kernel. On the CPU, where
     MLX's fused attention is built of plain operations anyway, our own: the
@@ -193,7 +201,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array |
     regular one); and cross-attention (`"by-keys"`) takes ours when each
     query scores OWN_SOFTMAX_FROM keys x heads or more (a long prompt), a rule
     on each query's own scores, never on how many queries come, so a row gets
-    the same arithmetic alone or in a verify pass."""
+    the same arithmetic alone or in a verify pass. With `summing_column`
+    (our softmax only) the values end in a column of ones
+    (with_summing_column), which gives the normaliser."""
     B, H, L, _ = queries.shape
     if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
@@ -202,6 +212,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array |
     if softmax == "mlx" or (softmax == "by-keys" and H * keys.shape[2] < OWN_SOFTMAX_FROM):
         return mx.softmax(scores, axis=-1, precise=True) @ values
     weights = exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
+    if summing_column:
+        out = weights @ values
+        return out[..., :-1] / out[..., -1:]
     return (weights @ values) / weights.sum(axis=-1, keepdims=True)
 
 
@@ -243,12 +256,13 @@ class Attention(nn.Module):
         last = first + L
         queries = self.split_heads(self.q(x))
         keys, values = keys_values
+        summing = values.shape[-1] == queries.shape[-1] + 1  # EncoderLayer appended a summing column (on the CPU)
         blocks = {}  # first row -> that block's output, head group by head group
         for i, (a, b, h, g) in enumerate(attention_blocks(first, last, self.num_heads, keys.shape[2])):
             with lane(lanes, i):
                 blocks.setdefault(a, []).append(
                     attend(queries[:, h:g, a - first:b - first], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g],
-                           "ours"))
+                           "ours", summing))
         out = mx.concatenate([mx.concatenate(heads, axis=1) for heads in blocks.values()], axis=2)
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -299,6 +313,8 @@ class EncoderLayer(nn.Module):
                 keys_values.append(self.attention.project_keys_values(h[:, first:last]))
         keys = mx.concatenate([k for k, _ in keys_values], axis=2)
         values = mx.concatenate([v for _, v in keys_values], axis=2)
+        if mx.default_device() == mx.cpu:  # our softmax (attend): its normaliser from the values' product
+            values = with_summing_column(values)
         out = []
         for i, (first, last) in enumerate(chunks):
             with lane(lanes, i):
