@@ -12,7 +12,7 @@ its symbols makes MLX call it. Debian's BLIS (`libblis4-serial`;
 for one-row products; BLIS is the faster of the two for the few-row products
 of speculative verification on the CPUs it has kernels for. On a CPU newer
 than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its portable "generic"
-kernels, 2-3x slower than MKL for those products, so the default order skips
+kernels, 1.1-3.8x slower than MKL for those products, so the default order skips
 such a BLIS (docs/PERFORMANCE.md has the measurements).
 
 The library runs one thread: a single core's matrix-vector product reads memory
