@@ -255,8 +255,9 @@ def test_chunks_and_blocks_cover_the_input_bound_the_scores_and_give_every_lane_
 @pytest.mark.parametrize("padded", [False, True])
 def test_our_cpu_softmax_attention_equals_the_fused_kernel(padded):
     """The CPU path for queries with many keys (our exp, normalised after the
-    values) agrees with MLX's fused attention, -inf padding included."""
-    from model import OWN_SOFTMAX_FROM, attend
+    values, by a sum or by a column of ones) agrees with MLX's fused
+    attention, -inf padding included."""
+    from model import OWN_SOFTMAX_FROM, attend, with_summing_column
 
     rng = np.random.default_rng(0)
     queries, keys, values = (mx.array(rng.normal(size=(2, 4, n, 16)).astype(np.float32) * 2) for n in (40, 1100, 1100))
@@ -267,6 +268,9 @@ def test_our_cpu_softmax_attention_equals_the_fused_kernel(padded):
     fused = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     for softmax in ("ours", "by-keys"):
         np.testing.assert_allclose(np.array(attend(queries, keys, values, bias, softmax)), np.array(fused), rtol=1e-5, atol=1e-5)
+    # The encoder's form: the normaliser from a column of ones on the values.
+    summed = attend(queries, keys, with_summing_column(values), bias, "ours", summing_column=True)
+    np.testing.assert_allclose(np.array(summed), np.array(fused), rtol=1e-5, atol=1e-5)
     # A short prompt's 60 keys, which the encoder's attention takes our path for too.
     few = (keys[:, :, :60], values[:, :, :60])
     np.testing.assert_allclose(np.array(attend(queries, *few, bias[..., :60], "ours")),
