@@ -452,21 +452,23 @@ class AutoDraft:
     draft's own probability for the token it drafted, and g(c) the share of
     recent drafts of about that confidence (a fifth of [0, 1]) that the
     target accepted; a is the share of all recent drafts accepted (standing
-    in for g of a draft whose c is not read yet). R is the speed (tokens a
-    second, all rows); d the seconds one more draft adds to a round, its
-    draft step and its share of the target's pass (the slope of round
-    seconds against draft steps). Only drafts the target judged count (up to
-    each row's first rejection), and recent rounds weigh more. So drafting
-    goes further after full acceptances and stops sooner after rejections;
-    a slow draft, or a fast target, drafts less; a draft whose confidence
-    says nothing (it agrees either way) is trusted on its record.
+    in for g of a draft whose c is not read yet). A row whose draft ended
+    its text has P 0: what follows would never be output. R is the speed
+    (tokens a second, all rows); d the seconds one more draft adds to a
+    round, its draft step and its share of the target's pass: the slope of
+    round seconds against draft steps, the last one measured while rounds
+    are all of one length. Only drafts the target judged count (up to each
+    row's first rejection), and recent rounds weigh more. So drafting goes
+    further after full acceptances and stops sooner after rejections; a slow
+    draft, or a fast target, drafts less; a draft whose confidence says
+    nothing (it agrees either way) is trusted on its record.
 
-    Step i's confidences are read while step i + 1 runs (a read per step
-    that waited would cost more than it saves), so the decision comes one
-    draft late: that draft is kept if it is worth its share of the target's
-    pass alone, its step being spent. Two draft steps at least (one draft
-    kept), `cap` drafts at most; before any timing, drafting goes on while
-    a * sum P >= 0.5.
+    Step i's confidences are read while step i + 1 runs (a read that waited
+    would idle the machine for longer than a step of a small draft), so
+    each decision comes one draft late: the second step is decided on `a`
+    alone, and a draft found not worth it after its step ran is kept if it
+    is worth its share of the target's pass alone. One draft at least,
+    `cap` at most; before any timing, drafting goes on while a * sum P >= 0.5.
     `python bench.py drafting` measures it against each fixed num-draft
     (docs/PERFORMANCE.md, "Drafting without tuning")."""
 
@@ -479,6 +481,7 @@ class AutoDraft:
         self.accepted, self.judged = [0.0] * self.bins, [0.0] * self.bins  # decayed counts by confidence
         self.tokens = self.seconds = 0.0  # decayed sums over rounds
         self.draft_seconds = None
+        self.slope = None  # the last slope measured: rounds of one length, all that auto may run, measure none
         self.rounds = [0.0] * 5  # decayed sums of 1, k, k^2, seconds, k * seconds over rounds of k drafts
         self.shapes = set()  # (rows, drafts) of the rounds seen
         self.steps = 0  # draft steps run this round (draft_tokens counts them)
@@ -505,16 +508,17 @@ class AutoDraft:
         lengths were seen; the draft step alone until then."""
         weight, drafts, squares, seconds, products = self.rounds
         spread = squares / weight - (drafts / weight) ** 2 if weight else 0.0
-        if spread < 0.25:
-            return self.draft_seconds
-        slope = (products / weight - drafts / weight * seconds / weight) / spread
-        return max(slope, self.draft_seconds)
+        if spread >= 0.25:
+            self.slope = (products / weight - drafts / weight * seconds / weight) / spread
+        return max(self.slope or 0.0, self.draft_seconds)
 
     def worth(self, reach: list[float], seconds: float | None) -> bool:
         """Whether drafts that rows reach with these P add more tokens than
         `seconds` would make at the current speed (before any timing: half
         a token)."""
         gain = self.pass_rate * sum(reach)
+        if gain == 0:
+            return False
         if seconds is None or not self.seconds:
             return gain >= 0.5
         return gain >= self.tokens / self.seconds * seconds
@@ -573,10 +577,11 @@ def draft_confidence(scores: mx.array, tokens: mx.array, sampling: Sampling) -> 
 
 
 def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[int], sampling: Sampling,
-                 auto: AutoDraft | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
+                 auto: AutoDraft | None = None) -> tuple[mx.array, mx.array, list[mx.array] | None]:
     """Tokens drafted for every row, one draft call each: (drafts (B, k),
     the draft's logits (B, k, V), with `auto` the draft's confidence in
-    each draft (B, k)). k = max(limits), or fewer when `auto` stops early.
+    each step's drafts, k (B,) arrays). k = max(limits), or fewer when
+    `auto` stops early.
     No host sync without `auto`; with it, each step's confidences are read
     while the next step runs, so a decision to stop comes one draft late
     (AutoDraft.decide says whether that draft is kept).
@@ -587,6 +592,7 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[i
     width = max(lengths)
     inputs = mx.array([row.unseen + [0] * (width - len(row.unseen)) for row in rows])
     drafts, logits, confidences = [], [], []
+    eos = draft.args.eos_token_id
     reach, last_read = [1.0] * len(rows), time.perf_counter()  # P(row), from the confidences read so far
     for i in range(max(limits)):
         scores = draft.decode(inputs, cache)
@@ -606,18 +612,19 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[i
         mx.async_eval(token, confidences[-1])
         auto.steps = i + 1
         if i > 0:  # step i runs while step i - 1's confidences are read and timed
-            for row, confidence in enumerate(confidences[-2].tolist()):
-                reach[row] = auto.reach(reach[row], confidence)
+            for row, (confidence, token) in enumerate(zip(confidences[-2].tolist(), drafts[-2].tolist())):
+                # Drafts after an end of text would never reach the output.
+                reach[row] = 0.0 if token == eos else auto.reach(reach[row], confidence)
             now = time.perf_counter()
             auto.timed(now - last_read)
             last_read = now
-            more, keep = auto.decide(reach, limits, i + 1)
-            if not keep:  # step i ran for nothing
-                drafts.pop(), logits.pop(), confidences.pop()
-                cache.trim([1] * len(rows))  # its input, draft i - 1, is fed again next round
-            if not more:
-                break
-    return mx.stack(drafts, axis=1), mx.stack(logits, axis=1), mx.stack(confidences, axis=1) if auto else None
+        more, keep = auto.decide(reach, limits, i + 1)
+        if i > 0 and not keep:  # step i ran for nothing (a round keeps its first draft)
+            drafts.pop(), logits.pop(), confidences.pop()
+            cache.trim([1] * len(rows))  # its input, draft i - 1, is fed again next round
+        if not more:
+            break
+    return mx.stack(drafts, axis=1), mx.stack(logits, axis=1), confidences if auto else None
 
 
 class PromptLookup:
@@ -720,9 +727,11 @@ def speculative_batch(target: T5, draft: T5 | None, prompts: list[list[int]], ma
         else:
             num_accepted, next_tokens = mx.zeros((len(rows),), mx.int32), sample(target_logits[:, 0], sampling)
             drafts = mx.zeros((len(rows), 0), mx.int32)
-        mx.eval(num_accepted, next_tokens, drafts)  # the round's one host sync (with auto, one a draft step too)
+        # The round's one host sync (with auto, one a draft step too, and the last step's confidences in this one).
+        mx.eval(num_accepted, next_tokens, drafts, *(confidences or ()))
         seconds = time.perf_counter() - started  # before the rows' tokens go out to the caller
-        confidences = confidences.tolist() if confidences is not None else None
+        if confidences:  # by row
+            confidences = list(zip(*(step.tolist() for step in confidences)))
         # 3. Each row takes its accepted prefix; both caches roll back to it.
         finished = set()
         accepted_counts = num_accepted.tolist()

@@ -173,6 +173,51 @@ def test_auto_drafts_less_when_a_draft_step_costs_more(pair):
     assert drafts_taken(dear, draft, prompt) < drafts_taken(cheap, draft, prompt)
 
 
+def test_auto_can_draft_a_single_token_a_round(pair):
+    """Half the drafts pass: a second draft adds a quarter of a token. At a
+    tenth of a token's time a draft, auto drafts it; at three tenths, it
+    decides so before running the second draft's step: one draft a round."""
+    draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
+    cheap, dear = learnt([(4, 1)] * 20), learnt([(4, 1)] * 20)
+    dear.draft_seconds = 0.003
+    assert drafts_taken(cheap, draft, prompt) >= 2
+    assert drafts_taken(dear, draft, prompt) == 1
+
+
+def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
+    """Tokens drafted after an end of text never reach the output: with the
+    draft's first token made the end of text, auto keeps that one draft only,
+    where it otherwise drafts several."""
+    draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
+    confident = learnt([(4, 4)] * 20)
+    confident.slope = 0.004  # a draft costs its step and as much again in the target's pass
+    assert drafts_taken(confident, draft, prompt) >= 3
+    cache = encode_prompts(draft, [prompt])
+    first = draft.decode(mx.array([[draft.args.decoder_start_token_id]]), cache)[0, -1].argmax().item()
+    eos = draft.args.eos_token_id
+    try:
+        draft.args.eos_token_id = first
+        assert drafts_taken(confident, draft, prompt) == 1
+    finally:
+        draft.args.eos_token_id = eos
+
+
+def test_auto_keeps_a_measured_draft_cost_through_rounds_of_one_length():
+    """The cost of a draft is the slope of round time against round length;
+    rounds of one length measure no slope, and the last one measured holds
+    (the draft step alone would make the next draft look cheap)."""
+    auto = AutoDraft()
+    auto.draft_seconds = 0.001
+    for steps in [1, 4] * 10:
+        auto.steps = steps
+        auto.learn([[0.5] * steps], [steps], 0.01 + 0.004 * steps)
+    assert auto.draft_cost == pytest.approx(0.004)
+    for _ in range(300):
+        auto.steps = 1
+        auto.learn([[0.5]], [1], 0.014)
+    assert auto.draft_cost == pytest.approx(0.004)
+
+
 def test_auto_reports_its_mean_drafts_per_round(pair):
     stats = Stats()
     list(speculative_generate(pair["target"], pair["drafts"]["close"], pair["checkpoint"].prompt_ids, 30, Sampling(),
