@@ -505,7 +505,8 @@ class AutoDraft:
         """Seconds one more draft adds to a round (d): its draft step, and its
         share of the target's pass, which on a small target is most of it.
         The slope of round seconds against draft steps, once rounds of different
-        lengths were seen; the draft step alone until then."""
+        lengths were seen (and the last slope measured while they are all of
+        one length); the draft step alone until then."""
         weight, drafts, squares, seconds, products = self.rounds
         spread = squares / weight - (drafts / weight) ** 2 if weight else 0.0
         if spread >= 0.25:
@@ -612,9 +613,9 @@ def draft_tokens(draft: T5, cache: DecoderCache, rows: list[Row], limits: list[i
         mx.async_eval(token, confidences[-1])
         auto.steps = i + 1
         if i > 0:  # step i runs while step i - 1's confidences are read and timed
-            for row, (confidence, token) in enumerate(zip(confidences[-2].tolist(), drafts[-2].tolist())):
+            for row, (confidence, drafted) in enumerate(zip(confidences[-2].tolist(), drafts[-2].tolist())):
                 # Drafts after an end of text would never reach the output.
-                reach[row] = 0.0 if token == eos else auto.reach(reach[row], confidence)
+                reach[row] = 0.0 if drafted == eos else auto.reach(reach[row], confidence)
             now = time.perf_counter()
             auto.timed(now - last_read)
             last_read = now
