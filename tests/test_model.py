@@ -252,6 +252,46 @@ def test_chunks_and_blocks_cover_the_input_bound_the_scores_and_give_every_lane_
                     assert b - a >= min(ROWS_PER_BLOCK, last - a)  # enough rows for fast products
 
 
+def test_our_exp_below_zero_is_exp_to_float32_precision():
+    """Over [-87, 0] within 2e-7 of exp, absolute, and 2e-7 * (1 + |x|)
+    relative (x / ln 2 in float32 carries x's size into the error); 0 below
+    (and at -inf, a padded key); half precision kept; exp's gradient."""
+    from model import exp_below_zero
+
+    x = mx.array(np.concatenate([-np.logspace(-8, np.log10(86.99), 100_000), [0.0, -0.5, -1.5, -86.5]]), dtype=mx.float32)
+    ours, ref = np.array(exp_below_zero(x)), np.exp(np.array(x, dtype=np.float64))
+    assert np.max(np.abs(ours - ref)) < 2e-7
+    assert np.max(np.abs(ours - ref) / ref / (1 + np.abs(np.array(x)))) < 2e-7
+    assert np.array(exp_below_zero(mx.array([-87.01, -100.0, -1e30, -np.inf]))).tolist() == [0.0] * 4
+    half = exp_below_zero(mx.array([-0.25, -3.0], dtype=mx.float16))
+    assert half.dtype == mx.float16 and np.allclose(np.array(half), np.exp([-0.25, -3.0]), rtol=1e-3)
+    gradient = mx.grad(lambda v: exp_below_zero(v).sum())(mx.array([-1.0, -2.0]))
+    assert np.allclose(np.array(gradient), np.exp([-1.0, -2.0]), rtol=1e-6)
+
+
+def test_chunks_of_one_attention_block_still_spread_over_every_lane(unit_scale_v1_0, monkeypatch):
+    """A 64-token prompt on two lanes is two chunks of one attention block
+    each: the two blocks of every layer run on different lanes (they once all
+    took the first, and a 512-token prompt ran on one core)."""
+    import model as t5
+
+    ours_model = load_model(unit_scale_v1_0.mlx_dir)
+    ours_model.lanes = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))
+    heads = ours_model.encoder.layers[0].attention.num_heads
+    assert [len(t5.attention_blocks(a, b, heads, 64)) for a, b in t5.row_chunks(64, 2)] == [1, 1]
+    streams, attend = [], t5.attend
+
+    def recording(*args, **kwargs):
+        streams.append(mx.default_stream(mx.cpu))
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(t5, "attend", recording)
+    mx.eval(ours_model.encode(mx.array([[5] * 63 + [1]])))
+    layers = len(ours_model.encoder.layers)
+    assert len(streams) == 2 * layers
+    assert all(streams[2 * i] != streams[2 * i + 1] for i in range(layers))
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_our_cpu_softmax_attention_equals_the_fused_kernel(padded):
     """The CPU path for queries with many keys (our exp, normalised after the
