@@ -160,9 +160,11 @@ _EXP2_TERMS = [math.log(2) ** k / math.factorial(k) for k in range(7)]
 # one C++ loop, but cuts the graph at a bit cast (view) and 11 operations
 # deep, and every cut is another pass over memory; a scalar at a cut also
 # turns the loop into an indexing one. So the work is two compiled halves of
-# 6 and 10 operations, 1.2 ns a score against 2.4 for one compiled function
-# (5 loops) and 9 for MLX's exp (bench.py attention). No floor: without
-# SSE4.1 flags it is a library call per element; a cast truncates, toward 0.
+# 6 and 10 operations: ~1.4 ns a score, where the same work as one compiled
+# function (cut into 5 loops) took ~2.4 and MLX's exp takes ~9 (bench.py
+# attention, x86). No floor: built without SSE4.1 it is a library call per
+# element; a cast to integer truncates, toward 0. Not shapeless: MLX's
+# shapeless tracing adds broadcasts that cut the graph again.
 
 
 def _scaled_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -219,8 +221,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array |
     bias added in the scores' product, and no scaling by 1, two operations
     fewer, which matters in a narrow model's decode step. The softmax is
     MLX's (`softmax="mlx"`) or ours (`"ours"`): an exponential of our own,
-    ~7 ns a score where MLX's costs ~13 on x86 (bench.py attention), in four
-    operations more, which pay once a call has tens of queries. So the
+    a whole block ~6 ns a score where MLX's fused attention costs ~13 on x86
+    (bench.py attention), in a few operations more, which pay once a call
+    has tens of queries. So the
     encoder, whose queries are its whole prompt, takes ours; the decoder's
     self-attention takes MLX's (its keys grow step by step: a rule on their
     count would switch in a verify pass at a different step than in a
