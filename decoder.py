@@ -208,7 +208,8 @@ def sample(logits: mx.array, sampling: Sampling) -> mx.array:
 
 TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
 # Encoding speed (flops/s) assumed until a model's first long prompt measures
-# its own: roughly what 2 x86 cores did on T5-large and the demo target (bench.py encode).
+# its own: the slow end of what 2 x86 cores did on T5-large and the demo target
+# (30-140 G, by machine and length: bench.py encode), so that a wait is announced, not missed.
 ASSUMED_ENCODING_RATE = 30e9 if mx.default_device() == mx.cpu else 1e12
 
 
