@@ -160,11 +160,12 @@ _EXP2_TERMS = [math.log(2) ** k / math.factorial(k) for k in range(7)]
 # one C++ loop, but cuts the graph at a bit cast (view) and 11 operations
 # deep, and every cut is another pass over memory; a scalar at a cut also
 # turns the loop into an indexing one. So the work is two compiled halves,
-# each at most 10 operations deep, with the bit cast between: ~1.4 ns a score, where the same work as one compiled
-# function (cut into 5 loops) took ~2.4 and MLX's exp takes ~9 (bench.py
-# attention, x86). No floor: built without SSE4.1 it is a library call per
-# element; a cast to integer truncates, toward 0. Not shapeless: MLX's
-# shapeless tracing adds broadcasts that cut the graph again.
+# each at most 10 operations deep, with the bit cast between: ~1.4 ns a
+# score, where the same work as one compiled function (cut into 5 loops)
+# took ~2.4 and MLX's exp takes ~9 (bench.py attention, x86). No floor:
+# built without SSE4.1 it is a library call per element; a cast to integer
+# truncates, toward 0. Not shapeless: MLX's shapeless tracing adds
+# broadcasts that cut the graph again.
 
 
 def _scaled_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -224,11 +225,10 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias: mx.array |
     MLX's (`softmax="mlx"`) or ours (`"ours"`): an exponential of our own,
     a whole block ~6 ns a score where MLX's fused attention costs ~13 on x86
     (bench.py attention), in a few operations more, which pay once a call
-    has tens of queries. So the
-    encoder, whose queries are its whole prompt, takes ours; the decoder's
-    self-attention takes MLX's (its keys grow step by step: a rule on their
-    count would switch in a verify pass at a different step than in a
-    regular one); and cross-attention (`"by-keys"`) takes ours when each
+    has tens of queries. So the encoder, whose queries are its whole
+    prompt, takes ours; the decoder's self-attention takes MLX's (its keys
+    grow step by step: a rule on their count would switch in a verify pass
+    at a different step than in a regular one); and cross-attention (`"by-keys"`) takes ours when each
     query scores OWN_SOFTMAX_FROM keys x heads or more (a long prompt), a rule
     on each query's own scores, never on how many queries come, so a row gets
     the same arithmetic alone or in a verify pass. With `summing_column`
