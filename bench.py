@@ -77,7 +77,7 @@ def build_pair(root: Path) -> tuple[Path, Path]:
     import train
     from checkpoints import grow_target
 
-    from model import load_model
+    from loading import load_model
 
     draft, target = root / "pair-draft", root / "pair-target"
     if not (draft / "config.json").exists():
@@ -239,7 +239,7 @@ def bench_regular(args) -> None:
     import mlx.core as mx
 
     from decoder import Sampling, Stats, regular_generate
-    from model import load_model
+    from loading import load_model
 
     hf_dir = build_large(args.dir / "t5-large-random")
     mlx_dir = args.dir / "t5-large-random-mlx"
@@ -381,7 +381,7 @@ def bench_steps(args) -> None:
     and compute; compiled steps (the default) against the graph built op by
     op; and the draft's step time at num-draft 1-8."""
     from decoder import Sampling, Stats, regular_generate
-    from model import load_model
+    from loading import load_model
 
     target_hf, draft_hf = build_pair(args.dir)
     shapes = {
@@ -456,7 +456,7 @@ def bench_steps(args) -> None:
 def bench_speculative(args) -> None:
     import main
     from decoder import Sampling, Stats, regular_generate, speculative_generate
-    from model import load_model, load_tokenizer
+    from loading import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
     target_dir = args.dir / "pair-target-mlx"
@@ -548,7 +548,7 @@ def bench_batch(args) -> None:
     batch of one. Runs alternate within a pass; medians over passes."""
     import main
     from decoder import Sampling, Stats, encode_prompts, regular_batch, speculative_batch
-    from model import load_model, load_tokenizer
+    from loading import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
     target_dir = args.dir / "pair-target-mlx"
@@ -710,7 +710,7 @@ def bench_drafting(args) -> None:
     does in a session)."""
     import main
     from decoder import AutoDraft, Sampling, speculative_generate
-    from model import load_model, load_tokenizer
+    from loading import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
     target_dir = args.dir / "pair-target-mlx"
@@ -754,7 +754,7 @@ def bench_lookup(args) -> None:
     held-out demo prompts and the copy-heavy ones (copy_prompts)."""
     import main
     from decoder import Sampling, regular_generate, speculative_generate
-    from model import load_model, load_tokenizer
+    from loading import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
     target_dir = args.dir / "pair-target-mlx"
@@ -796,7 +796,7 @@ def decode_worker(folder: str, tokens: int) -> None:
     import mlx.core as mx
 
     from decoder import Sampling, Stats, regular_generate
-    from model import load_model
+    from loading import load_model
 
     def resident(field: str) -> int:
         return int(re.search(field + r":\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
@@ -817,7 +817,7 @@ def bench_quantized(args) -> None:
 
     import main
     from decoder import Sampling, Stats, regular_generate, speculative_generate
-    from model import load_model, load_tokenizer
+    from loading import load_model, load_tokenizer
 
     hf_dir = build_large(args.dir / "t5-large-random")
     formats = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "8-bit": ["-q", "--q-bits", "8"], "4-bit": ["-q", "--q-bits", "4"]}
@@ -896,7 +896,7 @@ def encode_worker(folder: str, length: int, hf: bool) -> None:
         import mlx.core as mx
 
         from decoder import start_decoding
-        from model import load_model
+        from loading import load_model
 
         model = load_model(folder)
         mx.eval(model.parameters())
@@ -949,11 +949,12 @@ def bench_encode(args) -> None:
 
 
 def bench_attention(args) -> None:
-    """One block of encoder attention as model.attend cuts it (the demo target's
+    """One block of encoder attention as attention.py cuts it (the demo target's
     4 heads, 128 queries, 4,096 keys: 2 M scores), step by step, in ns per score
     on one core; and the page faults that blocks of reused memory avoid."""
     import mlx.core as mx
 
+    import attention
     import model
 
     heads, rows, keys, d_kv = 4, 128, 4096, 64
@@ -977,10 +978,10 @@ def bench_attention(args) -> None:
         "row maximum": lambda: scores.max(axis=-1, keepdims=True),
         "MLX's exp": lambda: mx.exp(below_zero),
         "MLX's power (e ** x)": lambda: mx.power(math.e, below_zero),
-        "our exp (compiled polynomial, model.attend's)": lambda: model.exp_below_zero(below_zero),
+        "our exp (compiled polynomial, attention.py's)": lambda: attention.exp_below_zero(below_zero),
         "weighted sum of values": lambda: scores @ v,
         "row sum": lambda: scores.sum(axis=-1, keepdims=True),
-        "the whole block: model.attend": lambda: model.attend(queries, k, v, bias, "ours"),
+        "the whole block: our CPU attention": lambda: attention.softmax_attention(queries, k, v, bias, own=True),
         "the whole block: MLX's fused attention": lambda: mx.fast.scaled_dot_product_attention(queries, k, v, scale=1.0, mask=bias),
     }
     print(f"\nOne block of attention ({heads} heads, {rows} queries, {keys:,} keys), ns per score, one core\n\n"

@@ -31,21 +31,28 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import cpu  # noqa: F401  (before mlx.core)
+import cpu  # before mlx.core
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from model import FORMAT_KEY, T5, ModelArgs
+from loading import FORMAT_KEY, LoadError, T5Error, read_config
+from model import T5, ModelArgs
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
-# bfloat16 on a Mac: T5 was trained in it on TPUs, so it keeps float32's range
-# (v1.0 models overflow float16 without clamping) at half the memory and
-# bandwidth. MLX's CPU backend has no fast half-precision products (bfloat16
-# decodes ~4x slower than float32 there: bench.py quantized), so float32 elsewhere.
-DEFAULT_DTYPE = "bfloat16" if sys.platform == "darwin" else "float32"
+
+
+def default_dtype() -> str:
+    """bfloat16 on the accelerator path (a Mac's GPU): T5 was trained in it on
+    TPUs, so it keeps float32's range (v1.0 models overflow float16 without
+    clamping) at half the memory and bandwidth. MLX's CPU backend has no fast
+    half-precision products (bfloat16 decodes several times slower than
+    float32 there: bench.py quantized), so float32 on the CPU path."""
+    return "float32" if cpu.in_use() else "bfloat16"
+
+
 SHARD_BYTES = 4 << 30
 
 TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"]
@@ -90,7 +97,7 @@ class Quantization:
 EMBEDDING_ALIASES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
 
 
-class ConversionError(Exception):
+class ConversionError(T5Error):
     """A problem the user can fix; printed as one line."""
 
 
@@ -136,13 +143,10 @@ def resolve_source(model: str) -> Path:
 
 
 def read_source_config(folder: Path) -> dict:
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ConversionError(f"{folder} holds no T5 checkpoint (no config.json)")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{config_file} is not valid JSON ({e})")
+        config = read_config(folder, converted=False)
+    except LoadError as e:
+        raise ConversionError(str(e))
     if "quantization" in config:
         q = config["quantization"]
         raise ConversionError(f"{folder} is already quantized ({q.get('bits')}-bit): quantize a float conversion "
@@ -568,9 +572,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder")
     parser.add_argument("--out", type=Path, help="output folder (default: mlx_models/<name>)")
-    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
-                        help="dtype of the weights kept in float (default: bfloat16 on a Mac, T5's training dtype, "
-                             "float32 elsewhere, where MLX's CPU backend has no fast half-precision products)")
+    parser.add_argument("--dtype", choices=DTYPES, default=default_dtype(),
+                        help="dtype of the weights kept in float (default: bfloat16 on a Mac's GPU, T5's training dtype; "
+                             "float32 on a CPU, where MLX has no fast half-precision products)")
     parser.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     parser.add_argument("-q", "--quantize", action="store_true",
                         help="quantize the projections, embedding and head (default output: mlx_models/<name>-<bits>bit)")

@@ -1,4 +1,12 @@
-"""MLX's CPU backend made fast: a real BLAS on Linux, and large products split over cores.
+"""MLX's CPU backend made fast, and the one place that decides whether its path runs.
+
+`in_use()` says whether this process takes the CPU path (our attention,
+lanes, products split over cores, float32 by default) or the accelerator
+path that Metal and CUDA take (MLX's fused attention, bfloat16 by default);
+the model, the decoder and the loader ask it and test nothing else.
+T5_MLX_PATH=accelerator takes the accelerator path while MLX computes on the
+CPU: the tests run both paths on Linux that way, and a Mac's report can be
+followed on a Linux machine.
 
 Import this module before `mlx.core`: the BLAS can only be chosen before MLX's
 library loads (loaded afterwards, it is never called: MLX has already bound
@@ -17,7 +25,8 @@ such a BLIS (docs/PERFORMANCE.md has the measurements).
 
 The library runs one thread: a single core's matrix-vector product reads memory
 as fast as the BLAS's own threading would, so `use_cores` splits each
-large product over several MLX CPU streams (threads) instead.
+large decoding product over several MLX CPU streams (threads) instead, and
+the encoder spreads a prompt's blocks of work over the same streams (`lanes`).
 
 On macOS MLX uses Accelerate (CPU) and Metal (GPU); nothing is loaded there.
 T5_MLX_BLAS picks the library: `blis`, `mkl`, `openblas` or `bundled`, or a
@@ -31,6 +40,7 @@ import ctypes.util
 import functools
 import importlib.metadata
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -148,26 +158,18 @@ def set_threads(count: int) -> None:
         _thread_setter(count)
 
 
-_encoding = False  # inside many_rows: a prompt's products, spread over cores by the encoder itself
-
-
 @contextlib.contextmanager
 def many_rows():
-    """Build and evaluate a prompt's products (hundreds of rows) in here.
-    BLIS skips packing its operands for small products ("sup"), which suits
-    decoding's few rows but runs a prompt's at a third of the speed; inside,
-    it packs them. The setting is BLIS's global one, read by every thread.
-    Products built in here are not split (split_matmul): the encoder spreads
-    its blocks of rows over the cores instead."""
-    global _encoding
-    _encoding = True
+    """Evaluate a prompt's products (hundreds of rows) in here. BLIS skips
+    packing its operands for small products ("sup"), which suits decoding's
+    few rows but runs a prompt's at a third of the speed; inside, it packs
+    them. The setting is BLIS's own, global to every thread."""
     if _library is not None:
         _library.bli_pack_set_pack_a(True)
         _library.bli_pack_set_pack_b(True)
     try:
         yield
     finally:
-        _encoding = False
         if _library is not None:
             _library.bli_pack_set_pack_a(False)
             _library.bli_pack_set_pack_b(False)
@@ -178,7 +180,7 @@ SLOW = ACTIVE.startswith("bundled")  # 4-5x slower matrix products than a real B
 
 import mlx.core as mx  # noqa: E402  (after the BLAS is loaded)
 import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_map  # noqa: E402
+from mlx.utils import tree_map_with_path  # noqa: E402
 
 # Splitting costs a join between threads: worth it from ~8 MB of float32
 # weights (T5-large's FFN and head; every projection of T5-11B). On 2 cores,
@@ -186,14 +188,40 @@ from mlx.utils import tree_map  # noqa: E402
 SPLIT_MIN_ELEMENTS = 2_000_000
 
 
+PATH_SETTING = "T5_MLX_PATH"  # "accelerator": the path a GPU takes, whatever device MLX computes on
+
+
 @functools.cache  # on first use, not at import: the default device may change in between
-def streams() -> tuple:
-    """One stream per core (up to 4) on a multi-core CPU; none on a GPU,
-    which is parallel already."""
+def in_use() -> bool:
+    """Whether this process takes the CPU path: MLX computes on the CPU and
+    T5_MLX_PATH does not ask for the accelerator's path."""
+    setting = os.environ.get(PATH_SETTING, "").strip().lower()
+    if setting not in ("", "auto", "accelerator"):
+        print(f"{PATH_SETTING}: unknown path {setting!r} (accelerator, or auto: the device's)", file=sys.stderr)
+    return setting != "accelerator" and mx.default_device() == mx.cpu
+
+
+@functools.cache
+def lanes() -> tuple:
+    """The streams that independent blocks of a prompt's work, and the
+    parts of a split product, spread over: one per core (up to 4) on the
+    CPU path of a multi-core CPU; none otherwise (a GPU is parallel already)."""
     count = min(os.cpu_count() or 1, 4)
-    if mx.default_device() != mx.cpu or count < 2:
+    if not in_use() or count < 2:
         return ()
     return (mx.default_stream(mx.cpu),) + tuple(mx.new_stream(mx.cpu) for _ in range(count - 1))
+
+
+def lane(streams: tuple, i: int):
+    """Where block i's work runs: the streams in turn, or the default stream."""
+    return mx.stream(streams[i % len(streams)]) if streams else contextlib.nullcontext()
+
+
+def from_lane(streams: tuple, i: int) -> tuple:
+    """The streams in the same turn, starting from stream i: a chunk's blocks
+    start on the chunk's own lane, so that chunks of a single block still
+    spread over the cores."""
+    return streams[i % len(streams):] + streams[:i % len(streams)] if streams else streams
 
 
 def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
@@ -201,10 +229,9 @@ def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     run on their own threads (the BLAS itself runs on one): decoding reads
     every weight once per token, and one core alone cannot saturate memory;
     a batch's verify pass (tens of rows) is bound by arithmetic, and runs
-    1.5-1.8x faster on two cores than on one. A prompt's products are not
-    split (many_rows): the encoder spreads its blocks of rows instead."""
-    parts = streams()
-    if len(parts) < 2 or _encoding:
+    1.5-1.8x faster on two cores than on one."""
+    parts = lanes()
+    if len(parts) < 2:
         return x @ weight.T
     rows = -(-weight.shape[0] // len(parts))
     products = [mx.matmul(x, weight[i * rows : (i + 1) * rows].T, stream=s) for i, s in enumerate(parts)]
@@ -233,25 +260,30 @@ class SplitEmbedding(nn.Embedding):
         return split_matmul(x, self.weight)
 
 
-def use_cores(model: nn.Module) -> nn.Module:
-    """Spread a model's work over the CPU's cores, in place: its large float
-    projections (and a tied head) are swapped for split ones, as nn.quantize
-    swaps layers, and its `lanes` (a prompt's independent blocks of work) are
-    the streams. On a GPU or a single core, nothing changes. The weights are
-    the same arrays, under the same names."""
-    if not streams():
-        return model
-    model.lanes = streams()
+# The layers a decode step runs: the decoder's, but for the cross-attention
+# keys and values (a prompt's products, made once by make_cache), and the head.
+# The encoder's are left whole: it spreads a prompt's chunks of rows over the lanes.
+DECODING_LAYER = re.compile(r"decoder\.layers\.\d+\.(self_attention\.[qkvo]|cross_attention\.[qo]|ffn\.\w+)|lm_head|shared")
 
-    def split(module):
-        if type(module) is nn.Linear and "bias" not in module and module.weight.size >= SPLIT_MIN_ELEMENTS:
+
+def use_cores(model: nn.Module) -> nn.Module:
+    """Split a model's large decoding products over the CPU's cores, in
+    place: those projections (and a tied head) are swapped for split ones,
+    as nn.quantize swaps layers. Off the CPU path or on a single core,
+    nothing changes. The weights are the same arrays, under the same names."""
+    if not lanes():
+        return model
+
+    def split(path, module):
+        if not DECODING_LAYER.fullmatch(path) or module.weight.size < SPLIT_MIN_ELEMENTS:
+            return module
+        if type(module) is nn.Linear and "bias" not in module:
             return SplitLinear(module.weight)
-        if type(module) is nn.Embedding and module.weight.size >= SPLIT_MIN_ELEMENTS:
+        if type(module) is nn.Embedding:
             return SplitEmbedding(module.weight)
         return module
 
-    leaves = tree_map(split, model.leaf_modules(), is_leaf=nn.Module.is_module)
-    model.update_modules(leaves)
+    model.update_modules(tree_map_with_path(split, model.leaf_modules(), is_leaf=nn.Module.is_module))
     return model
 
 
@@ -262,7 +294,7 @@ def uncompiled_kernels() -> Path | None:
     version, into a folder under the temporary directory; the first run that
     needs them waits for the compiler (about 20 s for the demo's kernels on
     2 cores). None on macOS and GPUs, where kernels compile in moments."""
-    if sys.platform == "darwin" or mx.default_device() != mx.cpu:
+    if sys.platform == "darwin" or mx.default_device() != mx.cpu:  # whichever path: where MLX computes
         return None
     folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
     return None if folder.is_dir() and any(folder.iterdir()) else folder

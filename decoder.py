@@ -1,6 +1,6 @@
 """Regular decoding and draft-and-verify speculative decoding for T5, and the text-level API.
 
-    models = model.load("mlx_models/t5-11b", draft="mlx_models/t5-small")
+    models = loading.load("mlx_models/t5-11b", draft="mlx_models/t5-small")
     text = generate(models, "translate English to German: Good morning.", num_draft=5)
     for response in stream_generate(models, prompt):
         print(response.text, end="", flush=True)
@@ -28,7 +28,8 @@ from typing import Callable, Iterator
 import cpu  # before mlx.core
 import mlx.core as mx
 
-from model import T5, DecoderCache, Models, T5Error
+from loading import Models, T5Error
+from model import T5, DecoderCache
 
 
 class OptionError(T5Error, ValueError):
@@ -121,6 +122,10 @@ class Settings:
 
     def check_models(self, models: Models) -> "Settings":
         """These settings, if the models can run them; OptionError otherwise."""
+        if not isinstance(models, Models):
+            shown = f" {models!r}" if isinstance(models, str) else ""
+            raise TypeError(f"models must be what loading.load returns (got {type(models).__name__}{shown}): "
+                            "models = load(TARGET, draft=DRAFT)")
         if self.num_draft == AUTO and models.draft is None:
             raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
         return self
@@ -153,14 +158,20 @@ class Stats:
     draft_calls: int = 0
     drafted: int = 0
     accepted: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from when the prompt joined its batch: encoding, then decoding
+    encoding_seconds: float = 0.0  # the prompt's share of its batch's encoding
 
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property
+    def decoding_seconds(self) -> float:
+        return max(self.seconds - self.encoding_seconds, 0.0)
+
+    @property
     def tokens_per_second(self) -> float:
-        return self.generated / self.seconds if self.seconds > 0 else 0.0
+        """Decoding speed: the prompt's encoding is not counted."""
+        return self.generated / self.decoding_seconds if self.decoding_seconds > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -175,7 +186,7 @@ class Stats:
         return self.drafted / self.target_calls if self.target_calls else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second, "acceptance_rate": self.acceptance_rate,
+        return {**asdict(self), "decoding_seconds": self.decoding_seconds, "tokens_per_second": self.tokens_per_second, "acceptance_rate": self.acceptance_rate,
                 "tokens_per_target_call": self.tokens_per_target_call, "drafts_per_round": self.drafts_per_round}
 
 
@@ -207,16 +218,21 @@ def sample(logits: mx.array, sampling: Sampling) -> mx.array:
 
 
 TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
-# Encoding speed (flops/s) assumed until a model's first long prompt measures
-# its own: the slow end of what 2 x86 cores did on T5-large and the demo target
-# (30-140 G, by machine and length: bench.py encode), so that a wait is announced, not missed.
-ASSUMED_ENCODING_RATE = 30e9 if mx.default_device() == mx.cpu else 1e12
+
+
+def assumed_encoding_rate() -> float:
+    """Encoding speed (flops/s) assumed until a long prompt measures it: on
+    the CPU path the slow end of what 2 x86 cores did on T5-large and the
+    demo target (30-140 G, by machine and length: bench.py encode), so that
+    a wait is announced, not missed."""
+    return 30e9 if cpu.in_use() else 1e12
 
 
 def encoding_flops(model: T5, tokens: int) -> float:
     """The work of encoding a prompt: its products (2 flops per weight and
-    token, cross-attention keys and values included) and attention, which
-    grows with the square of the length."""
+    token, cross-attention keys and values included) and attention (its two
+    products, 4 flops per query, key and inner dimension), which grows with
+    the square of the length."""
     a = model.args
     inner = a.num_heads * a.d_kv
     ffn = (3 if a.feed_forward_proj.startswith("gated") else 2) * a.d_model * a.d_ff
@@ -224,9 +240,23 @@ def encoding_flops(model: T5, tokens: int) -> float:
     return tokens * per_token + 4 * a.num_layers * tokens * tokens * inner
 
 
-def encoding_seconds(model: T5, tokens: int) -> float:
-    """A rough estimate, from the speed the model's earlier prompts were encoded at."""
-    return encoding_flops(model, tokens) / getattr(model, "encoding_rate", ASSUMED_ENCODING_RATE)
+def encoders(models: Models, settings: "Settings") -> list[T5]:
+    """The models that encode each prompt: the target, and the draft model when it drafts."""
+    return [models.target] + ([models.draft] if settings.drafts(models) and not settings.prompt_lookup else [])
+
+
+def encoding_seconds(models: Models, tokens: int, settings: "Settings") -> float:
+    """A rough estimate of a prompt's encoding, from the speed the pair's
+    earlier prompts were encoded at."""
+    flops = sum(encoding_flops(model, tokens) for model in encoders(models, settings))
+    return flops / (models.encoding_rate or assumed_encoding_rate())
+
+
+def learn_encoding_rate(models: Models, settings: "Settings", stats: Stats) -> None:
+    """Keep the speed a prompt was encoded at, when it took long enough to tell."""
+    if stats.encoding_seconds > 0.5:
+        flops = sum(encoding_flops(model, stats.prompt_tokens) for model in encoders(models, settings))
+        models.encoding_rate = flops / stats.encoding_seconds
 
 
 def encode_prompts(model: T5, prompts: list[list[int]]) -> DecoderCache:
@@ -234,7 +264,6 @@ def encode_prompts(model: T5, prompts: list[list[int]]) -> DecoderCache:
     lengths differ) into a fresh decoder cache. The prompts' products, of
     many rows, are computed here, apart from decoding's few-row ones: the
     CPU's BLAS wants them done differently."""
-    started = time.perf_counter()
     length = max(len(prompt) for prompt in prompts)
     tokens = mx.array([prompt + [model.args.pad_token_id] * (length - len(prompt)) for prompt in prompts])
     mask = None
@@ -243,9 +272,6 @@ def encode_prompts(model: T5, prompts: list[list[int]]) -> DecoderCache:
     with cpu.many_rows():
         cache = model.make_cache(model.encode(tokens, mask), mask)
         mx.eval(cache.cross_keys_values)
-    seconds = time.perf_counter() - started
-    if seconds > 0.5:  # long enough to measure the speed by
-        model.encoding_rate = len(prompts) * encoding_flops(model, length) / seconds
     return cache
 
 
@@ -306,6 +332,7 @@ class Batch:
         indices = [self.waiting.pop() for _ in range(count)]
         prompts = [self.prompts[i] for i in indices]
         caches = [encode_prompts(model, prompts) for model in self.models]
+        encoded = time.perf_counter() - started
         result = first_step(caches) if first_step else None
         if self.caches:
             for mine, theirs in zip(self.caches, caches):
@@ -314,6 +341,7 @@ class Batch:
             self.caches = caches
         for i, prompt in zip(indices, prompts):
             self.stats[i].prompt_tokens = len(prompt)
+            self.stats[i].encoding_seconds = encoded * len(prompt) / sum(map(len, prompts))
             self.rows.append(Row(i, self.stats[i], started, unseen=[]))
         return result
 
@@ -831,11 +859,28 @@ class Response:
 BATCH_SIZE = Knob("batch_size", int, lambda v: v >= 1, "an integer >= 1", "prompts decoded together")
 
 
+def check_prompts(prompts: list[str]) -> None:
+    """TypeError unless prompts is a list (or tuple) of strings; OptionError if it is empty."""
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of strings (got one string: generate takes one prompt)")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of strings (got {type(prompts).__name__})")
+    if not prompts:
+        raise OptionError("prompts must be a non-empty list of strings (got an empty one)")
+    for number, prompt in enumerate(prompts, 1):
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompts must be a list of strings (prompt {number} is {type(prompt).__name__})")
+
+
+def check_prompt(prompt: str) -> None:
+    if not isinstance(prompt, str):
+        raise TypeError(f"the prompt must be a string (got {type(prompt).__name__})")
+
+
 def tokenize(models: Models, prompts: list[str]) -> list[list[int]]:
     """Each prompt's ids. OptionError for an empty prompt; a warning for
     prompts longer than T5 was trained on."""
-    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise OptionError(f"prompts must be a non-empty list of strings (got {type(prompts).__name__})")
+    check_prompts(prompts)
     for number, prompt in enumerate(prompts, 1):
         if not prompt.strip():
             raise OptionError("the prompt is empty" if len(prompts) == 1 else f"prompt {number} of {len(prompts)} is empty")
@@ -869,6 +914,7 @@ def decode_batch(models: Models, ids: list[list[int]], settings: Settings, stats
 
 def generate_tokens(models: Models, prompt: str, settings: Settings, stats: Stats) -> Iterator[int]:
     """One prompt's token ids as they are decided; the prompt is checked now."""
+    check_prompt(prompt)
     ids = tokenize(models, [prompt])
     return (token for _, token, _ in decode_batch(models, ids, settings, [stats], 1) if token is not None)
 
@@ -891,6 +937,7 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
         for token in tokens:
             yield Response(detokenizer.add(token), token, replace(stats))  # stats as they are now
         finish = "length" if stats.generated == settings.max_tokens else "eos"
+        learn_encoding_rate(models, settings, stats)
         yield Response(detokenizer.flush(), None, replace(stats), finish)
 
     return responses()
@@ -920,9 +967,16 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     return replace(sum(stats, Stats()), seconds=time.perf_counter() - started)
 
 
+WARM_UP_TOKENS = 64  # of a long prompt: warming up must not cost an encoding of it
+
+
 def warm_up(models: Models, prompt: str, settings: Settings = Settings()) -> None:
     """A few tokens of each decoding path, so that first-call costs (compiling
-    kernels, growing the allocator's pools) stay out of timings."""
+    kernels, growing the allocator's pools) stay out of timings. A long
+    prompt is cut to its first WARM_UP_TOKENS tokens."""
+    ids = models.tokenizer.encode(prompt)
+    if len(ids) > WARM_UP_TOKENS:
+        prompt = models.tokenizer.decode(ids[:WARM_UP_TOKENS])
     for speculative in (False, True) if replace(settings, speculative=True).drafts(models) else (False,):
         measure(models, prompt, replace(settings, max_tokens=4, speculative=speculative))
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from decoder import KNOBS, OptionError, Settings, Stats, encoding_seconds, measure, stream_generate, warm_up
-from model import Models
+from loading import Models
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -21,8 +21,8 @@ SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 def stats_line(stats: Stats, speculative: bool) -> str:
-    line = (f"{stats.generated} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
-            f"prompt {stats.prompt_tokens:,} tokens")
+    line = (f"{stats.generated} tokens in {stats.decoding_seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
+            f"prompt {stats.prompt_tokens:,} tokens encoded in {stats.encoding_seconds:.2f} s")
     if speculative:
         return (
             f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}; "
@@ -32,24 +32,35 @@ def stats_line(stats: Stats, speculative: bool) -> str:
     return f"{stats.target_calls} decode steps, " + line
 
 
-def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> tuple[str, Stats]:
-    """Stream the text as it comes, then the statistics line. A prompt that
-    will take a while to encode is announced on stderr first."""
-    out = out or sys.stdout
+def announce_encoding(models: Models, prompt: str, settings: Settings) -> None:
+    """Say on stderr, before it starts, that a prompt will take a while to encode."""
     tokens = len(models.tokenizer.encode(prompt))
-    seconds = encoding_seconds(models.target, tokens)
-    if settings.drafts(models) and not settings.prompt_lookup:
-        seconds += encoding_seconds(models.draft, tokens)
+    seconds = encoding_seconds(models, tokens, settings)
     if seconds > 3:
         print(f"Encoding a {tokens:,}-token prompt: about {seconds:.0f} s ...", file=sys.stderr, flush=True)
-    pieces = []
-    for response in stream_generate(models, prompt, **vars(settings)):
-        out.write(response.text)
-        out.flush()
-        pieces.append(response.text)
+
+
+def show_generation(models: Models, prompt: str, settings: Settings, out=None) -> tuple[str, Stats]:
+    """Stream the text as it comes, then the statistics line. A prompt that
+    will take a while to encode is announced on stderr first. Ctrl-C stops
+    the generation with the statistics so far, and is raised again."""
+    out = out or sys.stdout
+    announce_encoding(models, prompt, settings)
+    pieces, stats = [], None
+    try:
+        for response in stream_generate(models, prompt, **vars(settings)):
+            out.write(response.text)
+            out.flush()
+            pieces.append(response.text)
+            stats = response.stats
+    except KeyboardInterrupt:
+        print(file=out)
+        if stats is not None:
+            print(stats_line(stats, settings.drafts(models)) + " [stopped]", file=out, flush=True)
+        raise
     print(file=out)
-    print(stats_line(response.stats, settings.drafts(models)), file=out)
-    return "".join(pieces), response.stats
+    print(stats_line(stats, settings.drafts(models)), file=out)
+    return "".join(pieces), stats
 
 
 def show_batch(generations, count: int, speculative: bool, out=None) -> Stats:
@@ -79,18 +90,34 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
           f"(num-draft {settings.num_draft}, delta {settings.delta}{lookup})", file=out)
 
 
-def show_speedup(models: Models, prompt: str, settings: Settings, runs: int = 5, out=None) -> float:
+SPEEDUP_SECONDS = 5.0  # what show_speedup may take, or as long as the answer took if longer
+
+
+def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats, runs: int = 5, out=None) -> float | None:
     """Time both modes on the prompt, alternating, and print the speedup of
-    the medians: a short generation's single timing is too noisy to quote.
-    Run it warm (after warm_up or a generation of each mode)."""
+    the medians of their decoding speeds: a short generation's single timing
+    is too noisy to quote. A run of each mode costs about twice the answer
+    (`answer`, its statistics: each run encodes the prompt again), so the
+    runs are cut to what fits in SPEEDUP_SECONDS or the answer's own time,
+    and none is made when not even one of each fits (None). Run it warm
+    (after warm_up)."""
+    pair = 2 * answer.seconds
+    runs = min(runs, int(max(answer.seconds, SPEEDUP_SECONDS) // pair)) if pair > 0 else runs
+    if runs == 0:
+        print(f"(Speedup not measured: a run of each mode would take about {pair:.0f} s, longer than the answer; "
+              "`main.py --compare` runs each once.)", file=out)
+        return None
     times = {False: [], True: []}
     for _ in range(runs):
         for speculative in (False, True):
             times[speculative].append(measure(models, prompt, replace(settings, speculative=speculative)).tokens_per_second)
     regular, spec = statistics.median(times[False]), statistics.median(times[True])
     speedup = spec / regular if regular else 0.0
+    how = f"medians of {runs} runs each" if runs > 1 else "one run each"
+    if runs < 5:
+        how += f": a run of each takes about {pair:.1f} s"
     print(f"Speculative decoding ran {speedup:.2f}x as fast as regular decoding on this prompt "
-          f"({spec:.0f} against {regular:.0f} tokens/s, medians of {runs} runs each)", file=out)
+          f"({spec:.0f} against {regular:.0f} tokens/s, {how})", file=out)
     return speedup
 
 

@@ -18,8 +18,8 @@ import warnings
 from pathlib import Path
 
 from decoder import AUTO, BATCH_SIZE, KNOBS, Settings, stream_batch_generate, stream_generate, warm_up
-from interactive import Session, compare, show_batch, show_filled, show_generation, show_speedup
-from model import ModelNotFound, T5Error, load
+from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
+from loading import ModelNotFound, T5Error, load
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -212,6 +212,7 @@ def run(args) -> int:
     elif args.compare:
         compare(models, args.prompt, settings)
     elif args.json:
+        announce_encoding(models, args.prompt, settings)
         responses = list(stream_generate(models, args.prompt, **vars(settings)))
         tokens = [response.token for response in responses if response.token is not None]
         text = "".join(response.text for response in responses)
@@ -222,9 +223,9 @@ def run(args) -> int:
             if not prompt_given:
                 print(f"Held-out prompt {DEMO_PROMPT} of {len(examples)} (Python code, a span masked by <extra_id_0>):\n"
                       f"{args.prompt}\n\nOutput:", flush=True)
-        text, _ = show_generation(models, args.prompt, settings)
+        text, stats = show_generation(models, args.prompt, settings)
         if args.demo and settings.speculative:
-            show_speedup(models, args.prompt, settings)
+            show_speedup(models, args.prompt, settings, stats)
         show_filled(args.prompt, text)
     return 0
 
@@ -236,8 +237,8 @@ def main(argv=None) -> int:
     except T5Error as e:  # bad options, and model folders the user has to fix
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
+    except KeyboardInterrupt:  # a generation stopped shows its statistics so far (show_generation)
+        print("interrupted", file=sys.stderr)
         return 130
 
 

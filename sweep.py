@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoder import AUTO, KNOBS, OptionError, Settings, Stats, measure_batch, warm_up
-from model import Models, T5Error
+from loading import Models, T5Error
 
 
 class SweepError(T5Error):

@@ -385,7 +385,7 @@ def evaluate(folders: list[Path], seed: int = 0) -> dict[str, float]:
     batches training reported, rebuilt from the first model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from model import load_model
+    from loading import load_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(folders[0]))
     _, held = heldout_split(tokenizer, chunks(tokenizer, corpus_files()[1]), seed)

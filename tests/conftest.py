@@ -11,7 +11,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "demo")]
 import convert  # noqa: E402
 from checkpoints import PROMPT, make_checkpoint, perturbed_copy, t5_config, train_tokenizer  # noqa: E402
 import mlx.core as mx  # noqa: E402
-from model import load_model  # noqa: E402
+from loading import load_model  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 # name -> (config, separate lm_head, seed). Seeds were picked so that greedy

@@ -1,4 +1,4 @@
-"""The Python API: model.load, decoder.generate and stream_generate, and their errors."""
+"""The Python API: loading.load, decoder.generate and stream_generate, and their errors."""
 
 import json
 import os
@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import main
-from decoder import Detokenizer, OptionError, generate, stream_generate
-from model import LoadError, ModelNotFound, T5Error, load, load_tokenizer
+from decoder import Detokenizer, OptionError, batch_generate, generate, stream_generate
+from loading import LoadError, ModelNotFound, T5Error, load, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
@@ -131,45 +131,6 @@ def test_detokenizer_work_per_token_does_not_grow_with_the_output(demo_pair):
     assert max(decoded_lengths) <= 4, max(decoded_lengths)
 
 
-def test_a_hub_id_finds_its_conversion_even_beside_a_local_folder_of_that_name(tmp_path, monkeypatch):
-    """convert.py --model org/name writes mlx_models/name and records the id;
-    a stray unconverted ./org/name folder does not hide it."""
-    monkeypatch.chdir(tmp_path)
-    for name in ("tiny", "other"):
-        (tmp_path / "some-org" / name).mkdir(parents=True)
-    folder = tmp_path / "mlx_models" / "tiny"
-    folder.mkdir(parents=True)
-    for file in (DEMO / "target").iterdir():
-        if file.name != "config.json":
-            os.symlink(file, folder / file.name)
-    config = json.loads((DEMO / "target" / "config.json").read_text())
-    config["mlx_conversion"]["source"] = "some-org/tiny"
-    (folder / "config.json").write_text(json.dumps(config))
-    assert load("some-org/tiny").target_path == folder.resolve()
-    with pytest.raises(LoadError, match="has no config.json"):
-        load("some-org/other")  # no conversion of that id: the local folder's problem is the one to report
-
-
-def test_load_resolves_names_from_elsewhere_through_the_repository(tmp_path, monkeypatch):
-    """A relative name not found from the current folder is looked up from the repository's."""
-    monkeypatch.chdir(tmp_path)
-    models = load("demo/target", draft="demo/draft")
-    assert models.target_path.resolve() == DEMO / "target" and models.draft is not None
-
-
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: load("no-such-model"), ModelNotFound, "no converted target 'no-such-model'"),
-    (lambda: load(DEMO / "target", draft="no-such-draft"), ModelNotFound, "no converted draft 'no-such-draft'"),
-    (lambda: load(DEMO), LoadError, "has no config.json"),
-    (lambda: load(DEMO / "target", draft=""), ModelNotFound, "no draft named"),
-])
-def test_load_errors_are_the_librarys_own_and_name_no_cli_flags(call, error, message):
-    with pytest.raises(error) as raised:
-        call()
-    assert message in str(raised.value) and "--" not in str(raised.value).replace("python convert.py --model", "")
-    assert isinstance(raised.value, T5Error)
-
-
 @pytest.mark.parametrize("options, message", [
     (dict(num_draft=0), "num_draft must be an integer >= 1 or auto (got 0)"),
     (dict(delta=-0.1), "delta must be a number in [0, 1]"),
@@ -184,6 +145,23 @@ def test_options_out_of_range_raise_option_error_naming_the_keyword(demo_pair, o
     assert str(raised.value).startswith(message) and isinstance(raised.value, ValueError)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda m: generate(m, 123), "the prompt must be a string (got int)"),
+    (lambda m: stream_generate(m, None), "the prompt must be a string (got NoneType)"),
+    (lambda m: batch_generate(m, [1, 2]), "prompts must be a list of strings (prompt 1 is int)"),
+    (lambda m: batch_generate(m, "one prompt"), "prompts must be a list of strings (got one string: generate takes one prompt)"),
+    (lambda m: batch_generate(m, {"a": 1}), "prompts must be a list of strings (got dict)"),
+    (lambda m: generate("demo/target", "x"), "models must be what loading.load returns (got str 'demo/target'): models = load("),
+    (lambda m: batch_generate(None, ["x"]), "models must be what loading.load returns (got NoneType)"),
+])
+def test_arguments_of_the_wrong_type_are_named_in_a_type_error(demo_pair, call, message):
+    """Each says what was given and what is wanted (they once all said
+    "prompts must be a non-empty list", or raised an AttributeError)."""
+    with pytest.raises(TypeError) as raised:
+        call(demo_pair)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
 def test_an_empty_prompt_and_an_unknown_option_are_refused(demo_pair):
     with pytest.raises(OptionError, match="the prompt is empty"):
         generate(demo_pair, "   ")
@@ -191,13 +169,6 @@ def test_an_empty_prompt_and_an_unknown_option_are_refused(demo_pair):
         generate(demo_pair, "x", num_drafts=3)
     with pytest.raises(TypeError):  # options are keywords only
         load(DEMO / "target", DEMO / "draft")
-
-
-def test_a_seed_makes_sampling_reproducible(demo_pair, demo_prompts):
-    options = dict(temp=1.5, seed=3, max_tokens=30)
-    first = generate(demo_pair, demo_prompts[4], **options)
-    assert first == generate(demo_pair, demo_prompts[4], **options)
-    assert first != generate(demo_pair, demo_prompts[4], **{**options, "seed": 4})
 
 
 def readme_api_example() -> str:

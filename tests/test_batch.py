@@ -11,7 +11,8 @@ import main
 import mlx.core as mx
 from decoder import (Sampling, Stats, accept_mask, batch_generate, generate, regular_batch, regular_generate,
                      speculative_batch, speculative_generate, stream_generate)
-from model import KVCache, Models, load_tokenizer
+from loading import Models, load_tokenizer
+from model import KVCache
 from test_model import append
 
 # Nine prompts from 3 to ~90 tokens: padding matters in the encoder and in cross-attention.
@@ -39,7 +40,7 @@ def run_batch(generator) -> tuple[dict[int, list[int]], list[int]]:
 
 
 def counts(stats: Stats) -> dict:
-    return {name: value for name, value in asdict(stats).items() if name != "seconds"}
+    return {name: value for name, value in asdict(stats).items() if not name.endswith("seconds")}  # all but timings
 
 
 def alone(target, draft, prompt, max_tokens, num_draft, delta=0.0, sampling=Sampling()):
@@ -221,7 +222,6 @@ def test_a_seed_makes_a_sampled_batch_reproducible(models, unit_scale_pair):
 @pytest.mark.parametrize("call, message", [
     (lambda m: batch_generate(m, ["a", " ", "b"]), "prompt 2 of 3 is empty"),
     (lambda m: batch_generate(m, []), "prompts must be a non-empty list"),
-    (lambda m: batch_generate(m, "one string"), "prompts must be a non-empty list"),
     (lambda m: batch_generate(m, ["a"], batch_size=0), "batch_size must be an integer >= 1"),
     (lambda m: batch_generate(m, ["a"], num_draft=0), "num_draft must be an integer >= 1"),
 ])

@@ -15,7 +15,7 @@ from checkpoints import PROMPT, make_checkpoint, t5_config
 import convert
 import main
 import mlx.core as mx
-from model import load_model
+from loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -345,7 +345,7 @@ def test_a_checkpoint_with_only_spiece_model_gets_a_tokenizer_json(tmp_path, tok
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     from transformers import AutoTokenizer
 
-    from model import Tokenizer
+    from loading import Tokenizer
 
     ours, theirs = Tokenizer(tmp_path / "mlx" / "tokenizer.json"), AutoTokenizer.from_pretrained(str(tokenizer_dir))
     assert ours.encode(PROMPT) == theirs(PROMPT).input_ids

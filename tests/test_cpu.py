@@ -116,7 +116,7 @@ def test_importing_mlx_first_is_reported_not_hidden():
 @linux_only
 def test_the_api_warns_once_when_mlx_was_imported_before_it():
     """MLX binds its BLAS when it loads, so a fast one loaded later is never called: say so, once."""
-    code = ("import warnings; warnings.simplefilter('always'); import mlx.core; from model import load; "
+    code = ("import warnings; warnings.simplefilter('always'); import mlx.core; from loading import load; "
             "load('demo/target'); load('demo/target'); print('loaded')")
     done = python(code)
     assert done.stdout.strip() == "loaded"
@@ -143,52 +143,41 @@ def test_split_matmul_equals_one_matmul():
     np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
 
 
-def test_decoding_products_split_whatever_their_rows_and_a_prompts_do_not(monkeypatch):
-    """A batch's verify pass has tens of rows and is split over the cores;
-    products built while a prompt is encoded (many_rows) stay whole: the
-    encoder spreads its blocks of rows over the cores itself."""
-    import mlx.core as mx
-
-    monkeypatch.setattr(cpu, "streams", lambda: (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)))
-    parts, matmul = [], mx.matmul
-    monkeypatch.setattr(mx, "matmul", lambda *args, **kwargs: parts.append(1) or matmul(*args, **kwargs))
-    x, weight = mx.random.normal((8, 5, 64)), mx.random.normal((300, 64))
-    decoding = cpu.split_matmul(x, weight)
-    assert len(parts) == 2
-    with cpu.many_rows():
-        encoding = cpu.split_matmul(x, weight)
-    assert len(parts) == 2
-    np.testing.assert_allclose(np.array(decoding), np.array(encoding), rtol=1e-5, atol=1e-5)
-
-
-def test_use_cores_swaps_only_large_projections_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
-    """A model whose tied head is over the threshold and whose FFN is not: the
-    head is split, the FFN is not, and the logits are the unsplit model's."""
+def test_use_cores_splits_the_large_decoding_products_only_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
+    """A model whose tied head and FFN are over the threshold and whose
+    attention is not: the head and the decoder's FFN are split; the
+    encoder's FFN is not (the encoder spreads a prompt's chunks of rows over
+    the cores itself), nor the small projections; and the logits are the
+    unsplit model's, the weights the same arrays under the same names."""
     import mlx.core as mx
     import mlx.nn as nn
     from checkpoints import make_checkpoint, t5_config
     from mlx.utils import tree_flatten
 
     import convert
-    from model import load_model
+    import loading
 
-    if not cpu.streams():
-        pytest.skip("one core or a GPU: nothing is split")
-    make_checkpoint(tmp_path / "hf", t5_config(vocab_size=20000, d_model=128, d_ff=256, initializer_factor=1.0), 0, tokenizer_dir)
+    if not cpu.lanes():
+        pytest.skip("one core, or the accelerator path: nothing is split")
+    config = t5_config(vocab_size=20000, d_model=128, d_ff=16384, initializer_factor=1.0)
+    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
-    split = load_model(tmp_path / "mlx")
-    assert split.shared.weight.size >= cpu.SPLIT_MIN_ELEMENTS and isinstance(split.shared, cpu.SplitEmbedding)
-    assert type(split.decoder.layers[0].ffn.wi) is nn.Linear
+    split = loading.load_model(tmp_path / "mlx")
+    assert isinstance(split.shared, cpu.SplitEmbedding)
+    assert isinstance(split.decoder.layers[0].ffn.wi, cpu.SplitLinear) and isinstance(split.decoder.layers[1].ffn.wo, cpu.SplitLinear)
+    assert type(split.encoder.layers[0].ffn.wi) is nn.Linear  # a prompt's products
+    assert type(split.decoder.layers[0].self_attention.q) is nn.Linear  # under the threshold
     use_cores = cpu.use_cores
     monkeypatch.setattr(cpu, "use_cores", lambda model: model)
-    whole = load_model(tmp_path / "mlx")
+    whole = loading.load_model(tmp_path / "mlx")
     assert type(whole.shared) is nn.Embedding
-    swapped = load_model(tmp_path / "mlx")
-    before = [(name, id(array)) for name, array in tree_flatten(swapped.parameters())]
-    assert use_cores(swapped) is swapped and isinstance(swapped.shared, cpu.SplitEmbedding)
+    before = [(name, id(array)) for name, array in tree_flatten(whole.parameters())]
+    swapped = use_cores(whole)
+    assert swapped is whole and isinstance(swapped.shared, cpu.SplitEmbedding)
     assert [(name, id(array)) for name, array in tree_flatten(swapped.parameters())] == before  # same arrays, names
+    unsplit = loading.load_model(tmp_path / "mlx")
 
     def logits(model):
         return np.array(model.decode(mx.array([[0, 5, 9]]), model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))))
 
-    np.testing.assert_allclose(logits(split), logits(whole), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(logits(split), logits(unsplit), rtol=1e-5, atol=1e-4)

@@ -16,7 +16,7 @@ import convert
 import main
 import train
 from decoder import Sampling, Stats, regular_generate, speculative_generate
-from model import load_model, load_tokenizer
+from loading import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"

@@ -16,7 +16,7 @@ import mlx.core as mx
 from decoder import (AutoDraft, OptionError, PromptLookup, Row, Sampling, Settings, Stats, draft_tokens, encode_prompts,
                      generate, regular_generate, speculative_batch, speculative_generate)
 from interactive import Session
-from model import Models, load, load_tokenizer
+from loading import Models, load, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"

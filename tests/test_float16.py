@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 import convert
 import mlx.core as mx
 import model as t5
-from model import load_model
+from loading import load_model
 
 # T5-large's stack (24 + 24 layers, d_model 1024, d_ff 4096, 16 heads of 64);
 # a small vocabulary keeps the file and the test fast.

@@ -14,7 +14,7 @@ from checkpoints import make_checkpoint, t5_config
 import convert
 import main
 from decoder import Sampling, Stats, regular_generate, speculative_generate
-from model import load_model, load_tokenizer
+from loading import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
@@ -191,11 +191,12 @@ def test_the_default_output_of_a_quantization_says_its_bits(tmp_path, monkeypatc
     assert convert.default_out("google/flan-t5-xl", convert.Quantization(bits=8)) == Path("mlx_models/flan-t5-xl-8bit")
 
 
-def test_converting_into_the_source_folder_is_refused(tmp_path):
+def test_converting_into_the_source_folder_is_refused_and_leaves_it_whole(tmp_path):
     convert.convert(str(DEMO / "draft"), tmp_path / "f32", "float32", False)
+    before = {file.name: file.read_bytes() for file in (tmp_path / "f32").iterdir()}
     done = run_convert("--model", str(tmp_path / "f32"), "--out", str(tmp_path / "f32"), "-q", "--force")
     assert done.returncode != 0 and "is the folder being converted" in done.stderr
-    assert load_model(tmp_path / "f32") is not None
+    assert {file.name: file.read_bytes() for file in (tmp_path / "f32").iterdir()} == before
 
 
 def test_a_quantized_target_and_a_float_draft_of_other_bits_run_as_a_pair(tmp_path, capsys):

@@ -1,0 +1,165 @@
+"""T5's attention as each path computes it: `attend`, the one entry point.
+
+Every attention in model.py comes here, naming which it is:
+- "self": the decoder's queries over its own cache;
+- "cross": the decoder's queries over the prompt's keys and values;
+- "prompt": the encoder's queries (a chunk of a long input's rows) over the
+  whole input, its bias given as a function of rows.
+
+Scale 1: T5 folds 1/sqrt(d_kv) into its initialisation. On the accelerator
+path (cpu.in_use() False), MLX's fused kernel. On the CPU path, where MLX's
+fused attention is built of plain operations anyway, our own: the bias added
+in the scores' product (mx.addmm), no scaling by 1, and, where a query has
+many keys, an exponential of our own (~6 ns a score for a whole block where
+MLX's fused attention costs ~13 on x86: bench.py attention).
+
+A prompt's self-attention goes in blocks of queries and heads on both paths,
+so that its memory grows with the input's length, not with its square: each
+block's scores (8 MB of float32) are reused memory, not pages fresh from
+the OS (cpu.py), and keep at least 32 queries, below which the products run
+at half speed. MLX evaluates up to ~20 independent blocks side by side, so
+this also sets the memory attention takes whatever the length (~0.5 GB).
+"""
+
+import math
+
+import cpu  # before mlx.core
+import mlx.core as mx
+
+SCORES_PER_BLOCK = 1 << 21
+ROWS_PER_BLOCK = 32  # at least
+OWN_SOFTMAX_FROM = 4096  # scores per query (heads x keys) from which cross-attention takes our softmax
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str, lanes: tuple = ()) -> mx.array:
+    """Softmax attention of queries (B, H, L, D) over keys and values
+    (B, H, S, D), plus an additive bias: (B or 1, H or 1, L, S) for "self"
+    and "cross" (None: no bias), and for "prompt" a function bias_of(first,
+    last) giving rows first..last-1 of it, whose blocks take the `lanes` in
+    turn. Returns (B, H, L, D).
+
+    On the CPU path, the decoder's self-attention takes MLX's softmax (its
+    keys grow step by step: a rule on their count would switch in a verify
+    pass at a different step than in a regular one); cross-attention takes
+    ours when each query scores OWN_SOFTMAX_FROM keys x heads or more (a
+    long prompt), a rule on each query's own scores, never on how many
+    queries come, so a row gets the same arithmetic alone or in a verify
+    pass; the encoder takes ours, whose normaliser comes out of the values'
+    product through a column of ones."""
+    if kind == "prompt":
+        return attend_in_blocks(queries, keys, values, bias, lanes)
+    if not cpu.in_use():
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
+    H, S = queries.shape[1], keys.shape[2]
+    own = kind == "cross" and H * S >= OWN_SOFTMAX_FROM
+    return softmax_attention(queries, keys, values, bias, own)
+
+
+def attend_in_blocks(queries, keys, values, bias_of, lanes: tuple) -> mx.array:
+    """The encoder's attention, block by block (attention_blocks). The
+    blocks take the lanes in turn: MLX runs a graph's operations in about
+    the order they were built, a bounded number ahead, so blocks that all
+    ran on one lane would keep the other cores idle."""
+    B, H, L, _ = queries.shape
+    on_cpu = cpu.in_use()
+    if on_cpu:
+        values = with_summing_column(values)
+    rows = {}  # first row -> that block's output, head group by head group
+    for i, (a, b, h, g) in enumerate(attention_blocks(L, H, keys.shape[2])):
+        q, k, v, bias = queries[:, h:g, a:b], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]
+        with cpu.lane(lanes, i):
+            if on_cpu:
+                out = softmax_attention(q, k, v, bias, own=True, summing_column=True)
+            else:
+                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=bias)
+        rows.setdefault(a, []).append(out)
+    return mx.concatenate([mx.concatenate(heads, axis=1) for heads in rows.values()], axis=2)
+
+
+def attention_blocks(rows: int, heads: int, keys: int) -> list[tuple[int, int, int, int]]:
+    """(first row, last row, first head, last head) blocks covering `rows`
+    queries and every head, each with at most SCORES_PER_BLOCK scores (or
+    ROWS_PER_BLOCK rows of one head, when a row alone has more)."""
+    size = min(rows, max(ROWS_PER_BLOCK, SCORES_PER_BLOCK // (heads * keys)))
+    group = max(1, min(heads, SCORES_PER_BLOCK // (size * keys)))
+    return [(a, min(a + size, rows), h, min(h + group, heads))
+            for a in range(0, rows, size) for h in range(0, heads, group)]
+
+
+def softmax_attention(queries, keys, values, bias, own: bool, summing_column: bool = False) -> mx.array:
+    """The CPU path's attention: MLX's softmax, or (own) our exponential,
+    which costs a few operations more and pays once a call has tens of
+    queries or a query many keys. With `summing_column` the values end in a
+    column of ones (with_summing_column), which gives the normaliser."""
+    transposed = keys.swapaxes(-1, -2)
+    scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
+    if not own:
+        return mx.softmax(scores, axis=-1, precise=True) @ values
+    weights = exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
+    if summing_column:
+        out = weights @ values
+        return out[..., :-1] / out[..., -1:]
+    return (weights @ values) / weights.sum(axis=-1, keepdims=True)
+
+
+def with_summing_column(values: mx.array) -> mx.array:
+    """values (..., keys, d) with a column of ones appended: the weights'
+    product with them is then the weighted values and, in the last column,
+    the weights' sum, in one product (a sum of its own costs ~1 ns a score)."""
+    return mx.concatenate([values, mx.ones((*values.shape[:-1], 1), values.dtype)], axis=-1)
+
+
+# 2**f for f in [-0.5, 0.5]: its Taylor series to degree 6 (error below 2e-7).
+_EXP2_TERMS = [math.log(2) ** k / math.factorial(k) for k in range(7)]
+
+# exp(x) for x <= 0 is 2**y, y = x / ln 2: 2**n * 2**f, n the integer nearest
+# y and f = y - n in [-0.5, 0.5]; 2**n is put into a float's exponent bits and
+# 2**f is a polynomial. MLX's CPU compile fuses elementwise operations into
+# one C++ loop, but cuts the graph at a bit cast (view) and 11 operations
+# deep, and every cut is another pass over memory; a scalar at a cut also
+# turns the loop into an indexing one. So the work is two compiled halves,
+# each at most 10 operations deep, with the bit cast between (bench.py
+# attention times it against MLX's exp). No floor: built without SSE4.1 it is
+# a library call per element; a cast to integer truncates, toward 0. Not
+# shapeless: MLX's shapeless tracing adds broadcasts that cut the graph again.
+
+
+def _scaled_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
+    """y = x / ln 2, and the float bits of 2**n; below x = -87 (where float32
+    runs out of exponents) the bits of 0, as MLX's exp gives. In float32
+    whatever x's type: half precision would lose digits in y."""
+    y = mx.maximum(x.astype(mx.float32), -87.0) * (1 / math.log(2))
+    n = (y - 0.5).astype(mx.int32)  # the integer nearest y (y <= 0: the cast rounds toward zero)
+    return y, mx.where(x >= -87.0, (n + 127) << 23, 0)
+
+
+def _times_exp2_fraction(y: mx.array, power_of_two: mx.array) -> mx.array:
+    """2**n * 2**f, the polynomial in Estrin's order (shallower than Horner's,
+    so that the whole half fuses)."""
+    f = y - (y - 0.5).astype(mx.int32).astype(y.dtype)
+    f2 = f * f
+    c = _EXP2_TERMS
+    return (c[0] + c[1] * f + f2 * (c[2] + c[3] * f) + (f2 * f2) * (c[4] + c[5] * f + f2 * c[6])) * power_of_two
+
+
+# Without a C++ compiler (MLX's CPU compile runs g++), MLX evaluates them op by op.
+_compiled_halves = (mx.compile(_scaled_and_exponent_bits), mx.compile(_times_exp2_fraction))
+
+
+def _exp_below_zero(x: mx.array) -> mx.array:
+    first, second = _compiled_halves
+    y, bits = first(x)
+    return second(y, bits.view(mx.float32)).astype(x.dtype)  # half stays half
+
+
+@mx.custom_function
+def exp_below_zero(x: mx.array) -> mx.array:
+    """exp(x) for x <= 0 to float32 precision, at a fraction of MLX's exp's
+    cost on the CPU; with exp's gradient: the bit cast has none, and training
+    runs the encoder's attention through it."""
+    return _exp_below_zero(x)
+
+
+@exp_below_zero.vjp
+def _exp_below_zero_vjp(primals, cotangent, output):
+    return cotangent * output

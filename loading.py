@@ -1,0 +1,262 @@
+"""Reading converted models: find a folder by name, check it, load its T5 and tokenizer.
+
+    models = load("t5-11b-4bit", draft="t5-small")   # what generate() and friends take
+    model = load_model("mlx_models/t5-small")         # one folder's T5, ready to decode
+
+A converted folder is what convert.py writes: config.json (with the
+`mlx_conversion` entry that marks it ours), safetensors shards and the
+tokenizer. Every problem a user can fix is a `LoadError` naming what to do.
+"""
+
+import json
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cpu  # before mlx.core
+import mlx.core as mx
+import mlx.nn as nn
+
+from model import T5, ModelArgs
+
+FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
+MODELS_DIR = Path("mlx_models")  # where convert.py writes by default
+REPOSITORY = Path(__file__).resolve().parent
+
+
+class T5Error(Exception):
+    """A problem the caller can fix: a model that cannot be used, an option out of range."""
+
+
+class LoadError(T5Error):
+    """A model that cannot be loaded: not converted, damaged, or not a draft for its target."""
+
+
+class ModelNotFound(LoadError):
+    def __init__(self, message: str, role: str):
+        super().__init__(message)
+        self.role = role  # "target" or "draft"
+
+
+def read_config(folder: str | Path, converted: bool = True) -> dict:
+    """A folder's config.json: a conversion's (LoadError if convert.py did
+    not write it) or, with converted=False, a Hugging Face checkpoint's."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not folder.is_dir():
+        raise LoadError(f"{folder} is not a folder")
+    if not config_file.is_file():
+        raise LoadError(f"{folder} has no config.json: not a converted model" if converted else
+                        f"{folder} holds no T5 checkpoint (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{config_file} is damaged ({e})" + (": convert the model again" if converted else ""))
+    if not isinstance(config, dict):
+        raise LoadError(f"{config_file} is damaged (not a JSON object)")
+    if converted and FORMAT_KEY not in config:
+        raise LoadError(f"{folder} is not a converted MLX model (a Hugging Face checkpoint? run: python convert.py --model {folder})")
+    return config
+
+
+def could_be_hub_id(name: str) -> bool:
+    """Whether convert.py could download this name (ORG/REPO or REPO), as
+    against a path on this machine."""
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "~")) and \
+        all(c.isalnum() or c in "-_." for part in parts for c in part)
+
+
+def resolve(name: str | Path, role: str = "model") -> Path:
+    """The converted folder a name means: a path; else mlx_models/NAME; else,
+    for a hub id ORG/REPO, the mlx_models/REPO that convert.py made from that
+    very id. A relative name is looked up from the current folder, then from
+    this repository's. `role` ("target", "draft") names the model in errors."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"the {role} must be a folder or a name (got {type(name).__name__})")
+    name = str(name)
+    if not name.strip():
+        raise ModelNotFound(f"no {role} named", role)
+    path = Path(name).expanduser()
+    bases = [Path()]
+    if not path.is_absolute() and Path.cwd().resolve() != REPOSITORY:
+        bases.append(REPOSITORY)
+    candidates = list(dict.fromkeys(base / sub / path for base in bases for sub in (Path(), MODELS_DIR)))
+    problem = None
+    for folder in candidates:
+        if folder.is_dir():
+            try:
+                read_config(folder)
+                return folder
+            except LoadError as e:
+                problem = problem or e
+    org, _, repo = name.partition("/")
+    if org and repo and "/" not in repo:  # a hub id: convert.py wrote mlx_models/REPO and recorded the id
+        for base in bases:
+            folder = base / MODELS_DIR / repo
+            try:
+                if read_config(folder)[FORMAT_KEY].get("source") == name:
+                    return folder
+            except LoadError:
+                pass
+    if problem:
+        raise problem
+    if path.is_file():
+        raise LoadError(f"{role} {name} is a file: give a folder written by convert.py")
+    looked = " and ".join(str(folder) for folder in candidates)
+    if could_be_hub_id(name):
+        advice = f"run `python convert.py --model {name}` first"
+    else:  # a path: convert.py cannot download it, but can write there
+        advice = f"convert a checkpoint there first: `python convert.py --model <hub id or checkpoint folder> --out {name}`"
+    raise ModelNotFound(f"no converted {role} '{name}' (looked for {looked}): {advice}", role)
+
+
+def load_model(folder: str | Path) -> T5:
+    """A converted folder's T5, checked against its config, every weight read
+    and decoding compiled. In a quantized folder (its config says
+    "quantization"), the layers with `.scales` are quantized ones. On the CPU
+    path, large decoding products are split over the cores."""
+    return _mapped(Path(folder)).compile_decoding()  # compiling reads every weight
+
+
+def _mapped(folder: Path) -> T5:
+    """load_model's model before its weights are read: mx.load maps the
+    safetensors lazily (never copying through numpy), so a folder is checked
+    in moments and read afterwards."""
+    config = read_config(folder)
+    model = T5(ModelArgs.from_dict(config))
+    weights = {}
+    for path in (folder / name for name in config[FORMAT_KEY]["weight_files"]):
+        try:
+            weights.update(mx.load(str(path)))
+        except RuntimeError as e:  # missing, truncated or corrupt
+            raise LoadError(f"{path} cannot be read ({e}): convert the model again")
+    if "quantization" in config:
+        q = config["quantization"]
+        nn.quantize(model, q["group_size"], q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=lambda path, module: f"{path}.scales" in weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:  # a weight missing, extra or of the wrong shape
+        detail = " ".join(str(e).split())  # one line: MLX lists the names on lines of their own
+        raise LoadError(f"{folder}'s weights do not match its config ({detail[:200]}): convert the model again")
+    model.eval()
+    return cpu.use_cores(model)
+
+
+class Tokenizer:
+    """A converted model's tokenizer, read from its tokenizer.json with the
+    `tokenizers` library: starting up imports neither transformers nor PyTorch.
+    It encodes as transformers' T5 tokenizer does (EOS appended) and decodes
+    special tokens as text, without "cleaning up" spaces."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as Rust
+
+        self.backend = Rust.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text).ids
+
+    def decode(self, ids: list[int], **_) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+def load_tokenizer(folder: str | Path):
+    """The folder's tokenizer: from tokenizer.json (convert.py writes one);
+    for a folder with only spiece.model, transformers' (a slower start)."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return Tokenizer(folder / "tokenizer.json")
+        except Exception as e:  # the Rust library's errors have no common type
+            raise LoadError(f"{folder} has a damaged tokenizer.json ({str(e).splitlines()[0]}): convert the model again")
+    # Without these files transformers quietly builds a tokenizer of special tokens only.
+    if not (folder / "spiece.model").is_file():
+        raise LoadError(f"{folder} has no tokenizer (tokenizer.json or spiece.model): convert the model again")
+    from transformers import AutoTokenizer  # slow import: only when needed
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{folder} has a damaged tokenizer ({str(e).splitlines()[0]}): convert the model again")
+
+
+@dataclass
+class Models:
+    """A target, its draft (None: regular decoding only) and their shared
+    tokenizer, with what decoding learns about them from one generation to
+    the next: `drafting`, what num_draft "auto" learnt about the pair
+    (decoder.AutoDraft) for each delta, sampling setting and batch size;
+    `encoding_rate`, the flops a second a prompt was last encoded at
+    (decoder.encoding_seconds), None until a prompt takes long enough to tell."""
+
+    target: T5
+    draft: T5 | None
+    tokenizer: object
+    target_path: Path
+    draft_path: Path | None = None
+    drafting: dict = field(default_factory=dict, repr=False)
+    encoding_rate: float | None = None
+
+
+def check_fit(path: Path, model: T5, tokenizer) -> None:
+    """Warn, once per model, of what would make its output empty or slow."""
+    # T5 pads its vocabulary to a multiple of 128 (32128 rows for 32100 pieces);
+    # beyond that, the model can choose tokens the tokenizer prints as nothing.
+    known = -(-len(tokenizer) // 128) * 128
+    if model.args.vocab_size > known:
+        warnings.warn(f"{path} has {model.args.vocab_size:,} output tokens but its tokenizer only {len(tokenizer):,}: "
+                      "tokens past those print as nothing (a tokenizer from another model?)", RuntimeWarning, stacklevel=3)
+    dtype = model.shared.weight.dtype if not hasattr(model.shared, "scales") else model.shared.scales.dtype
+    if cpu.in_use() and dtype in (mx.bfloat16, mx.float16):
+        warnings.warn(f"{path} is {str(dtype).split('.')[-1]}: MLX's CPU backend has no fast half-precision products, "
+                      "it decodes several times slower than float32 (convert with --dtype float32)", RuntimeWarning, stacklevel=3)
+
+
+_warned_slow_blas = False
+
+
+def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False) -> Models:
+    """Load a converted target (and draft) by folder, name under mlx_models/,
+    or the hub id it was converted from. Every weight is read now (verbose:
+    saying so on stderr), so the first generation's time is decoding, not
+    disk reads. A draft must share the target's tokenizer; that is checked
+    before any weights load."""
+    global _warned_slow_blas
+    target_path = resolve(target, "target")
+    draft_path = resolve(draft, "draft") if draft is not None else None
+    tokenizer = load_tokenizer(target_path)
+    if draft_path is not None:
+        target_vocab, draft_vocab = read_config(target_path)["vocab_size"], read_config(draft_path)["vocab_size"]
+        if draft_vocab != target_vocab:
+            raise LoadError(f"{draft} has {draft_vocab} output tokens, {target} {target_vocab}: not a draft for it")
+        if load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab():
+            raise LoadError(f"{draft} and {target} have different tokenizers: the draft must share the target's")
+    if cpu.SLOW and not _warned_slow_blas:  # once per process, whatever the warning filters say
+        _warned_slow_blas = True
+        advice = ": several times slower; import model, decoder or cpu before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
+        warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
+    target_model = _mapped(target_path)
+    draft_model = _mapped(draft_path) if draft_path is not None else None
+    if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
+        names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+                 for path in (target_path, draft_path) if path is not None]
+        print(f"Loading {' and '.join(names)} ...", file=sys.stderr, flush=True)
+        if (kernels := cpu.uncompiled_kernels()) is not None:
+            print(f"First run of MLX {mx.__version__} here: its CPU kernels are compiled as they are first needed "
+                  f"(once, kept in {kernels}), which slows the first generation by up to half a minute.",
+                  file=sys.stderr, flush=True)
+    for path, model in ((target_path, target_model), (draft_path, draft_model)):
+        if model is not None:
+            model.compile_decoding()  # reads every weight
+            check_fit(path, model, tokenizer)
+    return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve())

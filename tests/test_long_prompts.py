@@ -1,0 +1,134 @@
+"""Long prompts: announced before a long wait, timed apart from decoding, bounded in memory, and never encoded more than needed."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import decoder
+import main
+from conftest import ROOT
+from loading import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def long_prompt():
+    """The held-out demo prompts in one: about a thousand tokens."""
+    prompt = " ".join(main.demo_prompts())
+    assert len(load_tokenizer(main.DEMO_DIR / "target").encode(prompt)) > decoder.TRAINED_LENGTH
+    return prompt
+
+
+@pytest.fixture
+def slow_encoding(monkeypatch):
+    """Encoding a prompt of more than 512 tokens takes 1.5 s longer, as on a slow
+    machine; the list of such encodings (their lengths) comes back."""
+    encoded, real = [], decoder.encode_prompts
+
+    def slow(model, prompts):
+        if max(map(len, prompts)) > decoder.TRAINED_LENGTH:
+            encoded.append(max(map(len, prompts)))
+            time.sleep(1.5)
+        return real(model, prompts)
+
+    monkeypatch.setattr(decoder, "encode_prompts", slow)
+    return encoded
+
+
+def test_the_statistics_give_the_prompts_length_and_a_long_prompt_is_warned_of(long_prompt, capsys, recwarn):
+    assert main.main(["--demo", "--regular-decode", "--max-tokens", "3", "--prompt", long_prompt]) == 0
+    tokens = len(load_tokenizer(main.DEMO_DIR / "target").encode(long_prompt))
+    assert re.search(rf"prompt {tokens:,} tokens encoded in \d+\.\d\d s", capsys.readouterr().out)
+    assert any(f"the prompt has {tokens:,} tokens, more than the 512 T5 was trained on" in str(w.message) for w in recwarn)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_prompt_that_will_take_a_while_to_encode_is_announced(capsys, monkeypatch, as_json):
+    monkeypatch.setattr(decoder, "assumed_encoding_rate", lambda: 1e6)  # a very slow machine
+    assert main.main(["--demo", "--regular-decode", "--max-tokens", "2"] + ["--json"] * as_json) == 0
+    assert re.search(r"Encoding a \d+-token prompt: about \d+ s \.\.\.", capsys.readouterr().err)
+
+
+def test_tokens_per_second_is_decoding_speed_and_encoding_is_timed_apart(long_prompt, slow_encoding, capsys):
+    """A 5-token answer to a prompt that takes over 1.5 s to encode: the
+    statistics give the encoding's seconds, and tokens/s counts decoding alone."""
+    result = main.main(["--demo", "--regular-decode", "--max-tokens", "5", "--prompt", long_prompt, "--json"])
+    assert result == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["encoding_seconds"] >= 1.5 and stats["seconds"] > stats["encoding_seconds"]
+    assert stats["decoding_seconds"] == pytest.approx(stats["seconds"] - stats["encoding_seconds"])
+    assert stats["tokens_per_second"] == pytest.approx(5 / stats["decoding_seconds"])
+    assert stats["tokens_per_second"] > 10 * 5 / stats["seconds"]
+
+
+def test_the_demo_does_not_encode_a_long_prompt_again_for_its_speedup_line(long_prompt, slow_encoding, capsys):
+    """The answer encodes the prompt once per model; the warm-up takes a
+    short piece of it, and the speedup line, whose runs would each encode it
+    again, is left out with the reason (once, it ran for half an hour)."""
+    assert main.main(["--demo", "--max-tokens", "5", "--prompt", long_prompt]) == 0
+    out = capsys.readouterr().out
+    assert len(slow_encoding) == 2, slow_encoding  # the target's and the draft's, for the answer
+    assert "Speedup not measured: a run of each mode would take about" in out and "--compare" in out
+
+
+def test_the_demos_speedup_takes_fewer_runs_when_they_cost_more(capsys, monkeypatch):
+    """A run of each mode costing 2 s: two runs of each fit the 5 s the line may take, and it says so."""
+    from decoder import Stats
+    from interactive import show_speedup
+    from loading import load
+
+    models = load(main.DEMO_DIR / "target", draft=main.DEMO_DIR / "draft")
+    runs = []
+    monkeypatch.setattr("interactive.measure", lambda *args: runs.append(1) or Stats(generated=10, seconds=1.0))
+    show_speedup(models, "x", decoder.Settings(), answer=Stats(generated=10, seconds=1.0))
+    assert len(runs) == 4 and "medians of 2 runs each: a run of each takes about 2.0 s" in capsys.readouterr().out
+
+
+def test_the_encoding_estimate_grows_with_the_square_of_the_length():
+    """Doubling the length doubles the products' work and quadruples
+    attention's, so the excess over twice the work is attention's: two
+    products of L x L x inner per encoder layer, 2 flops a multiply-add."""
+    target = load_model(main.DEMO_DIR / "target")
+    a = target.args
+    for length in (512, 8192):
+        excess = decoder.encoding_flops(target, 2 * length) - 2 * decoder.encoding_flops(target, length)
+        assert excess == 2 * (a.num_layers * 2 * 2 * length * length * a.num_heads * a.d_kv)
+
+
+MEMORY_PROBE = r"""
+import re, resource, sys
+from pathlib import Path
+from decoder import start_decoding  # before mlx.core, through cpu.py: the fast BLAS
+from loading import load_model
+
+def peak():  # bytes. Linux's ru_maxrss counts the parent's memory from before the exec: VmHWM does not
+    if sys.platform == "darwin":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+model = load_model("demo/target")
+start_decoding(model, list(range(3, 67)))  # warm-up: buffers, kernels
+before = peak()
+start_decoding(model, [(i * 7919) % 1000 + 3 for i in range(8191)] + [1])
+print(before, peak())
+"""
+
+
+def test_a_long_prompt_encodes_in_less_memory_than_one_full_score_matrix():
+    """The demo target given 8,192 tokens: a full (heads, L, L) float32 score
+    matrix alone would take 1.07 GB; encoding in blocks must grow the process's
+    peak resident memory by less than that, and the whole process must stay
+    under 1.5 GB (measured in a fresh process)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    heads, length = 4, 8192
+    done = subprocess.run([sys.executable, "-c", MEMORY_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    before, after = map(int, done.stdout.split()[-2:])
+    assert after - before < heads * length * length * 4, f"peak grew by {(after - before) / 1e6:.0f} MB"
+    assert after < 1.5e9, f"peak {after / 1e9:.2f} GB"
