@@ -66,8 +66,8 @@ def attend_in_blocks(queries, keys, values, bias_of, lanes: tuple) -> mx.array:
         values = with_summing_column(values)
     rows = {}  # first row -> that block's output, head group by head group
     for i, (a, b, h, g) in enumerate(attention_blocks(L, H, keys.shape[2])):
-        q, k, v, bias = queries[:, h:g, a:b], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]
-        with cpu.lane(lanes, i):
+        with cpu.lane(lanes, i):  # the slices too: a block's every operation on its own lane
+            q, k, v, bias = queries[:, h:g, a:b], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]
             if on_cpu:
                 out = softmax_attention(q, k, v, bias, own=True, summing_column=True)
             else:
