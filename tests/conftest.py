@@ -1,5 +1,6 @@
 """Session fixtures: a local tokenizer and converted random checkpoints of each T5 flavour."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "demo")]
 
 import convert  # noqa: E402
+import cpu  # noqa: E402
 from checkpoints import PROMPT, make_checkpoint, perturbed_copy, t5_config, train_tokenizer  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from loading import load_model  # noqa: E402
@@ -23,6 +25,25 @@ FLAVOURS = {
     "deeper_decoder": (t5_config(num_layers=1, num_decoder_layers=3), False, 3),
     "many_heads": (t5_config(num_heads=16, d_kv=8), True, 4),
 }
+
+
+# The second pass, T5_MLX_PATH=accelerator, runs every test whose subject the
+# path changes: parity with transformers, speculative and batched exactness,
+# quantized models, long prompts, compiled steps, attention, the API and the
+# CLI. These it leaves to the first: conversion, the BLAS and the split
+# products, the demo's training and quality, float16's clamp, and the
+# statistical tests of the sampling rule (minutes; its arithmetic runs after
+# the model's, the same on both paths).
+CPU_PASS_ONLY = {"test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(cpu.PATH_SETTING, "").strip().lower() != "accelerator":
+        return
+    skip = pytest.mark.skip(reason="not path-dependent: run in the CPU path's pass")
+    for item in items:
+        if item.path.name in CPU_PASS_ONLY or "target_distribution" in item.name:
+            item.add_marker(skip)
 
 
 class Checkpoint:
