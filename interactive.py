@@ -86,7 +86,7 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
     regular, spec = results["regular"], results["speculative"]
     speedup = spec.tokens_per_second / regular.tokens_per_second if regular.tokens_per_second else 0.0
     lookup = ", prompt lookup" if settings.prompt_lookup else ""
-    print(f"regular {regular.seconds:.2f} s, speculative {spec.seconds:.2f} s: speedup {speedup:.2f}x "
+    print(f"decoding: regular {regular.decoding_seconds:.2f} s, speculative {spec.decoding_seconds:.2f} s, speedup {speedup:.2f}x "
           f"(num-draft {settings.num_draft}, delta {settings.delta}{lookup})", file=out)
 
 
