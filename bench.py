@@ -238,7 +238,8 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 def bench_regular(args) -> None:
     import mlx.core as mx
 
-    from decoder import Sampling, Stats, regular_generate
+    from sampling import Sampling
+    from decoder import Stats, regular_generate
     from loading import load_model
 
     hf_dir = build_large(args.dir / "t5-large-random")
@@ -358,18 +359,21 @@ def step_profile(model, width: int = 1, steps: int = 30) -> dict:
 
 
 def draft_round_seconds(draft, k: int, rounds: int = 30) -> float:
-    """A speculative round's drafting, as decoder.draft_tokens does it: k one-token steps, no host sync between them."""
+    """A speculative round's drafting, as DraftModel.propose does it: k one-token steps, no host sync between them."""
     import mlx.core as mx
 
-    from decoder import Row, Sampling, Stats, draft_tokens
+    from decoder import Request, Row
+    from drafting import DraftModel
+    from sampling import RowSampling, Sampling
 
     cache = draft.make_cache(draft.encode(mx.array([PROMPT_IDS])))
     mx.eval(draft.decode(mx.array([[0] * 20]), cache))
-    times = []
+    drafter, times = DraftModel(draft), []
     for _ in range(rounds + 3):
-        row = Row(0, Stats(), 0.0, unseen=[5])
+        row = Row(Request(PROMPT_IDS), 0.0, (0, 0), drafting=[5])
         start = time.perf_counter()
-        mx.eval(draft_tokens(draft, cache, [row], [k], Sampling())[:2])
+        proposal = drafter.propose([row], [k], RowSampling([Sampling()]), mx.array([0]), cache)
+        mx.eval(proposal.drafts, proposal.logits)
         times.append(time.perf_counter() - start)
         cache.trim(k)
     return statistics.median(times[3:])
@@ -380,7 +384,8 @@ def bench_steps(args) -> None:
     each step split into Python graph building, MLX's per-operation dispatch
     and compute; compiled steps (the default) against the graph built op by
     op; and the draft's step time at num-draft 1-8."""
-    from decoder import Sampling, Stats, regular_generate
+    from sampling import Sampling
+    from decoder import Stats, regular_generate
     from loading import load_model
 
     target_hf, draft_hf = build_pair(args.dir)
@@ -455,7 +460,8 @@ def bench_steps(args) -> None:
 
 def bench_speculative(args) -> None:
     import main
-    from decoder import Sampling, Stats, regular_generate, speculative_generate
+    from sampling import Sampling
+    from decoder import Stats, regular_generate, speculative_generate
     from loading import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
@@ -547,7 +553,8 @@ def bench_batch(args) -> None:
     Batch size 1 is prompt-by-prompt decoding: `speculative_generate` is a
     batch of one. Runs alternate within a pass; medians over passes."""
     import main
-    from decoder import Sampling, Stats, encode_prompts, regular_batch, speculative_batch
+    from sampling import Sampling
+    from decoder import Stats, encode_prompts, regular_batch, speculative_batch
     from loading import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
@@ -678,7 +685,8 @@ def copy_prompts(target, count: int = 20, run: int = 5) -> list[list[int]]:
     import random
 
     import train
-    from decoder import Sampling, regular_generate
+    from sampling import Sampling
+    from decoder import regular_generate
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO / "target"))  # train.py's helpers take transformers' tokenizers
@@ -709,7 +717,8 @@ def bench_drafting(args) -> None:
     keeps what it learnt from one prompt to the next (as `Models.drafting`
     does in a session)."""
     import main
-    from decoder import AutoDraft, Sampling, speculative_generate
+    from sampling import Sampling
+    from decoder import AutoDraft, speculative_generate
     from loading import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
@@ -753,7 +762,8 @@ def bench_lookup(args) -> None:
     """Prompt lookup against regular decoding, on both targets, over the
     held-out demo prompts and the copy-heavy ones (copy_prompts)."""
     import main
-    from decoder import Sampling, regular_generate, speculative_generate
+    from sampling import Sampling
+    from decoder import regular_generate, speculative_generate
     from loading import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
@@ -795,7 +805,8 @@ def decode_worker(folder: str, tokens: int) -> None:
 
     import mlx.core as mx
 
-    from decoder import Sampling, Stats, regular_generate
+    from sampling import Sampling
+    from decoder import Stats, regular_generate
     from loading import load_model
 
     def resident(field: str) -> int:
@@ -816,7 +827,8 @@ def bench_quantized(args) -> None:
     import train
 
     import main
-    from decoder import Sampling, Stats, regular_generate, speculative_generate
+    from sampling import Sampling
+    from decoder import Stats, regular_generate, speculative_generate
     from loading import load_model, load_tokenizer
 
     hf_dir = build_large(args.dir / "t5-large-random")

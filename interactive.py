@@ -11,7 +11,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from decoder import KNOBS, OptionError, Settings, Stats, encoding_seconds, measure, stream_generate, warm_up
+from decoder import KNOBS, OptionError, Settings, Stats
+from generate import encoding_seconds, measure, stream_generate, warm_up
 from loading import Models
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")

@@ -17,7 +17,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from decoder import AUTO, BATCH_SIZE, KNOBS, Settings, stream_batch_generate, stream_generate, warm_up
+from decoder import AUTO, KNOBS, Settings
+from generate import BATCH_SIZE, stream_batch_generate, stream_generate, warm_up
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
 from loading import ModelNotFound, T5Error, load
 from sweep import check_plot_path, parse_list, sweep

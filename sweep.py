@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoder import AUTO, KNOBS, OptionError, Settings, Stats, measure_batch, warm_up
+from decoder import AUTO, KNOBS, OptionError, Settings, Stats
+from generate import measure_batch, warm_up
 from loading import Models, T5Error
 
 

@@ -1,4 +1,4 @@
-"""The Python API: loading.load, decoder.generate and stream_generate, and their errors."""
+"""The Python API: loading.load, generate.generate and stream_generate, and their errors."""
 
 import json
 import os
@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import main
-from decoder import Detokenizer, OptionError, batch_generate, generate, stream_generate
+from decoder import OptionError
+from generate import Detokenizer, batch_generate, generate, stream_generate
 from loading import LoadError, ModelNotFound, T5Error, load, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,10 @@ from checkpoints import PROMPTS, exact_first_token_distribution
 
 import main
 import mlx.core as mx
-from decoder import (Sampling, Stats, accept_mask, batch_generate, generate, regular_batch, regular_generate,
-                     speculative_batch, speculative_generate, stream_generate)
+from decoder import (Stats, accept_mask, regular_batch, regular_generate, speculative_batch,
+                     speculative_generate)
+from generate import batch_generate, generate, stream_generate
+from sampling import Sampling
 from loading import Models, load_tokenizer
 from model import KVCache
 from test_model import append

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer, T5ForConditionalGeneration
 import convert
 import main
 import train
-from decoder import Sampling, Stats, regular_generate, speculative_generate
+from decoder import Stats, regular_generate, speculative_generate
+from sampling import Sampling
 from loading import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,10 +13,13 @@ from checkpoints import PROMPTS, exact_first_token_distribution, reference_greed
 
 import main
 import mlx.core as mx
-from decoder import (AutoDraft, OptionError, PromptLookup, Row, Sampling, Settings, Stats, draft_tokens, encode_prompts,
-                     generate, regular_generate, speculative_batch, speculative_generate)
+from decoder import (OptionError, Request, Row, Settings, Stats, encode_prompts, regular_generate, speculative_batch,
+                     speculative_generate)
+from drafting import AutoDraft, DraftModel, PromptLookup
+from generate import generate
 from interactive import Session
 from loading import Models, load, load_tokenizer
+from sampling import RowSampling, Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
@@ -138,10 +141,11 @@ def test_a_dropped_draft_leaves_the_draft_cache_as_one_draft_would(pair):
 
 def drafts_taken(auto: AutoDraft, draft, prompt: list[int]) -> int:
     """How many tokens auto drafts in one round from a fresh cache: the same confidences every time."""
-    cache = encode_prompts(draft, [prompt])
-    row = Row(0, Stats(), 0.0, unseen=[draft.args.decoder_start_token_id])
-    drafts, _, _ = draft_tokens(draft, cache, [row], [AutoDraft.cap], Sampling(), auto)
-    return drafts.shape[1]
+    cache, drafter = encode_prompts(draft, [prompt]), DraftModel(draft, auto)
+    row = Row(Request(prompt), 0.0, (0, 0))
+    drafter.start(row)
+    proposal = drafter.propose([row], [AutoDraft.cap], RowSampling([Sampling()]), mx.array([0]), cache)
+    return proposal.drafts.shape[1]
 
 
 def learnt(rounds: list[tuple[int, int]]) -> AutoDraft:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import decoder
+import generate
 import main
 from conftest import ROOT
 from loading import load_model, load_tokenizer
@@ -18,7 +19,7 @@ from loading import load_model, load_tokenizer
 def long_prompt():
     """The held-out demo prompts in one: about a thousand tokens."""
     prompt = " ".join(main.demo_prompts())
-    assert len(load_tokenizer(main.DEMO_DIR / "target").encode(prompt)) > decoder.TRAINED_LENGTH
+    assert len(load_tokenizer(main.DEMO_DIR / "target").encode(prompt)) > generate.TRAINED_LENGTH
     return prompt
 
 
@@ -29,7 +30,7 @@ def slow_encoding(monkeypatch):
     encoded, real = [], decoder.encode_prompts
 
     def slow(model, prompts):
-        if max(map(len, prompts)) > decoder.TRAINED_LENGTH:
+        if max(map(len, prompts)) > generate.TRAINED_LENGTH:
             encoded.append(max(map(len, prompts)))
             time.sleep(1.5)
         return real(model, prompts)
@@ -47,7 +48,7 @@ def test_the_statistics_give_the_prompts_length_and_a_long_prompt_is_warned_of(l
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_prompt_that_will_take_a_while_to_encode_is_announced(capsys, monkeypatch, as_json):
-    monkeypatch.setattr(decoder, "assumed_encoding_rate", lambda: 1e6)  # a very slow machine
+    monkeypatch.setattr(generate, "assumed_encoding_rate", lambda: 1e6)  # a very slow machine
     assert main.main(["--demo", "--regular-decode", "--max-tokens", "2"] + ["--json"] * as_json) == 0
     assert re.search(r"Encoding a \d+-token prompt: about \d+ s \.\.\.", capsys.readouterr().err)
 
@@ -94,7 +95,7 @@ def test_the_encoding_estimate_grows_with_the_square_of_the_length():
     target = load_model(main.DEMO_DIR / "target")
     a = target.args
     for length in (512, 8192):
-        excess = decoder.encoding_flops(target, 2 * length) - 2 * decoder.encoding_flops(target, length)
+        excess = generate.encoding_flops(target, 2 * length) - 2 * generate.encoding_flops(target, length)
         assert excess == 2 * (a.num_layers * 2 * 2 * length * length * a.num_heads * a.d_kv)
 
 

@@ -13,7 +13,7 @@ import convert
 import main
 import mlx.core as mx
 from conftest import ROOT
-from decoder import stream_generate
+from generate import stream_generate
 from loading import load, load_model
 
 

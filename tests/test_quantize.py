@@ -13,7 +13,8 @@ from checkpoints import make_checkpoint, t5_config
 
 import convert
 import main
-from decoder import Sampling, Stats, regular_generate, speculative_generate
+from decoder import Stats, regular_generate, speculative_generate
+from sampling import Sampling
 from loading import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,8 @@ from checkpoints import PROMPT
 import main
 import mlx.core as mx
 from conftest import ROOT
-from decoder import Sampling, generate, logits_to_probs
+from generate import generate
+from sampling import Sampling, logits_to_probs
 from loading import load
 
 

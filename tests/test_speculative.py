@@ -12,7 +12,8 @@ from checkpoints import PROMPTS, exact_first_token_distribution, reference_greed
 import main
 import mlx.core as mx
 import sweep
-from decoder import Sampling, Settings, Stats, accept_mask, regular_generate, speculative_generate, start_decoding
+from decoder import Settings, Stats, accept_mask, regular_generate, speculative_generate, start_decoding
+from sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 

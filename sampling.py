@@ -1,0 +1,122 @@
+"""From logits to tokens: temperature, top-k and top-p, each row of a batch with its own settings and random stream.
+
+`Sampling` is one prompt's setting; `RowSampling` the settings of a batch's
+rows as arrays over its first axis, so that rows sampling differently (or not
+at all: temperature 0 is greedy) decode together. The regular path, the
+drafts and the acceptance rule all go through `logits_to_probs` and `sample`.
+
+Each row draws from a random stream of its own, keyed by its seed and by the
+position in its output the draw decides, never by what else shares its
+batch: a seeded row gives the same draws alone or in any batch.
+"""
+
+from dataclasses import dataclass
+
+import cpu  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+
+# What a draw at a position decides: a draft, a draft's acceptance, the target's token.
+DRAFT, ACCEPT, TOKEN = range(3)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temp: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+
+def random_key(seed: int | None) -> tuple[int, int]:
+    """A row's random stream: from its seed, or (None) drawn from MLX's global
+    generator, so that mx.random.seed makes unseeded runs reproducible."""
+    if seed is None:
+        return tuple(mx.random.randint(0, 2**31 - 1, (2,)).tolist())
+    return tuple(mx.random.split(mx.random.key(seed))[0].tolist())  # hashed: nearby seeds share no draws
+
+
+class RowSampling:
+    """A batch's rows' settings (and random streams), as arrays over the batch's
+    first axis; the parts no row uses are None, and cost nothing."""
+
+    def __init__(self, samplings: list[Sampling], keys: list[tuple[int, int]] | None = None):
+        self.rows = len(samplings)
+        self.greedy = [s.temp == 0 for s in samplings]
+        self.all_greedy = all(self.greedy)
+        self.temp = mx.array([s.temp if s.temp > 0 else 1.0 for s in samplings])  # greedy rows' at 1: unused
+        self.top_k = mx.array([s.top_k for s in samplings]) if any(s.top_k > 0 for s in samplings) else None
+        self.top_p = mx.array([s.top_p for s in samplings]) if any(s.top_p < 1 for s in samplings) else None
+        self.is_greedy = mx.array(self.greedy)
+        self.keys = None if self.all_greedy or keys is None else mx.array(keys, dtype=mx.uint32)
+
+    @classmethod
+    def of(cls, sampling: "Sampling | RowSampling", rows: int) -> "RowSampling":
+        return sampling if isinstance(sampling, RowSampling) else cls([sampling] * rows)
+
+    def keys_at(self, positions: mx.array, purpose: int) -> mx.array:
+        """Each row's key for its draws at these output positions, (B, ...) -> (B, ..., 2)."""
+        assert self.keys is not None, "rows that sample need their random streams"
+        counters = (positions.astype(mx.uint32) * 3 + purpose).astype(mx.uint32)
+        shape = (self.rows,) + (1,) * (positions.ndim - 1)
+        high = mx.broadcast_to(self.keys[:, 0].reshape(shape), counters.shape)
+        return mx.stack([high, mx.bitwise_xor(self.keys[:, 1].reshape(shape), counters)], axis=-1)
+
+
+def per_row(values: mx.array, like: mx.array) -> mx.array:
+    """(B,) values shaped to broadcast over `like`'s (B, ..., V)."""
+    return values.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def logits_to_probs(logits: mx.array, sampling: "Sampling | RowSampling") -> mx.array:
+    """Logits (B, ..., vocab) -> float32 probabilities after each row's
+    temperature, top-k and top-p (a greedy row's: at temperature 1)."""
+    rows = RowSampling.of(sampling, logits.shape[0])
+    assert not (isinstance(sampling, Sampling) and sampling.temp == 0), "greedy decoding has no distribution"
+    logits = logits.astype(mx.float32) / per_row(rows.temp, logits)
+    vocab = logits.shape[-1]
+    if rows.top_k is not None:  # k 0 (off) or past the vocabulary: the smallest logit, which masks nothing
+        kth = mx.sort(logits, axis=-1)
+        index = per_row(mx.where((rows.top_k > 0) & (rows.top_k < vocab), vocab - rows.top_k, 0), logits)
+        kth_largest = mx.take_along_axis(kth, mx.broadcast_to(index, (*logits.shape[:-1], 1)), axis=-1)
+        logits = mx.where(logits < kth_largest, -mx.inf, logits)
+    probs = mx.softmax(logits, axis=-1)
+    if rows.top_p is not None:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (1: all of them).
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = (mass_before < per_row(rows.top_p, probs)) | per_row(rows.top_p >= 1, probs)
+        keep = mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+_categorical = mx.vmap(mx.vmap(lambda logits, key: mx.random.categorical(logits, key=key)))
+_uniform = mx.vmap(mx.vmap(lambda key: mx.random.uniform(key=key)))
+
+
+def categorical(log_probs: mx.array, keys: mx.array) -> mx.array:
+    """One token from each row of log_probs (B, n, V), each with its key (B, n, 2)."""
+    return _categorical(log_probs, keys)
+
+
+def uniform(keys: mx.array) -> mx.array:
+    """A draw from [0, 1) for each key (B, n, 2)."""
+    return _uniform(keys)
+
+
+def sample(logits: mx.array, sampling: "Sampling | RowSampling", positions: mx.array | None = None,
+           purpose: int = TOKEN) -> mx.array:
+    """One token per row of logits (B, V): the argmax for greedy rows, else a
+    draw from the row's distribution with its key for `purpose` at the
+    output `positions` (B,) it decides."""
+    rows = RowSampling.of(sampling, logits.shape[0])
+    greedy = mx.argmax(logits, axis=-1)
+    if rows.all_greedy:
+        return greedy
+    keys = rows.keys_at(positions[:, None], purpose) if rows.keys is not None else None
+    if keys is None:  # one Sampling for every row: MLX's global generator
+        drawn = mx.random.categorical(mx.log(logits_to_probs(logits, rows)))
+    else:
+        drawn = categorical(mx.log(logits_to_probs(logits, rows))[:, None], keys)[:, 0]
+    return mx.where(rows.is_greedy, greedy, drawn)
