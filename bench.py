@@ -9,6 +9,7 @@
     python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
     python bench.py encode           # long inputs: time to the first token and peak memory, 128 to 8,192 tokens
     python bench.py attention        # what one block of a long input's attention costs, step by step
+    python bench.py serve            # server.py under 1 to 64 concurrent clients, against batch_generate offline
     python bench.py                  # regular and speculative
 
 Checkpoints are built once under bench_models/ and converted with convert.py.
@@ -1006,6 +1007,165 @@ def bench_attention(args) -> None:
           f"{cost(lambda: small + 1, 1 << 20):.2f} / {cost(lambda: large + 1, 1 << 23):.2f} ns per element |")
 
 
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
+
+
+class ServerProcess:
+    """server.py in a process of its own on a free local port."""
+
+    def __init__(self, *options: str):
+        import socket
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, "server.py", *options, "--port", str(self.port)], cwd=ROOT,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(900):
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server.py did not start")
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=120)
+
+
+def stream_request(client, url: str, body: dict) -> dict:
+    """One streamed completion: its time to the first text, its latency and its tokens."""
+    started = time.perf_counter()
+    first, tokens = None, 0
+    with client.stream("POST", url + "/v1/completions", json={**body, "stream": True,
+                                                                "stream_options": {"include_usage": True}}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if first is None and any(choice["text"] for choice in data["choices"]):
+                first = time.perf_counter() - started
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+    return {"first": first if first is not None else time.perf_counter() - started,
+            "latency": time.perf_counter() - started, "tokens": tokens}
+
+
+def run_clients(url: str, prompts: list[str], clients: int, body: dict) -> dict:
+    """`clients` threads each sending the next prompt as soon as their last answer is in."""
+    import httpx
+
+    queue = list(reversed(prompts))
+    results = []
+
+    def client_loop():
+        with httpx.Client(timeout=600) as client:
+            while True:
+                try:
+                    prompt = queue.pop()
+                except IndexError:
+                    return
+                results.append(stream_request(client, url, {**body, "prompt": prompt}))
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client_loop) for _ in range(clients)]:
+            future.result()
+    seconds = time.perf_counter() - started
+    return {"tokens_per_second": sum(r["tokens"] for r in results) / seconds,
+            "first": [r["first"] for r in results], "latency": [r["latency"] for r in results]}
+
+
+def bench_serve(args) -> None:
+    """server.py under 1, 4, 16 and 64 concurrent clients (each sending its
+    next request when its last answer is in), against the same prompts
+    through batch_generate offline at the same batch size; and a short
+    request sent while long ones run, against the same request alone."""
+    import main
+    from decoder import Settings
+    from generate import measure_batch
+    from loading import load
+
+    target_hf, _ = build_pair(args.dir)
+    target_dir = args.dir / "pair-target-mlx"
+    if not (target_dir / "config.json").exists():
+        convert_measuring_memory(target_hf, target_dir)
+    pairs = {"demo pair": (DEMO / "target", DEMO / "draft"), "benchmark pair": (target_dir, DEMO / "target")}
+    demo = main.demo_prompts()
+    client_counts = [int(n) for n in (args.clients or "1,4,16,64").split(",")]
+    body = {"model": "default", "max_tokens": args.tokens, "num_draft": args.num_draft, "delta": 0}
+    print(f"\nserver.py under load: greedy, delta 0, num-draft {args.num_draft}, at most {args.tokens} tokens, "
+          f"the held-out demo prompts (as many requests as 4 per client, 32 at least). Offline: the same prompts "
+          f"through batch_generate at a batch size of the client count. Medians of {args.repeats} runs.\n\n"
+          f"machine: {machine()}")
+    for name, (target_dir, draft_dir) in pairs.items():
+        if args.pairs and name.split()[0] not in args.pairs.split(","):
+            continue
+        requests = {n: [demo[i % len(demo)] for i in range(max(32, 4 * n))] for n in client_counts}
+        models = load(target_dir, draft=draft_dir)
+        settings = Settings(max_tokens=args.tokens, num_draft=args.num_draft, delta=0.0)
+        offline = {}
+        for n in client_counts:
+            measure_batch(models, requests[n][:n], settings, n)  # warm-up: this batch size's shapes
+            runs = [measure_batch(models, requests[n], settings, n) for _ in range(args.repeats)]
+            offline[n] = statistics.median(r.generated / r.seconds for r in runs)
+        del models
+        server = ServerProcess("--model", str(target_dir), "--draft-model", str(draft_dir), "--max-batch",
+                               str(max(client_counts)), "--max-queue", str(4 * max(client_counts)))
+        try:
+            rows = {}
+            for n in client_counts:
+                run_clients(server.url, requests[n][:n], n, body)  # warm-up
+                runs = [run_clients(server.url, requests[n], n, body) for _ in range(args.repeats)]
+                rows[n] = {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+                           "first": sum((r["first"] for r in runs), []), "latency": sum((r["latency"] for r in runs), [])}
+            short, long = short_among_long(server.url, demo, args.repeats, args.num_draft)
+        finally:
+            server.close()
+        sequential = rows[min(client_counts)]["tokens_per_second"]
+        print(f"\n{name}\n\n| clients | server tokens/s | offline batch_generate | server / offline | "
+              "server / one client | first token p50 / p99 | latency p50 / p99 |\n|---|---|---|---|---|---|---|")
+        for n in client_counts:
+            row = rows[n]
+            print(f"| {n} | {row['tokens_per_second']:.1f} | {offline[n]:.1f} | {row['tokens_per_second'] / offline[n]:.0%} | "
+                  f"{row['tokens_per_second'] / sequential:.2f}x | {percentile(row['first'], 0.5) * 1e3:.0f} / "
+                  f"{percentile(row['first'], 0.99) * 1e3:.0f} ms | {percentile(row['latency'], 0.5) * 1e3:.0f} / "
+                  f"{percentile(row['latency'], 0.99) * 1e3:.0f} ms |", flush=True)
+        print(f"\nA 5-token request alone: {short * 1e3:.0f} ms; sent while 8 requests of 500 tokens run: "
+              f"{long * 1e3:.0f} ms ({long / short:.2f}x), medians of {args.repeats}.")
+
+
+def short_among_long(url: str, prompts: list[str], repeats: int, num_draft: int) -> tuple[float, float]:
+    """A 5-token request's latency alone, and sent while 8 requests of 500
+    tokens (decoding past their end of text) run: medians."""
+    import httpx
+
+    short = {"model": "default", "prompt": prompts[0], "max_tokens": 5, "ignore_eos": True, "delta": 0, "num_draft": num_draft}
+    long = {**short, "max_tokens": 500}
+    with httpx.Client(timeout=600) as client:
+        alone = [stream_request(client, url, short)["latency"] for _ in range(repeats + 1)][1:]
+        together = []
+        for _ in range(repeats):
+            with ThreadPoolExecutor(8) as pool:
+                running = [pool.submit(stream_request, httpx.Client(timeout=600), url, {**long, "prompt": p})
+                           for p in prompts[1:9]]
+                deadline = time.time() + 60
+                while httpx.get(url + "/metrics").json()["active_rows"] < 8 and time.time() < deadline:
+                    time.sleep(0.01)
+                together.append(stream_request(client, url, short)["latency"])
+                for future in running:
+                    future.result()
+    return statistics.median(alone), statistics.median(together)
+
+
 # (rows, columns) of the weights a decode step multiplies: the demo target's, the
 # benchmark pair target's FFN, T5-large's attention and FFN.
 BLAS_SHAPES = [(256, 256), (512, 256), (8192, 256), (256, 8192), (1024, 1024), (4096, 1024)]
@@ -1120,7 +1280,7 @@ def bench_sizes(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode", "attention", "blas", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode", "attention", "blas", "serve", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -1130,6 +1290,7 @@ def main() -> None:
     parser.add_argument("--num-drafts", help="batch, drafting: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
     parser.add_argument("--pairs", help="batch, drafting, lookup: only these pairs (demo, benchmark)")
     parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large)")
+    parser.add_argument("--clients", help="serve: concurrent client counts (default 1,4,16,64)")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
@@ -1179,6 +1340,8 @@ def main() -> None:
         bench_attention(args)
     if args.which == "blas":
         bench_blas(args)
+    if args.which == "serve":
+        bench_serve(args)
 
 
 if __name__ == "__main__":

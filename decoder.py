@@ -204,6 +204,7 @@ class Request:
     num_draft: int = 5  # the most drafts a round
     seed: int | None = None  # its own random stream (None: one drawn from MLX's generator)
     stats: Stats = field(default_factory=Stats)
+    ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
 
 
 Event = tuple[Request, "int | None", bool]  # (request, token or None, finished)
@@ -371,7 +372,7 @@ class RegularBatch(Batch):
         finished = set()
         for position, (row, value) in enumerate(zip(self.rows, current.tolist())):
             row.stats.target_calls += 1
-            if (yield from row.emit([value], self.eos)):
+            if (yield from row.emit([value], None if row.request.ignore_eos else self.eos)):
                 finished.add(position)
         self.leave(finished)
 
@@ -525,16 +526,16 @@ class SpeculativeBatch(Batch):
         for position, (row, accepted, token, drafted, limit, calls) in enumerate(zip(
                 rows, accepted_counts, next_tokens.tolist(), proposal.drafts.tolist(), proposal.limits, proposal.calls)):
             tokens = drafted[:accepted] + [token]
-            counted = limit
-            if eos in tokens[:accepted]:  # drafts after an accepted EOS never reach the output: not counted
-                counted = accepted = tokens.index(eos) + 1
+            counted, row_eos = limit, None if row.request.ignore_eos else eos
+            if row_eos in tokens[:accepted]:  # drafts after an accepted EOS never reach the output: not counted
+                counted = accepted = tokens.index(row_eos) + 1
             row.stats.target_calls += 1
             row.stats.draft_calls += calls
             row.stats.drafted += counted
             row.stats.accepted += accepted
             row.last = tokens[-1]
             new_tokens.append(tokens)
-            if (yield from row.emit(tokens, eos)):
+            if (yield from row.emit(tokens, row_eos)):
                 finished.add(position)
         self.drafter.settle(rows, proposal, new_tokens, accepted_counts, drafter_cache, seconds)
         self.caches[0].trim([k - a for a in accepted_counts])

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 import main
 from decoder import OptionError
 from generate import Detokenizer, batch_generate, generate, stream_generate
-from loading import LoadError, ModelNotFound, T5Error, load, load_tokenizer
+from loading import load, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"

@@ -291,3 +291,34 @@ def test_sweep_with_a_batch_size_times_batched_runs(pair, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "3 prompt(s) in batches of 3" in out
     assert len([line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]) == 2
+
+
+def test_rows_with_their_own_settings_each_decode_as_they_would_alone(pair, prompts):
+    """One batch, each row with its own max_tokens, num_draft, delta, temperature,
+    top-k, top-p and seed (as the server's requests have): each row's tokens
+    and counts are those of its request decoded alone; greedy rows at delta 0
+    are regular greedy decoding's."""
+    from decoder import Request, SpeculativeBatch, drive
+    from drafting import DraftModel
+
+    target, draft = pair["target"], pair["drafts"]["close"]
+    settings = [dict(max_tokens=20, num_draft=3), dict(max_tokens=12, num_draft=1, delta=0.6),
+                dict(max_tokens=25, num_draft=4, sampling=Sampling(temp=1.0), seed=5),
+                dict(max_tokens=18, num_draft=2, sampling=Sampling(temp=0.7, top_k=5, top_p=0.9), seed=9, delta=0.2),
+                dict(max_tokens=9, num_draft=5)]
+    chosen = [prompts[i] for i in (0, 3, 5, 6, 8)]
+
+    def decode(requests):
+        tokens = {}
+        for request, token, _ in drive(SpeculativeBatch(target, DraftModel(draft), 8), requests):
+            tokens.setdefault(id(request), []).extend([] if token is None else [token])
+        return [tokens.get(id(r), []) for r in requests]
+
+    together_requests = [Request(p, **s) for p, s in zip(chosen, settings)]
+    together = decode(together_requests)
+    for i, (prompt, options) in enumerate(zip(chosen, settings)):
+        alone_request = Request(prompt, **options)
+        assert decode([alone_request]) == [together[i]], f"row {i}"
+        assert counts(alone_request.stats) == counts(together_requests[i].stats), f"row {i}"
+    for i in (0, 4):
+        assert together[i] == list(regular_generate(target, chosen[i], settings[i]["max_tokens"], Sampling()))

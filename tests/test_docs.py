@@ -11,7 +11,7 @@ import main
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "requirements.txt", ROOT / ".ci" / "run"]
 BENCH_COMMANDS = {"regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode",
-                  "attention", "blas", "all"}
+                  "attention", "blas", "serve", "all"}
 
 
 def commands(program: str) -> list[list[str]]:

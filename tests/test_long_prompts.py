@@ -123,11 +123,6 @@ def test_a_long_prompt_encodes_in_less_memory_than_one_full_score_matrix():
     matrix alone would take 1.07 GB; encoding in blocks must grow the process's
     peak resident memory by less than that, and the whole process must stay
     under 1.5 GB (measured in a fresh process)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     heads, length = 4, 8192
     done = subprocess.run([sys.executable, "-c", MEMORY_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
     before, after = map(int, done.stdout.split()[-2:])

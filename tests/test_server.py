@@ -1,0 +1,362 @@
+"""server.py through a real client (the openai package): completions, chat, streaming, errors, load and shutdown."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from checkpoints import PROMPT
+
+import main
+from generate import generate, stream_generate
+from loading import load
+
+ROOT = Path(__file__).resolve().parent.parent
+PAIR = ["--model", "demo/target", "--draft-model", "demo/draft"]
+EXACT = {"delta": 0, "num_draft": 3}  # greedy (the default temperature) and exact acceptance
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """server.py in a process of its own on a free port of 127.0.0.1, until stop()."""
+
+    def __init__(self, *options: str, code: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [*options, "--port", str(self.port)]
+        command = [sys.executable, "server.py", *argv] if code is None else [sys.executable, "-c", code, *argv]
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"server-{self.port}.log", "w+")
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(self.output())
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=options.pop("api_key", "unused"), max_retries=0, **options)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        self.log.close()
+        return code
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = Server(*PAIR, "--max-batch", "8", "--name", "t5-demo")
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return main.demo_prompts()
+
+
+def test_a_completion_is_generate_on_that_prompt_alone(server, models, prompts):
+    reply = server.client().completions.create(model="t5-demo", prompt=prompts[0], max_tokens=30, extra_body=EXACT)
+    assert reply.choices[0].text == generate(models, prompts[0], max_tokens=30, **EXACT)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens == len(models.tokenizer.encode(prompts[0]))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens > reply.usage.prompt_tokens
+    stats = reply.model_extra["speculative"]
+    assert stats["drafted"] > 0 and 0 < stats["acceptance_rate"] <= 1 and stats["drafts_per_round"] > 0
+
+
+def test_streamed_chunks_join_to_the_same_text_and_end_with_the_reason(server, models, prompts):
+    chunks = list(server.client().completions.create(model="t5-demo", prompt=prompts[1], max_tokens=12, stream=True,
+                                                     stream_options={"include_usage": True}, extra_body=EXACT))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    responses = list(stream_generate(models, prompts[1], max_tokens=12, **EXACT))
+    assert text == "".join(r.text for r in responses)
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finished == ["stop" if responses[-1].finish_reason == "eos" else "length"]
+    assert len([c for c in chunks if c.choices]) > 2 and not chunks[-1].choices  # the usage chunk comes last
+    assert chunks[-1].usage.completion_tokens == responses[-1].stats.generated
+
+
+def test_a_list_of_prompts_gets_a_choice_each_in_order(server, models, prompts):
+    reply = server.client().completions.create(model="t5-demo", prompt=prompts[2:5], max_tokens=10, extra_body=EXACT)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [generate(models, p, max_tokens=10, **EXACT) for p in prompts[2:5]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_maps_the_messages_to_one_prompt(server, models, stream):
+    import server as serving
+
+    messages = [{"role": "system", "content": "Fill in the code."}, {"role": "user", "content": "import <extra_id_0>"}]
+    prompt = serving.chat_prompt([serving.Message(**m) for m in messages])
+    assert prompt == "Fill in the code.\n\nimport <extra_id_0>"
+    reply = server.client().chat.completions.create(model="t5-demo", messages=messages, max_tokens=10, stream=stream,
+                                                    extra_body=EXACT)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+    else:
+        text = reply.choices[0].message.content
+        assert reply.choices[0].message.role == "assistant"
+    assert text == generate(models, prompt, max_tokens=10, **EXACT)
+
+
+def test_a_conversation_maps_to_role_lines_ending_with_the_assistants_turn():
+    import server as serving
+
+    messages = [serving.Message(role=r, content=c) for r, c in
+                [("user", "Hello"), ("assistant", "Hi."), ("user", "translate English to German: Good morning.")]]
+    assert serving.chat_prompt(messages) == "User: Hello\nAssistant: Hi.\nUser: translate English to German: Good morning.\nAssistant:"
+
+
+def test_a_stop_string_ends_the_text_before_it_and_says_stop(server, models, prompts):
+    full = generate(models, prompts[0], max_tokens=30, **EXACT)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    for stream in (False, True):
+        reply = server.client().completions.create(model="t5-demo", prompt=prompts[0], max_tokens=30, stop=[stop],
+                                                   stream=stream, extra_body=EXACT)
+        chunks = list(reply) if stream else [reply]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full[: full.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_32_requests_from_16_threads_each_get_what_generate_gives_alone(server, models, prompts):
+    """Temperature 0, delta 0: however requests share batches, each answer is its prompt's own."""
+    asked = [(prompts[i % len(prompts)], 8 + (i * 7) % 25) for i in range(32)]
+    client = server.client()
+
+    def ask(prompt_and_tokens):
+        prompt, tokens = prompt_and_tokens
+        return client.completions.create(model="t5-demo", prompt=prompt, max_tokens=tokens, extra_body=EXACT).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, asked))
+    assert answers == [generate(models, prompt, max_tokens=tokens, **EXACT) for prompt, tokens in asked]
+    assert "completion" in server.output()  # a line per request
+
+
+def test_seeded_sampling_is_the_same_alone_and_among_other_requests(server, prompts):
+    client, options = server.client(), dict(model="t5-demo", max_tokens=20, temperature=1.0, seed=11)
+    alone = client.completions.create(prompt=prompts[3], **options).choices[0].text
+    with ThreadPoolExecutor(6) as pool:
+        others = [pool.submit(client.completions.create, prompt=p, **{**options, "seed": i}) for i, p in enumerate(prompts[:5])]
+        together = pool.submit(client.completions.create, prompt=prompts[3], **options)
+        [f.result() for f in others]
+    assert together.result().choices[0].text == alone
+    assert client.completions.create(prompt=prompts[3], **{**options, "seed": 12}).choices[0].text != alone
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client().models.list().data] == ["t5-demo"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(server.url + "/metrics").json()
+    assert {"queued", "active_rows", "tokens_per_second", "tokens_generated"} <= set(metrics) and metrics["max_batch"] == 8
+
+
+BAD = [
+    ("not json", None, "not valid JSON"),
+    ({"model": "t5-demo"}, None, "prompt"),
+    ({"model": "t5-demo", "prompt": "x", "max_tokens": "many"}, None, "max_tokens"),
+    ({"model": "t5-demo", "prompt": "x", "max_tokens": 0}, None, "max_tokens must be an integer >= 1"),
+    ({"model": "t5-demo", "prompt": "x", "delta": 1.5}, None, "delta must be a number in [0, 1]"),
+    ({"model": "t5-demo", "prompt": "x", "top_p": 0}, None, "top_p must be a number in (0, 1]"),
+    ({"model": "t5-demo", "prompt": "x", "temperature": -1}, None, "temperature must be a finite number >= 0"),
+    ({"model": "t5-demo", "prompt": "x", "num_draft": 0}, None, "num_draft must be an integer >= 1 or auto"),
+    ({"model": "t5-demo", "prompt": "x", "num_draft": "lots"}, None, "num_draft must be an integer >= 1 or auto"),
+    ({"model": "t5-demo", "prompt": "x", "seed": -3}, None, "seed must be an integer in [0, 2**64)"),
+    ({"model": "gpt-4", "prompt": "x"}, "model_not_found", "not served here"),
+    ({"model": "t5-demo", "prompt": "x", "n": 2}, None, "n must be 1"),
+    ({"model": "t5-demo", "prompt": "x", "echo": True}, None, "echo is not supported"),
+    ({"model": "t5-demo", "prompt": "   "}, None, "the prompt is empty"),
+    ({"model": "t5-demo", "prompt": []}, None, "the prompt is empty"),
+    ({"model": "t5-demo", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, None, "up to 4"),
+    ({"model": "t5-demo", "prompt": "x", "num_draft": "auto", "prompt_lookup": True}, None, "prompt lookup takes a number"),
+    ({"model": "t5-demo", "prompt": ["x", 5]}, None, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, code, message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_a_bad_request_gets_a_400_with_openais_error_json(server, body, code, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error" and error["code"] == code
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "user message"),
+    ([{"role": "system", "content": "x"}], "user message"),
+    ([{"role": "wizard", "content": "x"}], "unknown role"),
+    ([{"role": "user"}], "content"),
+])
+def test_a_bad_chat_request_gets_a_400(server, messages, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        server.client().chat.completions.create(model="t5-demo", messages=messages)
+
+
+def test_errors_reach_the_client_as_openais_exception_types(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="t5-demo", prompt="x", extra_body={"delta": 7})
+    assert raised.value.status_code == 400 and "delta" in raised.value.message
+
+
+@pytest.fixture(scope="module")
+def strict_server(v1_1_checkpoint):
+    """One row, one waiting request, an API key, short prompts and small
+    bodies; a random checkpoint decoding alone, whose greedy answers run to
+    max_tokens (test_model.py: 64 tokens without an end), slowly enough to
+    stay in flight."""
+    running = Server("--model", str(v1_1_checkpoint.mlx_dir), "--max-batch", "1", "--max-queue", "1",
+                     "--api-key", "sesame", "--max-prompt-tokens", "80", "--max-body-bytes", "2000", "--name", "strict")
+    yield running
+    assert running.stop() == 0
+
+
+KEY = {"Authorization": "Bearer sesame"}
+LONG = {"model": "strict", "prompt": PROMPT, "max_tokens": 400}
+
+
+def test_the_api_key_is_required_and_checked(strict_server):
+    with pytest.raises(openai.AuthenticationError):
+        strict_server.client(api_key="wrong").completions.create(model="strict", prompt=PROMPT, max_tokens=2)
+    assert httpx.post(strict_server.url + "/v1/completions", json=LONG).status_code == 401
+    reply = strict_server.client(api_key="sesame").completions.create(model="strict", prompt=PROMPT, max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(strict_server):
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY, timeout=120))) for _ in range(2)]
+    for thread in threads:  # one decoding, then one waiting
+        thread.start()
+        wait_for(strict_server, lambda m: m["active_rows"] == 1)
+    wait_for(strict_server, lambda m: m["queued"] == 1)
+    refused = httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):
+        strict_server.client(api_key="sesame").completions.create(**LONG)
+    for thread in threads:
+        thread.join()
+    assert [r.json()["choices"][0]["finish_reason"] for r in results] == ["length", "length"]
+
+
+def wait_for(server: Server, condition, seconds: float = 30) -> dict:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        metrics = httpx.get(server.url + "/metrics").json()
+        if condition(metrics):
+            return metrics
+        time.sleep(0.02)
+    raise TimeoutError(metrics)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_round(strict_server):
+    before = httpx.get(strict_server.url + "/metrics").json()["rows_cancelled"]
+    with httpx.stream("POST", strict_server.url + "/v1/completions", headers=KEY, timeout=30,
+                      json={**LONG, "max_tokens": 5000, "stream": True}) as response:
+        lines = response.iter_lines()  # kept: a dropped iterator closes the stream
+        assert next(line for line in lines if line.startswith("data:"))
+        assert httpx.get(strict_server.url + "/metrics").json()["active_rows"] == 1
+    metrics = wait_for(strict_server, lambda m: m["active_rows"] == 0, seconds=10)
+    assert metrics["rows_cancelled"] == before + 1
+    assert strict_server.client(api_key="sesame").completions.create(model="strict", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_prompt_too_long_and_a_body_too_big_are_refused(strict_server):
+    long = httpx.post(strict_server.url + "/v1/completions", headers=KEY, json={"model": "strict", "prompt": PROMPT * 2})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    big = httpx.post(strict_server.url + "/v1/completions", headers=KEY, json={"model": "strict", "prompt": "x" * 5000})
+    assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
+
+
+def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_checkpoint):
+    """Requests taken before the signal all complete, exactly (a random
+    checkpoint, whose answers run to max_tokens, keeps them in flight); new
+    ones get a 503, and the process exits 0."""
+    running = Server("--model", str(v1_1_checkpoint.mlx_dir), "--max-batch", "2", "--max-queue", "8")
+    asked = [PROMPT[: 40 + 10 * i] for i in range(4)]  # two decoding, two waiting
+    answers = {}
+
+    def ask(i):
+        body = {"model": "mlx", "prompt": asked[i], "max_tokens": 300}
+        answers[i] = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(running, lambda m: m["active_rows"] == 2 and m["queued"] == 2)
+    running.process.send_signal(signal.SIGTERM)
+    deadline = time.time() + 10
+    while httpx.get(running.url + "/health").status_code != 503 and time.time() < deadline:
+        time.sleep(0.01)
+    late = httpx.post(running.url + "/v1/completions", json={"model": "mlx", "prompt": "x"})
+    assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
+    for thread in threads:
+        thread.join()
+    assert running.stop() == 0
+    models = load(v1_1_checkpoint.mlx_dir)
+    for i, prompt in enumerate(asked):
+        assert answers[i].status_code == 200
+        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=300)
+
+
+FAILING = """
+import sys
+import decoder, server
+real = decoder.SpeculativeBatch.round
+def round(self):
+    if any(1 in row.request.ids[:1] for row in self.rows):  # a prompt whose first token is EOS
+        raise RuntimeError("a planted failure")
+    return (yield from real(self))
+decoder.SpeculativeBatch.round = round
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+def test_a_failing_round_fails_its_batchs_requests_only_and_the_server_goes_on(models, prompts):
+    running = Server(*PAIR, code=FAILING)
+    try:
+        client = running.client()
+        with ThreadPoolExecutor(2) as pool:
+            poisoned = pool.submit(httpx.post, running.url + "/v1/completions", timeout=60,
+                                   json={"model": "target", "prompt": "</s> x", "max_tokens": 20})
+            other = pool.submit(client.completions.create, model="target", prompt=prompts[0], max_tokens=20,
+                                extra_body={"prompt_lookup": True, "delta": 0})  # a batch of another kind
+            assert poisoned.result().status_code == 500
+            assert poisoned.result().json()["error"]["message"].startswith("decoding failed: a planted failure")
+            assert other.result().choices[0].text == generate(models, prompts[0], max_tokens=20, prompt_lookup=True)
+        again = client.completions.create(model="target", prompt=prompts[1], max_tokens=10, extra_body=EXACT)
+        assert again.choices[0].text == generate(models, prompts[1], max_tokens=10, **EXACT)
+    finally:
+        assert running.stop() == 0
