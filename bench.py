@@ -1276,6 +1276,14 @@ def bench_sizes(args) -> None:
     for name in PUBLIC_T5:
         cells = [f"{sizes[name][format] / 1e9:.2f}, {smallest_mac(name, format)} Mac" for format in FORMATS]
         print(f"| {name} | {sizes[name]['float32'] // 4 / 1e6:,.0f} M | " + " | ".join(cells) + " |")
+    # Each row of a batch keeps, per decoder layer, keys and values for its prompt (cross-attention)
+    # and for its output so far (self-attention): 2 x heads x d_kv numbers a token a layer.
+    print("\nCache memory a row of a batch needs, bfloat16, with a t5-small draft: per token of prompt and output, "
+          "and for a 512-token prompt with 100 tokens of output\n\n| target | per token | 512 + 100 tokens |\n|---|---|---|")
+    draft = PUBLIC_T5["t5-small"]
+    for name, shapes in PUBLIC_T5.items():
+        per_token = sum(2 * s["num_heads"] * s["d_kv"] * s["num_layers"] * 2 for s in (shapes, draft))
+        print(f"| {name} | {per_token / 2**10:,.0f} KiB | {per_token * 612 / 2**20:,.0f} MiB |")
 
 
 def main() -> None:

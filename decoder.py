@@ -211,19 +211,27 @@ Event = tuple[Request, "int | None", bool]  # (request, token or None, finished)
 
 
 def encode_prompts(model: T5, prompts: list[list[int]]) -> DecoderCache:
+    """Encode prompts together into a fresh decoder cache (encode_for, one model)."""
+    return encode_for([model], prompts)[0]
+
+
+def encode_for(models: list[T5], prompts: list[list[int]]) -> list[DecoderCache]:
     """Encode prompts together (padded on the right and masked, when their
-    lengths differ) into a fresh decoder cache. The prompts' products, of
-    many rows, are computed here, apart from decoding's few-row ones: the
+    lengths differ) into a fresh decoder cache for each model, evaluated at
+    once so that the models' work runs side by side. The prompts' products,
+    of many rows, are computed here, apart from decoding's few-row ones: the
     CPU's BLAS wants them done differently."""
     length = max(len(prompt) for prompt in prompts)
-    tokens = mx.array([prompt + [model.args.pad_token_id] * (length - len(prompt)) for prompt in prompts])
     mask = None
     if any(len(prompt) < length for prompt in prompts):
         mask = mx.array([[1] * len(prompt) + [0] * (length - len(prompt)) for prompt in prompts])
+    caches = []
+    for model in models:
+        tokens = mx.array([prompt + [model.args.pad_token_id] * (length - len(prompt)) for prompt in prompts])
+        caches.append(model.make_cache(model.encode(tokens, mask), mask))
     with cpu.many_rows():
-        cache = model.make_cache(model.encode(tokens, mask), mask)
-        mx.eval(cache.cross_keys_values)
-    return cache
+        mx.eval([cache.cross_keys_values for cache in caches])
+    return caches
 
 
 def start_decoding(model: T5, prompt: list[int]) -> tuple[DecoderCache, mx.array]:
@@ -291,7 +299,7 @@ class Batch:
         assert 0 < len(requests) <= self.free
         started = time.perf_counter()
         prompts = [request.ids for request in requests]
-        caches = [encode_prompts(model, prompts) for model in self.models]
+        caches = encode_for(self.models, prompts)
         encoded = time.perf_counter() - started
         rows = [Row(request, started, random_key(request.seed) if request.sampling.temp > 0 else (0, 0))
                 for request in requests]

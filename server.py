@@ -128,6 +128,7 @@ class Engine:
         self.draining = False
         self.tokens = 0  # generated, for /metrics
         self.cancelled = 0  # rows dropped before their end (a client gone, a stop string)
+        self.seconds = collections.Counter()  # where the engine's time went: encoding, decoding, idle
         self.recent = collections.deque()  # (time, tokens) of the last minute's rounds
 
     def submit(self, jobs: list[Job]) -> None:
@@ -157,7 +158,9 @@ class Engine:
         """Waiting jobs join rows while there are rows free; cancelled ones leave."""
         with self.lock:
             if not self.waiting and not self.active:
+                started = time.perf_counter()
                 self.lock.wait(timeout=0.1)  # wakes for a job, and for the signals the main thread handles
+                self.seconds["idle"] += time.perf_counter() - started
             taken = []
             while self.waiting and self.active + len(taken) < self.max_batch:
                 job = self.waiting.pop(0)
@@ -171,6 +174,7 @@ class Engine:
             if batch is None:
                 batch = self.batches[kind] = batch_for(self.models, jobs[0].settings, self.max_batch)
             requests = [replace(job.settings.request(job.ids, job.stats), ignore_eos=job.ignore_eos) for job in jobs]
+            started = time.perf_counter()
             try:
                 batch.join(requests)
             except Exception as e:  # encoding failed: these jobs only
@@ -178,6 +182,8 @@ class Engine:
                 for job in jobs:
                     job.fail(f"encoding failed: {e}")
                 continue
+            finally:
+                self.seconds["encoding"] += time.perf_counter() - started
             self.jobs.update({id(request): job for request, job in zip(requests, jobs)})
 
     def run(self, stopping: Callable[[], bool]) -> None:
@@ -192,10 +198,13 @@ class Engine:
                     batch.cancel(gone)
                     self.cancelled += len(gone)
                     for request in gone:
-                        self.jobs.pop(id(request))
+                        job = self.jobs.pop(id(request))
+                        if not job.sent_end:  # whoever still waits on it stops waiting
+                            job.sent_end = True
+                            job.send(None)
                 if not batch.rows:
                     continue
-                tokens, touched = 0, {}
+                tokens, touched, started = 0, {}, time.perf_counter()
                 try:
                     for request, token, finished in batch.round():
                         job = touched[id(request)] = self.jobs[id(request)]
@@ -213,6 +222,7 @@ class Engine:
                 for job in touched.values():
                     if job.error is None:
                         job.publish()
+                self.seconds["decoding"] += time.perf_counter() - started
                 self.tokens += tokens
                 now = time.perf_counter()
                 self.recent.append((now, tokens))
@@ -382,21 +392,40 @@ def create_app(models: Models, engine: Engine, defaults: Settings, name: str, ap
             message = f"{where}: {message}"
         return JSONResponse(error_body(message, "invalid_request_error", param=where or None), status_code=400)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            if api_key is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    return JSONResponse(error_body("a valid API key is needed (Authorization: Bearer KEY)",
-                                                   "invalid_request_error", "invalid_api_key"), status_code=401)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > max_body_bytes:
-                return JSONResponse(error_body(f"the body is over {max_body_bytes:,} bytes", "invalid_request_error"),
-                                    status_code=413)
-            if engine.draining and request.method == "POST":
-                return JSONResponse(error_body("the server is shutting down", "server_error"), status_code=503)
-        return await call_next(request)
+    def guard(app):
+        """Checks before a /v1/ request is read: the API key, the body's size
+        (declared or counted as it comes) and shutdown. Plain ASGI: a
+        BaseHTTPMiddleware would relay every streamed chunk through a task."""
+
+        async def guarded(scope, receive, send):
+            if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+                return await app(scope, receive, send)
+            headers = dict(scope["headers"])
+            refusal = None
+            if api_key is not None and not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {api_key}".encode()):
+                refusal = 401, error_body("a valid API key is needed (Authorization: Bearer KEY)", "invalid_request_error",
+                                          "invalid_api_key")
+            elif int(headers.get(b"content-length", b"0") or 0) > max_body_bytes:
+                refusal = 413, error_body(f"the body is over {max_body_bytes:,} bytes", "invalid_request_error")
+            elif engine.draining and scope["method"] == "POST":
+                refusal = 503, error_body("the server is shutting down", "server_error")
+            if refusal:
+                return await JSONResponse(refusal[1], status_code=refusal[0])(scope, receive, send)
+            received = 0
+
+            async def counted():
+                nonlocal received
+                message = await receive()
+                received += len(message.get("body", b""))
+                if received > max_body_bytes:
+                    raise ApiError(413, f"the body is over {max_body_bytes:,} bytes")
+                return message
+
+            return await app(scope, counted, send)
+
+        return guarded
+
+    app.add_middleware(lambda inner: guard(inner))
 
     def check_model(body: CompletionBody) -> None:
         if body.model not in (name, "default"):
@@ -422,17 +451,21 @@ def create_app(models: Models, engine: Engine, defaults: Settings, name: str, ap
             raise ApiError(429, "the queue is full: try again shortly", "rate_limit_error", headers={"Retry-After": "1"})
         return jobs
 
-    async def pieces(job: Job, request: Request):
-        """(text, finish_reason) as the engine sends them; the job is
-        cancelled if the client goes away."""
+    async def pieces(job: Job, request: Request | None = None):
+        """(text, finish_reason) as the engine sends them, a piece a round. Given
+        the request (no stream to notice it), a client gone is looked for
+        every second; either way the job is cancelled if this ends early."""
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(job.out.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+                if request is None:
+                    item = await job.out.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(job.out.get(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
                 if item is None:
                     if job.error:
                         raise ApiError(500, job.error, "server_error")
@@ -480,32 +513,42 @@ def create_app(models: Models, engine: Engine, defaults: Settings, name: str, ap
                 data["speculative"] = speculative_stats(jobs[index].stats)
             return f"data: {json.dumps(data)}\n\n"
 
+        async def choice_events(index: int, job: Job, out: asyncio.Queue | None = None):
+            """A choice's chunks (into `out`, when choices interleave)."""
+            try:
+                async for text, finish in pieces(job):
+                    item = chunk(index, text, finish)
+                    yield item if out is None else await out.put(item)
+            except ApiError as e:
+                item = f"data: {json.dumps(error_body(e.message, e.type))}\n\n"
+                yield item if out is None else await out.put(item)
+
         async def events():
-            merged: asyncio.Queue = asyncio.Queue()
-
-            async def forward(index: int, job: Job):
-                try:
-                    async for text, finish in pieces(job, request):
-                        await merged.put((index, text, finish))
-                except ApiError as e:
-                    await merged.put((index, e, None))
-                finally:
-                    await merged.put((index, None, "done"))
-
-            tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+            # Starlette cancels this generator when the client goes: the jobs are cancelled then.
+            tasks = []
             try:
                 if chat:
                     for i in range(len(jobs)):
                         yield chunk(i, None, None, first=True)
-                done = 0
-                while done < len(jobs):
-                    index, text, finish = await merged.get()
-                    if finish == "done":
-                        done += 1
-                    elif isinstance(text, ApiError):
-                        yield f"data: {json.dumps(error_body(text.message, text.type))}\n\n"
-                    else:
-                        yield chunk(index, text, finish)
+                if len(jobs) == 1:
+                    async for item in choice_events(0, jobs[0]):
+                        yield item
+                else:
+                    merged: asyncio.Queue = asyncio.Queue()
+
+                    async def drain(index, job):
+                        async for _ in choice_events(index, job, merged):
+                            pass
+
+                    tasks += [asyncio.create_task(drain(i, job)) for i, job in enumerate(jobs)]
+                    finished = asyncio.gather(*tasks)
+                    while not (finished.done() and merged.empty()):
+                        getter = asyncio.ensure_future(merged.get())
+                        await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+                        if getter.done():
+                            yield getter.result()
+                        else:
+                            getter.cancel()
                 if include_usage:
                     data = {"id": request_id, "object": f"{kind}.chunk" if chat else kind, "created": created,
                             "model": name, "choices": [], "usage": usage(jobs)}
@@ -542,7 +585,8 @@ def create_app(models: Models, engine: Engine, defaults: Settings, name: str, ap
     async def metrics():
         return {"queued": len(engine.waiting), "active_rows": engine.active, "max_batch": engine.max_batch,
                 "tokens_generated": engine.tokens, "tokens_per_second": round(engine.tokens_per_second(), 2),
-                "rows_cancelled": engine.cancelled}
+                "rows_cancelled": engine.cancelled,
+                "engine_seconds": {name: round(value, 3) for name, value in engine.seconds.items()}}
 
     return app
 

@@ -25,17 +25,18 @@ def long_prompt():
 
 @pytest.fixture
 def slow_encoding(monkeypatch):
-    """Encoding a prompt of more than 512 tokens takes 1.5 s longer, as on a slow
-    machine; the list of such encodings (their lengths) comes back."""
-    encoded, real = [], decoder.encode_prompts
+    """Encoding a prompt of more than 512 tokens takes each model 1.5 s longer,
+    as on a slow machine; the list of such encodings (their lengths, one per
+    model) comes back."""
+    encoded, real = [], decoder.encode_for
 
-    def slow(model, prompts):
+    def slow(models, prompts):
         if max(map(len, prompts)) > generate.TRAINED_LENGTH:
-            encoded.append(max(map(len, prompts)))
-            time.sleep(1.5)
-        return real(model, prompts)
+            encoded.extend([max(map(len, prompts))] * len(models))
+            time.sleep(1.5 * len(models))
+        return real(models, prompts)
 
-    monkeypatch.setattr(decoder, "encode_prompts", slow)
+    monkeypatch.setattr(decoder, "encode_for", slow)
     return encoded
 
 
