@@ -46,6 +46,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str,
     queries come, so a row gets the same arithmetic alone or in a verify
     pass; the encoder takes ours, whose normaliser comes out of the values'
     product through a column of ones."""
+    assert kind in ("self", "cross", "prompt"), kind
     if kind == "prompt":
         return attend_in_blocks(queries, keys, values, bias, lanes)
     if not cpu.in_use():

@@ -1286,9 +1286,13 @@ def bench_sizes(args) -> None:
         print(f"| {name} | {per_token / 2**10:,.0f} KiB | {per_token * 612 / 2**20:,.0f} MiB |")
 
 
-def main() -> None:
+BENCHMARKS = ["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode",
+              "attention", "blas", "serve", "all"]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
-    parser.add_argument("which", nargs="?", choices=["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode", "attention", "blas", "serve", "all"], default="all")
+    parser.add_argument("which", nargs="?", choices=BENCHMARKS, default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
@@ -1308,7 +1312,11 @@ def main() -> None:
     parser.add_argument("--encode-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--blas-worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.blas_worker:
         return blas_worker()
     if args.encode_worker:

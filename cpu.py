@@ -43,6 +43,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -201,15 +202,19 @@ def in_use() -> bool:
     return setting != "accelerator" and mx.default_device() == mx.cpu
 
 
-@functools.cache
+_streams = threading.local()  # MLX's streams belong to the thread that made them
+
+
 def lanes() -> tuple:
     """The streams that independent blocks of a prompt's work, and the
     parts of a split product, spread over: one per core (up to 4) on the
-    CPU path of a multi-core CPU; none otherwise (a GPU is parallel already)."""
-    count = min(os.cpu_count() or 1, 4)
-    if not in_use() or count < 2:
-        return ()
-    return (mx.default_stream(mx.cpu),) + tuple(mx.new_stream(mx.cpu) for _ in range(count - 1))
+    CPU path of a multi-core CPU, made once per thread; none otherwise (a
+    GPU is parallel already)."""
+    if not hasattr(_streams, "lanes"):
+        count = min(os.cpu_count() or 1, 4)
+        _streams.lanes = () if not in_use() or count < 2 else \
+            (mx.default_stream(mx.cpu),) + tuple(mx.new_stream(mx.cpu) for _ in range(count - 1))
+    return _streams.lanes
 
 
 def lane(streams: tuple, i: int):

@@ -159,7 +159,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     seconds: float = 0.0  # from when the prompt joined its batch: encoding, then decoding
-    encoding_seconds: float = 0.0  # the prompt's share of its batch's encoding
+    encoding_seconds: float = 0.0  # the encoding its row waited for (of the prompts that joined with it too)
 
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -188,8 +188,6 @@ class Stats:
     def to_dict(self) -> dict:
         return {**asdict(self), "decoding_seconds": self.decoding_seconds, "tokens_per_second": self.tokens_per_second, "acceptance_rate": self.acceptance_rate,
                 "tokens_per_target_call": self.tokens_per_target_call, "drafts_per_round": self.drafts_per_round}
-
-
 
 
 @dataclass(eq=False)
@@ -283,6 +281,7 @@ class Batch:
         self.rows: list[Row] = []
         self.caches: list[DecoderCache] = []
         self._sampling = None  # the rows' RowSampling, made again when they change
+        self.encoding_seconds = 0.0  # every join's, all told
 
     @property
     def free(self) -> int:
@@ -303,9 +302,10 @@ class Batch:
         encoded = time.perf_counter() - started
         rows = [Row(request, started, random_key(request.seed) if request.sampling.temp > 0 else (0, 0))
                 for request in requests]
+        self.encoding_seconds += encoded
         for request in requests:
             request.stats.prompt_tokens = len(request.ids)
-            request.stats.encoding_seconds = encoded * len(request.ids) / sum(map(len, prompts))
+            request.stats.encoding_seconds = encoded  # each row waited for the whole join's encoding
         self.joined(rows, caches)
         if self.caches:
             for mine, theirs in zip(self.caches, caches):

@@ -227,24 +227,26 @@ def measure(models: Models, prompt: str, settings: Settings) -> Stats:
 
 def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_size: int) -> Stats:
     """Every prompt's statistics summed, with seconds the wall-clock time of
-    the whole batch run (for timings)."""
-    ids = tokenize(models, prompts)
-    stats = [Stats() for _ in ids]
+    the whole batch run and encoding_seconds its encoding (for timings)."""
+    requests = [settings.request(prompt) for prompt in tokenize(models, prompts)]
+    batch = batch_for(models, settings, batch_size)
     started = time.perf_counter()
-    for _ in decode_batch(models, ids, settings, stats, batch_size):
+    for _ in drive(batch, requests):
         pass
-    return replace(sum(stats, Stats()), seconds=time.perf_counter() - started)
+    total = sum((request.stats for request in requests), Stats())
+    return replace(total, seconds=time.perf_counter() - started, encoding_seconds=batch.encoding_seconds)
 
 
-WARM_UP_TOKENS = 64  # of a long prompt: warming up must not cost an encoding of it
+WARM_UP_TOKENS = 64  # what is kept of a prompt too long to encode for a warm-up
 
 
 def warm_up(models: Models, prompt: str, settings: Settings = Settings()) -> None:
-    """A few tokens of each decoding path, so that first-call costs (compiling
-    kernels, growing the allocator's pools) stay out of timings. A long
-    prompt is cut to its first WARM_UP_TOKENS tokens."""
+    """A few tokens of each decoding path on the prompt, so that first-call
+    costs (compiling kernels and the steps for its length, growing the
+    allocator's pools) stay out of timings; a prompt whose encoding would
+    take over a second is cut to its first WARM_UP_TOKENS tokens."""
     ids = models.tokenizer.encode(prompt)
-    if len(ids) > WARM_UP_TOKENS:
+    if len(ids) > WARM_UP_TOKENS and encoding_seconds(models, len(ids), settings) > 1.0:
         prompt = models.tokenizer.decode(ids[:WARM_UP_TOKENS])
     for speculative in (False, True) if replace(settings, speculative=True).drafts(models) else (False,):
         measure(models, prompt, replace(settings, max_tokens=4, speculative=speculative))

@@ -91,7 +91,7 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
           f"(num-draft {settings.num_draft}, delta {settings.delta}{lookup})", file=out)
 
 
-SPEEDUP_SECONDS = 5.0  # what show_speedup may take, or as long as the answer took if longer
+SPEEDUP_SECONDS = 5.0  # the most show_speedup may take
 
 
 def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats, runs: int = 5, out=None) -> float | None:
@@ -99,14 +99,13 @@ def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats,
     the medians of their decoding speeds: a short generation's single timing
     is too noisy to quote. A run of each mode costs about twice the answer
     (`answer`, its statistics: each run encodes the prompt again), so the
-    runs are cut to what fits in SPEEDUP_SECONDS or the answer's own time,
-    and none is made when not even one of each fits (None). Run it warm
-    (after warm_up)."""
+    runs are cut to what fits in SPEEDUP_SECONDS, and none is made when not
+    even one of each fits (None). Run it warm (after warm_up)."""
     pair = 2 * answer.seconds
-    runs = min(runs, int(max(answer.seconds, SPEEDUP_SECONDS) // pair)) if pair > 0 else runs
+    runs = min(runs, int(SPEEDUP_SECONDS // pair)) if pair > 0 else runs
     if runs == 0:
-        print(f"(Speedup not measured: a run of each mode would take about {pair:.0f} s, longer than the answer; "
-              "`main.py --compare` runs each once.)", file=out)
+        print(f"(Speedup not measured: a run of each mode would take about {pair:.0f} s, more than the "
+              f"{SPEEDUP_SECONDS:.0f} s this line may take; `main.py --compare` runs each once.)", file=out)
         return None
     times = {False: [], True: []}
     for _ in range(runs):
@@ -266,5 +265,5 @@ class Session:
                         return
                 else:
                     self.generate(line)
-            except KeyboardInterrupt:
-                self.say("\n[stopped]")
+            except KeyboardInterrupt:  # show_generation has ended the line with the statistics so far
+                self.say("")

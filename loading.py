@@ -63,8 +63,10 @@ def read_config(folder: str | Path, converted: bool = True) -> dict:
 
 def could_be_hub_id(name: str) -> bool:
     """Whether convert.py could download this name (ORG/REPO or REPO), as
-    against a path on this machine."""
+    against a path on this machine (under mlx_models/, or in a folder here)."""
     parts = name.split("/")
+    if len(parts) == 2 and (parts[0] == MODELS_DIR.name or Path(parts[0]).is_dir()):
+        return False
     return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "~")) and \
         all(c.isalnum() or c in "-_." for part in parts for c in part)
 
@@ -195,9 +197,9 @@ class Models:
     """A target, its draft (None: regular decoding only) and their shared
     tokenizer, with what decoding learns about them from one generation to
     the next: `drafting`, what num_draft "auto" learnt about the pair
-    (decoder.AutoDraft) for each delta, sampling setting and batch size;
+    (drafting.AutoDraft) for each delta, sampling setting and batch size;
     `encoding_rate`, the flops a second a prompt was last encoded at
-    (decoder.encoding_seconds), None until a prompt takes long enough to tell."""
+    (generate.encoding_seconds), None until a prompt takes long enough to tell."""
 
     target: T5
     draft: T5 | None
@@ -243,7 +245,7 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
             raise LoadError(f"{draft} and {target} have different tokenizers: the draft must share the target's")
     if cpu.SLOW and not _warned_slow_blas:  # once per process, whatever the warning filters say
         _warned_slow_blas = True
-        advice = ": several times slower; import model, decoder or cpu before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
+        advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
     target_model = _mapped(target_path)
     draft_model = _mapped(draft_path) if draft_path is not None else None

@@ -459,11 +459,14 @@ class T5(nn.Module):
         by default cpu.lanes(), one per core on the CPU path, none elsewhere."""
         return self.encoder(self.shared(tokens), mask, cpu.lanes() if lanes is None else lanes)
 
-    def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None) -> DecoderCache:
-        """Cross-attention keys/values are computed here, once per prompt."""
+    def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None,
+                   lanes: tuple | None = None) -> DecoderCache:
+        """Cross-attention keys/values are computed here, once per prompt, the
+        layers taking the lanes in turn (as encode)."""
         cross = []
+        lanes = cpu.lanes() if lanes is None else lanes
         for i, layer in enumerate(self.decoder.layers):
-            with cpu.lane(cpu.lanes(), i):
+            with cpu.lane(lanes, i):
                 cross.append(layer.cross_attention.project_keys_values(encoder_output))
         return DecoderCache(cross, padding_bias(mask, encoder_output.dtype))
 
@@ -510,6 +513,11 @@ class T5(nn.Module):
         self._compiled_step = mx.compile(self.decode_step)
         self._traced = set()  # the shapes traced so far
         return self
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run as compiled graphs (compile_decoding)."""
+        return self._compiled_step is not None
 
     def update(self, parameters: dict, strict: bool = True) -> "T5":
         self._compiled_step = None

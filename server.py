@@ -187,47 +187,55 @@ class Engine:
             self.jobs.update({id(request): job for request, job in zip(requests, jobs)})
 
     def run(self, stopping: Callable[[], bool]) -> None:
-        """Serve until stopping() says so, between rounds."""
+        """Serve until stopping() says so, between rounds; what is left then fails."""
         warm_up(self.models, "warm up", self.defaults)  # compiled kernels and traces, before the first request
         self.ready = True
         while not stopping():
-            self.admit()
-            for kind, batch in list(self.batches.items()):
-                gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
-                if gone:
-                    batch.cancel(gone)
-                    self.cancelled += len(gone)
-                    for request in gone:
-                        job = self.jobs.pop(id(request))
-                        if not job.sent_end:  # whoever still waits on it stops waiting
-                            job.sent_end = True
-                            job.send(None)
-                if not batch.rows:
-                    continue
-                tokens, touched, started = 0, {}, time.perf_counter()
-                try:
-                    for request, token, finished in batch.round():
-                        job = touched[id(request)] = self.jobs[id(request)]
-                        job.add(token, finished)
-                        tokens += token is not None
-                        if finished:
-                            self.jobs.pop(id(request))
-                except Exception as e:  # fail this batch's jobs, and start it afresh
-                    log.exception("a decoding round failed")
-                    for row in batch.rows:
-                        job = self.jobs.pop(id(row.request), None)
-                        if job is not None:
-                            job.fail(f"decoding failed: {e}")
-                    del self.batches[kind]
-                for job in touched.values():
-                    if job.error is None:
-                        job.publish()
-                self.seconds["decoding"] += time.perf_counter() - started
-                self.tokens += tokens
-                now = time.perf_counter()
-                self.recent.append((now, tokens))
-                while now - self.recent[0][0] > 60:
-                    self.recent.popleft()
+            self.step()
+        with self.lock:
+            left, self.waiting = list(self.jobs.values()) + self.waiting, []
+        for job in left:
+            job.fail("the server stopped before this request finished")
+
+    def step(self) -> None:
+        """Admit waiting jobs, then a round of each batch."""
+        self.admit()
+        for kind, batch in list(self.batches.items()):
+            gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
+            if gone:
+                batch.cancel(gone)
+                self.cancelled += len(gone)
+                for request in gone:
+                    job = self.jobs.pop(id(request))
+                    if not job.sent_end:  # whoever still waits on it stops waiting
+                        job.sent_end = True
+                        job.send(None)
+            if not batch.rows:
+                continue
+            tokens, touched, started = 0, {}, time.perf_counter()
+            try:
+                for request, token, finished in batch.round():
+                    job = touched[id(request)] = self.jobs[id(request)]
+                    job.add(token, finished)
+                    tokens += token is not None
+                    if finished:
+                        self.jobs.pop(id(request))
+            except Exception as e:  # fail this batch's jobs, and start it afresh
+                log.exception("a decoding round failed")
+                for row in batch.rows:
+                    job = self.jobs.pop(id(row.request), None)
+                    if job is not None:
+                        job.fail(f"decoding failed: {e}")
+                del self.batches[kind]
+            for job in touched.values():
+                if job.error is None:
+                    job.publish()
+            self.seconds["decoding"] += time.perf_counter() - started
+            self.tokens += tokens
+            now = time.perf_counter()
+            self.recent.append((now, tokens))
+            while now - self.recent[0][0] > 60:
+                self.recent.popleft()
 
 
 # ---------------------------------------------------------------- requests

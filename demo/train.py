@@ -222,7 +222,8 @@ def initialize(model: T5, seed: int) -> None:
 
 
 def logits_of(model: T5, inputs, decoder_inputs) -> mx.array:
-    return model.decode(decoder_inputs, model.make_cache(model.encode(inputs)))
+    """One stream (lanes=()): training's products take MKL's own threads (cpu.set_threads)."""
+    return model.decode(decoder_inputs, model.make_cache(model.encode(inputs, lanes=()), lanes=()))
 
 
 def loss_fn(model: T5, inputs, decoder_inputs, targets) -> mx.array:

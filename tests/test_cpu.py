@@ -181,3 +181,28 @@ def test_use_cores_splits_the_large_decoding_products_only_and_keeps_the_logits(
         return np.array(model.decode(mx.array([[0, 5, 9]]), model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))))
 
     np.testing.assert_allclose(logits(split), logits(unsplit), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_use_cores_splits_exactly_the_decoders_step_layers(tokenizer_dir, tmp_path, monkeypatch, untied):
+    """With no size threshold: every projection a decode step runs (the
+    decoder's, but cross-attention's keys and values, which make_cache
+    computes once a prompt) and the head (the tied embedding, or lm_head);
+    nothing of the encoder's."""
+    from checkpoints import make_checkpoint, t5_config
+
+    import convert
+    import loading
+
+    if not cpu.lanes():
+        pytest.skip("one core, or the accelerator path: nothing is split")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
+    make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir, untied_head=untied)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    model = loading.load_model(tmp_path / "mlx")
+    split = {name for name, module in model.named_modules() if isinstance(module, (cpu.SplitLinear, cpu.SplitEmbedding))}
+    decoding = {f"decoder.layers.{i}.{part}" for i in range(2) for part in
+                ("self_attention.q", "self_attention.k", "self_attention.v", "self_attention.o",
+                 "cross_attention.q", "cross_attention.o", "ffn.wi", "ffn.wo")}
+    head = {"lm_head", "shared"} if untied else {"shared"}  # an untied model's shared is split too: a lookup, unchanged
+    assert split == decoding | head

@@ -165,7 +165,7 @@ def test_a_model_that_is_neither_a_path_nor_a_name_is_a_type_error(call, message
         call()
 
 
-@pytest.mark.parametrize("name", ["./missing-model", "/nowhere/t5", "~/no-such-folder/t5", "models/../x"])
+@pytest.mark.parametrize("name", ["./missing-model", "/nowhere/t5", "~/no-such-folder/t5", "models/../x", "mlx_models/t5-11b"])
 def test_a_missing_local_folder_is_not_told_to_download_itself(name, tmp_path, monkeypatch):
     """convert.py cannot download a path: the advice is to convert a checkpoint into it."""
     monkeypatch.chdir(tmp_path)

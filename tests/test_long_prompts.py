@@ -66,10 +66,13 @@ def test_tokens_per_second_is_decoding_speed_and_encoding_is_timed_apart(long_pr
     assert stats["tokens_per_second"] > 10 * 5 / stats["seconds"]
 
 
-def test_the_demo_does_not_encode_a_long_prompt_again_for_its_speedup_line(long_prompt, slow_encoding, capsys):
+def test_the_demo_does_not_encode_a_long_prompt_again_for_its_speedup_line(long_prompt, slow_encoding, capsys,
+                                                                            monkeypatch):
     """The answer encodes the prompt once per model; the warm-up takes a
-    short piece of it, and the speedup line, whose runs would each encode it
-    again, is left out with the reason (once, it ran for half an hour)."""
+    short piece of it (the encoding is known to be slow), and the speedup
+    line, whose runs would each encode it again, is left out with the reason
+    (once, it ran for half an hour)."""
+    monkeypatch.setattr(generate, "assumed_encoding_rate", lambda: 1e8)  # as slow as slow_encoding makes it
     assert main.main(["--demo", "--max-tokens", "5", "--prompt", long_prompt]) == 0
     out = capsys.readouterr().out
     assert len(slow_encoding) == 2, slow_encoding  # the target's and the draft's, for the answer
@@ -129,3 +132,16 @@ def test_a_long_prompt_encodes_in_less_memory_than_one_full_score_matrix():
     before, after = map(int, done.stdout.split()[-2:])
     assert after - before < heads * length * length * 4, f"peak grew by {(after - before) / 1e6:.0f} MB"
     assert after < 1.5e9, f"peak {after / 1e9:.2f} GB"
+
+
+def test_rows_encoded_together_each_count_the_whole_encoding_as_theirs(long_prompt, slow_encoding):
+    """A short prompt joining a batch with a long one waits for both to be
+    encoded: its decoding speed must not count that wait (it once counted
+    all but its share by tokens, and read 2 tokens/s)."""
+    from generate import batch_generate
+    from loading import load
+
+    models = load(main.DEMO_DIR / "target", draft=main.DEMO_DIR / "draft")
+    long, short = (g.stats for g in batch_generate(models, [long_prompt, "import <extra_id_0>"], batch_size=2, max_tokens=5))
+    assert long.encoding_seconds == short.encoding_seconds >= 3.0  # each model's 1.5 s more
+    assert long.decoding_seconds < 1.0 and short.decoding_seconds < 1.0

@@ -149,6 +149,7 @@ def test_compiled_decoding_equals_the_graph_built_op_by_op(checkpoint):
     (decode_step, which decode compiles) give the same logits (to rounding)
     and the same greedy tokens, three tokens at a time through the cache."""
     model = load_model(checkpoint.mlx_dir)
+    assert model.compiled
     encoded = model.encode(mx.array([checkpoint.prompt_ids]))
     ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 20)
     chunks = [mx.array([ids[i : i + 3]]) for i in range(0, len(ids), 3)]
@@ -172,7 +173,7 @@ def test_changing_the_weights_of_a_compiled_model_is_not_ignored(checkpoint):
     prompt = mx.array([checkpoint.prompt_ids])
     before = model.decode(mx.array([[0]]), model.make_cache(model.encode(prompt)))
     model.update({"shared": {"weight": model.shared.weight * 2}})
-    assert model._compiled_step is None
+    assert not model.compiled
     after = model.decode(mx.array([[0]]), model.make_cache(model.encode(prompt)))
     assert not np.allclose(np.array(before), np.array(after))
 
