@@ -362,7 +362,8 @@ class RegularBatch(Batch):
         self.queued: mx.array | None = None  # each row's next token, in flight
 
     def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling) -> mx.array:
-        positions = mx.array(cache.offsets)  # the output position each row's new token takes
+        # The output position each row's new token takes: only rows that sample need it.
+        positions = None if sampling.all_greedy else mx.array(cache.offsets)
         token = sample(self.model.decode(tokens[:, None], cache)[:, -1], sampling, positions)
         mx.async_eval(token)
         return token
@@ -436,13 +437,14 @@ def accept_mask(target_logits, draft_logits, drafts, sampling: Sampling, delta: 
     return accept_sampled(logits_to_probs(scores, sampling), logits_to_probs(draft_logits, sampling), drafts, delta, u)
 
 
-def verify(target_logits, draft_logits, drafts, sampling: RowSampling, delta, limits: mx.array, positions: mx.array):
+def verify(target_logits, draft_logits, drafts, sampling: RowSampling, delta, limits: mx.array,
+           positions: mx.array | None):
     """Decide, on the device, how many drafts the target accepts in each row and the token it adds.
 
     target_logits (B, k+1, V): the target's scores after each row's last
     accepted token and after each draft; draft_logits (B, k, V) and drafts
     (B, k): what the drafter proposed. Row b weighs only its first limits[b]
-    drafts, and decides output positions positions[b] onward. delta: a
+    drafts, and decides output positions positions[b] onward (None when no row samples). delta: a
     number, or one per row (B,). Returns (number accepted, next token), each
     (B,): the correction at the first rejection, or the bonus token after the
     row's drafts all pass. Greedy rows: the target's argmax (accept_mask's
@@ -513,7 +515,8 @@ class SpeculativeBatch(Batch):
         # Drafts past max_tokens would be wasted.
         limits = [min(self.drafter.longest(row.request.num_draft), row.request.max_tokens - row.produced - 1)
                   for row in rows]
-        positions = mx.array([row.produced for row in rows])  # the output position each row decides first
+        # The output position each row decides first: only rows that sample need it.
+        positions = None if self.sampling.all_greedy else mx.array([row.produced for row in rows])
         # 1. Draft up to each row's limit.
         drafter_cache = self.caches[1] if len(self.caches) > 1 else None
         if max(limits):

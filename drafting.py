@@ -196,7 +196,7 @@ class DraftModel:
     def start(self, row) -> None:
         row.drafting = [self.model.args.decoder_start_token_id]
 
-    def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array,
+    def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None,
                 cache: DecoderCache) -> Proposal:
         """Tokens drafted for every row, one draft call each, max(limits) of
         them or fewer when `auto` stops early. No host sync without `auto`;
@@ -219,7 +219,7 @@ class DraftModel:
                 scores = mx.take_along_axis(scores, last, axis=1)
                 cache.trim([width - n for n in lengths])
             scores = scores[:, -1]
-            token = sample(scores, sampling, positions + i, DRAFT)
+            token = sample(scores, sampling, None if positions is None else positions + i, DRAFT)
             drafts.append(token)
             logits.append(scores)
             inputs = token[:, None]
@@ -315,7 +315,7 @@ class LookupDrafter:
     def start(self, row) -> None:
         row.drafting = PromptLookup(row.request.ids)
 
-    def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array, cache=None) -> Proposal:
+    def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None, cache=None) -> Proposal:
         """Every row's looked-up drafts, padded to the longest; their logits
         one-hot for rows that sample (q(x) = 1: accept x with probability
         p(x), and resample from p without x)."""
