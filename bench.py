@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -192,27 +193,171 @@ def hf_batched(model, prompts: list[list[int]], max_tokens: int, batch_size: int
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
-class HFWorker:
-    def __init__(self, checkpoint: Path, assistant: Path | None = None, num_draft: int = 0, cache_fix: bool = False):
-        command = [sys.executable, __file__, "--hf-worker", str(checkpoint), "--num-draft", str(num_draft)]
-        if assistant:
-            command += ["--assistant", str(assistant)] + ["--cache-fix"] * cache_fix
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.torch_version = json.loads(self.process.stdout.readline())["ready"]
+class Worker:
+    """A reference engine in a process of its own (so that neither library's
+    threading settings touch the other's), asked one JSON line at a time."""
+
+    def __init__(self, *flags: str, env: dict | None = None):
+        command = [sys.executable, __file__, *flags]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                        env=None if env is None else {**os.environ, **env})
+        self.version = json.loads(self.process.stdout.readline())["ready"]
+
+    def ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
 
     def run(self, prompt: list[int], tokens: int, min_tokens: int = 0) -> dict:
-        self.process.stdin.write(json.dumps({"prompt": prompt, "tokens": tokens, "min_tokens": min_tokens}) + "\n")
-        self.process.stdin.flush()
-        return json.loads(self.process.stdout.readline())
-
-    def run_batched(self, prompts: list[list[int]], tokens: int, batch_size: int) -> dict:
-        self.process.stdin.write(json.dumps({"prompts": prompts, "tokens": tokens, "batch_size": batch_size}) + "\n")
-        self.process.stdin.flush()
-        return json.loads(self.process.stdout.readline())
+        """One greedy generation: {"seconds", "tokens"} (EOS left out), and the worker's own counts."""
+        return self.ask({"prompt": prompt, "tokens": tokens, "min_tokens": min_tokens})
 
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait()
+
+
+class HFWorker(Worker):
+    def __init__(self, checkpoint: Path, assistant: Path | None = None, num_draft: int = 0, cache_fix: bool = False):
+        flags = ["--hf-worker", str(checkpoint), "--num-draft", str(num_draft)]
+        if assistant:
+            flags += ["--assistant", str(assistant)] + ["--cache-fix"] * cache_fix
+        super().__init__(*flags)
+        self.torch_version = self.version
+
+    def run_batched(self, prompts: list[list[int]], tokens: int, batch_size: int) -> dict:
+        return self.ask({"prompts": prompts, "tokens": tokens, "batch_size": batch_size})
+
+
+def ct2_worker(folder: str) -> None:
+    """Persistent CTranslate2 process: one greedy generation per input line,
+    as HFWorker's, on every core (intra_threads), one batch at a time."""
+    import ctranslate2
+
+    vocabulary = json.loads((Path(folder) / "shared_vocabulary.json").read_text())
+    index = {token: i for i, token in enumerate(vocabulary)}
+    translator = ctranslate2.Translator(folder, device="cpu", intra_threads=os.cpu_count() or 1, inter_threads=1)
+    print(json.dumps({"ready": ctranslate2.__version__}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        start = time.perf_counter()
+        result = translator.translate_batch([[vocabulary[i] for i in request["prompt"]]], beam_size=1,
+                                            max_decoding_length=request["tokens"],
+                                            min_decoding_length=request["min_tokens"])
+        seconds = time.perf_counter() - start
+        print(json.dumps({"seconds": seconds, "tokens": [index[token] for token in result[0].hypotheses[0]]}), flush=True)
+
+
+def intel_openmp() -> str | None:
+    """Intel's OpenMP runtime (intel-openmp, which MKL brings from PyPI)."""
+    try:
+        files = importlib.metadata.files("intel-openmp") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((str(file.locate()) for file in files if file.name.startswith("libiomp5.so")), None)
+
+
+class CT2Worker(Worker):
+    """CTranslate2 (the fastest T5 on a CPU) on a Hugging Face checkpoint,
+    converted once by its own converter, in float32 or int8. Its PyPI wheel
+    runs its threads on GNU OpenMP, whose idle threads sleep between
+    parallel regions; `intel_openmp` preloads Intel's runtime in their place,
+    whose threads spin, as MKL's do for us (docs/PERFORMANCE.md: on a
+    virtual machine's cores, waking a sleeping thread is slow)."""
+
+    def __init__(self, checkpoint: Path, quantization: str, root: Path, intel_openmp_runtime: bool = False):
+        folder = root / f"{checkpoint.name}-ct2-{quantization}"
+        if not (folder / "model.bin").exists():
+            print(f"converting {checkpoint} for CTranslate2 ({quantization}) ...", file=sys.stderr)
+            script = ("import sys, ctranslate2; ctranslate2.converters.TransformersConverter(sys.argv[1])"
+                      ".convert(sys.argv[2], quantization=sys.argv[3], force=True)")
+            subprocess.run([sys.executable, "-c", script, str(checkpoint), str(folder), quantization],
+                           check=True, capture_output=True)
+        preload = intel_openmp() if intel_openmp_runtime else None
+        if intel_openmp_runtime and preload is None:
+            raise RuntimeError("intel-openmp is not installed (pip install intel-openmp)")
+        super().__init__("--ct2-worker", str(folder), env={"LD_PRELOAD": preload} if preload else None)
+
+
+def ct2_installed() -> bool:
+    try:
+        importlib.metadata.version("ctranslate2")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+# CTranslate2's configurations: (quantization, with Intel's OpenMP runtime)
+CT2_KINDS = {"CTranslate2 fp32": ("float32", False), "CTranslate2 int8": ("int8", False),
+             "CTranslate2 fp32, Intel OpenMP": ("float32", True), "CTranslate2 int8, Intel OpenMP": ("int8", True)}
+
+
+def ct2_workers(checkpoint: Path, root: Path) -> dict[str, CT2Worker]:
+    """Every CTranslate2 configuration on the checkpoint; none (said on
+    stderr) when CTranslate2 is not installed."""
+    if not ct2_installed():
+        print("CTranslate2 is not installed (pip install ctranslate2): its rows are left out", file=sys.stderr)
+        return {}
+    return {name: CT2Worker(checkpoint, quantization, root, iomp) for name, (quantization, iomp) in CT2_KINDS.items()
+            if not iomp or intel_openmp()}
+
+
+# The harness: every comparison runs its contenders in turn through `alternate`.
+
+@dataclass
+class Timing:
+    median: float  # seconds
+    seconds: list[float]
+    output: object  # the last run's
+
+
+def alternate(runs: dict, repeats: int, warm_up: bool = True) -> dict[str, Timing]:
+    """Each run() -> (seconds, output), once to warm up, then in turn, pass
+    after pass, so that a machine's slow spell falls on every contender."""
+    if warm_up:
+        for run in runs.values():
+            run()
+    seconds, outputs = {name: [] for name in runs}, {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            elapsed, outputs[name] = run()
+            seconds[name].append(elapsed)
+    return {name: Timing(statistics.median(seconds[name]), seconds[name], outputs[name]) for name in runs}
+
+
+def worker_run(worker: Worker, prompts: list[list[int]], tokens: int, forced: bool = False):
+    """A run of a worker over the prompts for `alternate`: (seconds, outputs)."""
+    def run():
+        results = [worker.run(prompt, tokens, tokens if forced else 0) for prompt in prompts]
+        return sum(result["seconds"] for result in results), [result["tokens"] for result in results]
+    return run
+
+
+def converted(checkpoint: Path, folder: Path) -> Path:
+    """folder, converted from the Hugging Face checkpoint by convert.py (float32) the first time."""
+    if not (folder / "config.json").exists():
+        convert_measuring_memory(checkpoint, folder)
+    return folder
+
+
+def held_out_prompts(count: int | None = None) -> list[str]:
+    """The demo's held-out prompts (demo/prompts.txt), the first `count`."""
+    lines = [line.strip() for line in (DEMO / "prompts.txt").read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line][:count]
+
+
+def ct2_same_tokens(model, workers: dict, prompts: list[list[int]], tokens: int) -> str:
+    """Whether each CTranslate2 configuration's greedy tokens are ours,
+    generated to EOS (a forced length would differ at the EOS CTranslate2
+    suppresses): "yes", or which configurations differ on how many prompts."""
+    from decoder import regular_generate
+    from sampling import Sampling
+
+    ours = [list(regular_generate(model, prompt, tokens, Sampling())) for prompt in prompts]
+    differ = {name: sum(worker.run(prompt, tokens)["tokens"] != mine for prompt, mine in zip(prompts, ours))
+              for name, worker in workers.items()}
+    return "yes" if not any(differ.values()) else "; ".join(f"{name}: {count} of {len(prompts)} differ"
+                                                           for name, count in differ.items() if count)
 
 
 def weight_bytes_per_token(model) -> int:
@@ -237,11 +382,15 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def bench_regular(args) -> None:
+    """Regular greedy decoding of a forced length on T5-large shapes: ours
+    against transformers and CTranslate2 (float32 and int8, with its wheel's
+    OpenMP runtime and with Intel's), alternating, and how near the memory
+    bandwidth ours reads the weights."""
     import mlx.core as mx
 
-    from sampling import Sampling
     from decoder import Stats, regular_generate
     from loading import load_model
+    from sampling import Sampling
 
     hf_dir = build_large(args.dir / "t5-large-random")
     mlx_dir = args.dir / "t5-large-random-mlx"
@@ -253,44 +402,45 @@ def bench_regular(args) -> None:
     start = time.perf_counter()
     model = load_model(mlx_dir)
     load_seconds = time.perf_counter() - start
-    worker = HFWorker(hf_dir)
+    hf = HFWorker(hf_dir)
+    ct2 = ct2_workers(hf_dir, args.dir)
 
     def ours():
         stats = Stats()
         tokens = list(regular_generate(model, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
-        return stats.seconds, tokens
+        return stats.seconds, [tokens]
 
-    def theirs():
-        result = worker.run(PROMPT_IDS, args.tokens, min_tokens=args.tokens)
-        return result["seconds"], result["tokens"]
-
-    ours(), theirs()  # warm-up
-    our_times, their_times = [], []
-    for _ in range(args.repeats):
-        seconds, our_tokens = ours()
-        our_times.append(seconds)
-        seconds, their_tokens = theirs()
-        their_times.append(seconds)
-    worker.close()
+    runs = {"ours": ours, "transformers": worker_run(hf, [PROMPT_IDS], args.tokens, forced=True)}
+    runs |= {name: worker_run(worker, [PROMPT_IDS], args.tokens, forced=True) for name, worker in ct2.items()}
+    timings = alternate(runs, args.repeats)
+    for worker in (hf, *ct2.values()):
+        worker.close()
 
     bandwidth = memory_read_bandwidth()
     per_token = weight_bytes_per_token(model)
-    our_rate, their_rate = (args.tokens / statistics.median(times) for times in (our_times, their_times))
-    achieved = per_token * our_rate
-    print_table(f"Regular greedy decoding, {args.tokens} tokens, median of {args.repeats} alternating runs", [
+    rate = {name: args.tokens / timing.median for name, timing in timings.items()}
+    achieved = per_token * rate["ours"]
+    same = {name: timing.output == timings["ours"].output for name, timing in timings.items()}
+    rows = [
         ("machine", machine()),
         ("checkpoint", f"random T5-large shapes, float32, {source_bytes / 1e9:.2f} GB"),
-        (f"ours (MLX {mx.__version__})", f"{our_rate:.2f} tokens/s"),
-        (f"transformers (PyTorch {worker.torch_version} CPU, {os.cpu_count()} threads)", f"{their_rate:.2f} tokens/s"),
-        ("speedup over transformers", f"{our_rate / their_rate:.2f}x"),
-        ("same greedy tokens", "yes" if our_tokens == their_tokens else "NO"),
+        (f"ours (MLX {mx.__version__})", f"{rate['ours']:.2f} tokens/s"),
+        (f"transformers (PyTorch {hf.version} CPU, {os.cpu_count()} threads)", f"{rate['transformers']:.2f} tokens/s"),
+        ("ours over transformers", f"{rate['ours'] / rate['transformers']:.2f}x"),
+    ]
+    for name, worker in ct2.items():
+        rows.append((f"{name} ({worker.version}, {os.cpu_count()} threads)",
+                     f"{rate[name]:.2f} tokens/s: ours {rate['ours'] / rate[name]:.2f}x"))
+    rows += [
+        ("same greedy tokens", "yes" if all(same.values()) else "NO: " + ", ".join(n for n, ok in same.items() if not ok)),
         ("weights read per token", f"{per_token / 1e9:.2f} GB"),
         ("achieved weight bandwidth", f"{achieved / 1e9:.1f} GB/s"),
         (f"machine read bandwidth ({os.cpu_count()} threads)", f"{bandwidth / 1e9:.1f} GB/s"),
         ("fraction of the bandwidth limit", f"{achieved / bandwidth:.0%}"),
         ("open converted model (weights mapped, read on first use)", f"{load_seconds:.2f} s"),
         ("conversion: time, peak RSS", f"{convert_seconds:.1f} s, {convert_peak / 1e6:.0f} MB"),
-    ])
+    ]
+    print_table(f"Regular greedy decoding, {args.tokens} tokens, median of {args.repeats} alternating runs", rows)
 
 
 def step_seconds(model, width: int = 1, steps: int = 20) -> float:
@@ -404,30 +554,26 @@ def bench_steps(args) -> None:
     rows = [("machine", machine()), ("MLX's cost to run an operation (a chain of 1,000 tiny ones)", f"{per_op * 1e6:.1f} us")]
     for name in chosen:
         label, hf_dir, mlx_dir = shapes[name]
-        if not (mlx_dir / "config.json").exists():
-            convert_measuring_memory(hf_dir, mlx_dir)
-        model = load_model(mlx_dir)
+        model = load_model(converted(hf_dir, mlx_dir))
         compiled = model._compiled_step
-        worker = HFWorker(hf_dir)
+        hf = HFWorker(hf_dir)
+        ct2 = ct2_workers(hf_dir, args.dir)
 
-        def ours(compile: bool) -> float:
+        def ours(compile: bool):
             model._compiled_step = compiled if compile else None
             stats = Stats()
-            list(regular_generate(model, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
-            return stats.seconds
+            tokens = list(regular_generate(model, PROMPT_IDS, args.tokens, Sampling(), stats, stop_at_eos=False))
+            return stats.seconds, [tokens]
 
-        def theirs() -> float:
-            return worker.run(PROMPT_IDS, args.tokens, min_tokens=args.tokens)["seconds"]
-
-        runs = {"compiled": lambda: ours(True), "op by op": lambda: ours(False), "transformers": theirs}
-        for run in runs.values():  # warm-up
-            run()
-        times = {key: [] for key in runs}
-        for _ in range(args.repeats):
-            for key, run in runs.items():
-                times[key].append(run())
-        worker.close()
-        rate = {key: args.tokens / statistics.median(values) for key, values in times.items()}
+        runs = {"compiled": lambda: ours(True), "op by op": lambda: ours(False),
+                "transformers": worker_run(hf, [PROMPT_IDS], args.tokens, forced=True)}
+        runs |= {key: worker_run(worker, [PROMPT_IDS], args.tokens, forced=True) for key, worker in ct2.items()}
+        timings = alternate(runs, args.repeats)
+        model._compiled_step = compiled
+        same = ct2_same_tokens(model, ct2, [PROMPT_IDS], args.tokens) if ct2 else None
+        for worker in (hf, *ct2.values()):
+            worker.close()
+        rate = {key: args.tokens / timing.median for key, timing in timings.items()}
         profiles = {}
         for key, step in (("compiled", compiled), ("op by op", None)):
             model._compiled_step = step
@@ -445,6 +591,9 @@ def bench_steps(args) -> None:
              f"{rate['compiled']:.1f} / {rate['op by op']:.1f} / {rate['transformers']:.1f} tokens/s"),
             ("ours compiled over transformers", f"{rate['compiled'] / rate['transformers']:.2f}x"),
             ("ours compiled over ours op by op", f"{rate['compiled'] / rate['op by op']:.2f}x"),
+            *[(f"{key} ({ct2[key].version}): tokens/s, ours compiled over it", f"{rate[key]:.1f}, {rate['compiled'] / rate[key]:.2f}x")
+              for key in ct2],
+            *([("CTranslate2's greedy tokens to EOS equal ours", same)] if ct2 else []),
             ("a step, compiled", split(profiles["compiled"])),
             ("a step, op by op", split(profiles["op by op"])),
         ]
@@ -460,91 +609,95 @@ def bench_steps(args) -> None:
 
 
 def bench_speculative(args) -> None:
-    import main
-    from sampling import Sampling
+    """The benchmark pair on held-out demo prompts, each contender over every
+    prompt per pass: ours regular, speculative at --num-draft and auto (one
+    AutoDraft through the passes, as a session keeps it); transformers
+    regular and assisted; CTranslate2 regular, float32 and int8."""
     from decoder import Stats, regular_generate, speculative_generate
+    from drafting import AutoDraft
     from loading import load_model, load_tokenizer
+    from sampling import Sampling
 
     target_hf, draft_hf = build_pair(args.dir)
-    target_dir = args.dir / "pair-target-mlx"
-    if not (target_dir / "config.json").exists():
-        convert_measuring_memory(target_hf, target_dir)
-    target, draft = load_model(target_dir), load_model(DEMO / "target")
+    target, draft = load_model(converted(target_hf, args.dir / "pair-target-mlx")), load_model(DEMO / "target")
     tokenizer = load_tokenizer(DEMO / "target")
-    prompts = [tokenizer.encode(text) for text in main.demo_prompts()[: args.prompts or 6]]
+    prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts or 6)]
     workers = {"hf regular": HFWorker(target_hf), "hf assisted": HFWorker(target_hf, draft_hf, args.num_draft),
                "hf assisted, fixed": HFWorker(target_hf, draft_hf, args.num_draft, cache_fix=True)}
+    ct2 = ct2_workers(target_hf, args.dir)
+    auto = AutoDraft()
 
-    def ours(speculative: bool, prompt: list[int]) -> tuple[Stats, list[int]]:
-        stats = Stats()
-        if speculative:
-            tokens = list(speculative_generate(target, draft, prompt, args.tokens, Sampling(), args.num_draft, 0.0, stats))
-        else:
-            tokens = list(regular_generate(target, prompt, args.tokens, Sampling(), stats))
-        return stats, tokens
+    def ours(num_draft):
+        def run():
+            seconds, totals = 0.0, Stats()
+            outputs = []
+            for prompt in prompts:
+                stats = Stats()
+                if num_draft:
+                    outputs.append(list(speculative_generate(target, draft, prompt, args.tokens, Sampling(), num_draft, 0.0, stats)))
+                else:
+                    outputs.append(list(regular_generate(target, prompt, args.tokens, Sampling(), stats)))
+                seconds += stats.seconds
+                totals += stats
+            return seconds, {"tokens": outputs, "proposed": totals.drafted, "accepted": totals.accepted}
+        return run
 
-    def one_pass() -> dict:
-        """Each decoder over every prompt, alternating prompt by prompt: (seconds, tokens, counts) summed."""
-        totals = {name: {"seconds": 0.0, "tokens": [], "proposed": 0, "accepted": 0}
-                  for name in ("regular", "speculative", *workers)}
-        for prompt in prompts:
-            for name, speculative in (("regular", False), ("speculative", True)):
-                stats, tokens = ours(speculative, prompt)
-                totals[name]["seconds"] += stats.seconds
-                totals[name]["tokens"].append(tokens)
-                totals[name]["proposed"] += stats.drafted
-                totals[name]["accepted"] += stats.accepted
-            for name, worker in workers.items():
-                result = worker.run(prompt, args.tokens)
-                totals[name]["seconds"] += result["seconds"]
-                totals[name]["tokens"].append(result["tokens"])
-                totals[name]["proposed"] += result["proposed"]
-                totals[name]["accepted"] += result["accepted"]
-        return totals
+    def theirs(worker: Worker):
+        def run():
+            results = [worker.run(prompt, args.tokens) for prompt in prompts]
+            return sum(r["seconds"] for r in results), {"tokens": [r["tokens"] for r in results],
+                                                        "proposed": sum(r.get("proposed", 0) for r in results),
+                                                        "accepted": sum(r.get("accepted", 0) for r in results)}
+        return run
 
-    one_pass()  # warm-up
-    passes = [one_pass() for _ in range(args.repeats)]
-    for worker in workers.values():
+    runs = {"regular": ours(None), "speculative": ours(args.num_draft), "auto": ours(auto)}
+    runs |= {name: theirs(worker) for name, worker in (workers | ct2).items()}
+    timings = alternate(runs, args.repeats)
+    for worker in (*workers.values(), *ct2.values()):
         worker.close()
     t_target, t_draft = step_seconds(target), step_seconds(draft)
     verify_cost = step_seconds(target, args.num_draft + 1) / t_target
 
-    last = passes[-1]
-    generated = sum(len(tokens) for tokens in last["regular"]["tokens"])
+    reference = timings["regular"].output["tokens"]
+    generated = sum(len(tokens) for tokens in reference)
     draft_own = [list(regular_generate(draft, prompt, args.tokens, Sampling())) for prompt in prompts]
-    differ = sum(mine != theirs for mine, theirs in zip(draft_own, last["regular"]["tokens"]))
-    rates = {name: generated / statistics.median(p[name]["seconds"] for p in passes) for name in last}
-    same = all(p[name]["tokens"] == last["regular"]["tokens"] for p in passes for name in last)
+    differ = sum(mine != theirs for mine, theirs in zip(draft_own, reference))
+    rates = {name: generated / timing.median for name, timing in timings.items()}
+    unequal = [name for name, timing in timings.items() if timing.output["tokens"] != reference]
 
     def acceptance(name: str) -> str:
-        counts = last[name]
+        counts = timings[name].output
         return f"{counts['accepted'] / max(1, counts['proposed']):.2f} ({counts['accepted']} / {counts['proposed']})"
 
-    torch_version = workers["hf regular"].torch_version
     transformers_version = importlib.metadata.version("transformers")
-    print_table(f"Speculative greedy decoding (num-draft {args.num_draft}, delta 0), {len(prompts)} held-out demo prompts "
-                f"({generated} tokens), median of {args.repeats} alternating passes", [
+    rows = [
         ("machine", machine()),
         ("pair", f"draft: the demo target (d_model 256, 6+6 layers); target: the draft + {PAIR['extra_layers']}+"
                  f"{PAIR['extra_layers']} random layers scaled by {PAIR['scale']}, d_ff {PAIR['d_ff']} (float32)"),
         ("prompts whose greedy output differs from the draft's own", f"{differ} of {len(prompts)}"),
         ("decode step: target, draft", f"{t_target * 1e3:.1f} ms, {t_draft * 1e3:.1f} ms"),
         (f"target verify pass ({args.num_draft + 1} tokens) against a single step", f"{verify_cost:.2f}x"),
-        ("acceptance: ours", acceptance("speculative")),
+        ("acceptance: ours (num-draft fixed / auto)", f"{acceptance('speculative')} / {acceptance('auto')}"),
         ("acceptance: transformers assisted, as installed / with the cache fix",
          f"{acceptance('hf assisted')} / {acceptance('hf assisted, fixed')}"),
         ("ours, regular", f"{rates['regular']:.2f} tokens/s"),
-        ("ours, speculative", f"{rates['speculative']:.2f} tokens/s"),
-        ("ours: speculative over regular", f"{rates['speculative'] / rates['regular']:.2f}x"),
-        (f"transformers {transformers_version}, regular (PyTorch {torch_version} CPU)", f"{rates['hf regular']:.2f} tokens/s"),
+        (f"ours, speculative (num-draft {args.num_draft} / auto)", f"{rates['speculative']:.2f} / {rates['auto']:.2f} tokens/s"),
+        ("ours: speculative (auto) over regular", f"{rates['auto'] / rates['regular']:.2f}x"),
+        (f"transformers {transformers_version}, regular (PyTorch {workers['hf regular'].version} CPU)",
+         f"{rates['hf regular']:.2f} tokens/s"),
         (f"transformers, assisted (num_assistant_tokens {args.num_draft}, constant), as installed",
          f"{rates['hf assisted']:.2f} tokens/s"),
         ("transformers, assisted with the cache fix", f"{rates['hf assisted, fixed']:.2f} tokens/s"),
         ("transformers: assisted (fixed) over regular", f"{rates['hf assisted, fixed'] / rates['hf regular']:.2f}x"),
         ("ours regular over transformers regular", f"{rates['regular'] / rates['hf regular']:.2f}x"),
-        ("ours speculative over transformers assisted (fixed)", f"{rates['speculative'] / rates['hf assisted, fixed']:.2f}x"),
-        ("same tokens (all five, every prompt and pass)", "yes" if same else "NO"),
-    ])
+        ("ours speculative (auto) over transformers assisted (fixed)", f"{rates['auto'] / rates['hf assisted, fixed']:.2f}x"),
+    ]
+    for name, worker in ct2.items():
+        rows.append((f"{name} ({worker.version}), regular: tokens/s; ours regular, ours auto over it",
+                     f"{rates[name]:.2f}; {rates['regular'] / rates[name]:.2f}x, {rates['auto'] / rates[name]:.2f}x"))
+    rows.append(("same tokens (every contender, prompt and the last pass)", "yes" if not unequal else "NO: " + ", ".join(unequal)))
+    print_table(f"Speculative greedy decoding (delta 0), {len(prompts)} held-out demo prompts "
+                f"({generated} tokens), median of {args.repeats} alternating passes", rows)
 
 
 def bench_batch(args) -> None:
@@ -553,19 +706,16 @@ def bench_batch(args) -> None:
     transformers' batched generate (its assisted mode takes no batches).
     Batch size 1 is prompt-by-prompt decoding: `speculative_generate` is a
     batch of one. Runs alternate within a pass; medians over passes."""
-    import main
     from sampling import Sampling
     from decoder import Stats, encode_prompts, regular_batch, speculative_batch
     from loading import load_model, load_tokenizer
 
     target_hf, draft_hf = build_pair(args.dir)
-    target_dir = args.dir / "pair-target-mlx"
-    if not (target_dir / "config.json").exists():
-        convert_measuring_memory(target_hf, target_dir)
+    target_dir = converted(target_hf, args.dir / "pair-target-mlx")
     pairs = {"demo pair": (DEMO / "target", DEMO / "draft", draft_hf),
              "benchmark pair": (target_dir, DEMO / "target", target_hf)}
     tokenizer = load_tokenizer(DEMO / "target")
-    demo = main.demo_prompts()
+    demo = held_out_prompts()
     count = args.prompts or 32
     prompts = [tokenizer.encode(demo[i % len(demo)]) for i in range(count)]
     sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -717,19 +867,16 @@ def bench_drafting(args) -> None:
     one prompt at a time; the settings alternate prompt by prompt, and auto
     keeps what it learnt from one prompt to the next (as `Models.drafting`
     does in a session)."""
-    import main
     from sampling import Sampling
     from decoder import AutoDraft, speculative_generate
     from loading import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
-    target_dir = args.dir / "pair-target-mlx"
-    if not (target_dir / "config.json").exists():
-        convert_measuring_memory(target_hf, target_dir)
+    target_dir = converted(target_hf, args.dir / "pair-target-mlx")
     models = {"demo target": load_model(DEMO / "target"), "demo draft": load_model(DEMO / "draft"),
               "benchmark target": load_model(target_dir)}
     tokenizer = load_tokenizer(DEMO / "target")
-    demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
+    demo = [tokenizer.encode(text) for text in held_out_prompts()][: args.prompts]
     fixed = [int(k) for k in (args.num_drafts or "1,2,3,4,5,6,8").split(",")]
     print(f"\nDrafting without tuning: greedy, at most {args.tokens} tokens a prompt, one prompt at a time, "
           f"settings alternating prompt by prompt; tokens/s over all prompts (encoding included), "
@@ -762,18 +909,15 @@ def bench_drafting(args) -> None:
 def bench_lookup(args) -> None:
     """Prompt lookup against regular decoding, on both targets, over the
     held-out demo prompts and the copy-heavy ones (copy_prompts)."""
-    import main
     from sampling import Sampling
     from decoder import regular_generate, speculative_generate
     from loading import load_model, load_tokenizer
 
     target_hf, _ = build_pair(args.dir)
-    target_dir = args.dir / "pair-target-mlx"
-    if not (target_dir / "config.json").exists():
-        convert_measuring_memory(target_hf, target_dir)
+    target_dir = converted(target_hf, args.dir / "pair-target-mlx")
     models = {"demo target": load_model(DEMO / "target"), "benchmark target": load_model(target_dir)}
     tokenizer = load_tokenizer(DEMO / "target")
-    demo = [tokenizer.encode(text) for text in main.demo_prompts()][: args.prompts]
+    demo = [tokenizer.encode(text) for text in held_out_prompts()][: args.prompts]
     copies = copy_prompts(models["demo target"], args.prompts or 20)
     pairs = args.pairs.split(",") if args.pairs else ["demo", "benchmark"]
     longest = [2, 4, 8]
@@ -827,7 +971,6 @@ def bench_quantized(args) -> None:
     demo target's fillings, acceptance and held-out loss at 8 and 4 bits."""
     import train
 
-    import main
     from sampling import Sampling
     from decoder import Stats, regular_generate, speculative_generate
     from loading import load_model, load_tokenizer
@@ -867,7 +1010,7 @@ def bench_quantized(args) -> None:
         convert_measuring_memory(DEMO / "target", folder, "-q", "--q-bits", str(bits))
     targets = {"float32": DEMO / "target", "8-bit": quantized[8], "4-bit": quantized[4]}
     tokenizer = load_tokenizer(DEMO / "target")
-    prompts = [tokenizer.encode(text) for text in main.demo_prompts()]
+    prompts = [tokenizer.encode(text) for text in held_out_prompts()]
     draft = load_model(DEMO / "draft")
     fillings, acceptance = {}, {}
     for name, folder in targets.items():
@@ -934,8 +1077,7 @@ def bench_encode(args) -> None:
     target_hf, draft_hf = build_pair(args.dir)  # draft_hf: the demo target as a Hugging Face checkpoint
     shapes = {"T5-large shapes": (args.dir / "t5-large-random-mlx", build_large(args.dir / "t5-large-random")),
               "demo target": (DEMO / "target", draft_hf)}
-    if not (shapes["T5-large shapes"][0] / "config.json").exists():
-        convert_measuring_memory(shapes["T5-large shapes"][1], shapes["T5-large shapes"][0])
+    converted(shapes["T5-large shapes"][1], shapes["T5-large shapes"][0])
     lengths = [int(n) for n in args.lengths.split(",")]
 
     def run(folder: Path, length: int, hf: bool) -> dict:
@@ -1089,17 +1231,14 @@ def bench_serve(args) -> None:
     next request when its last answer is in), against the same prompts
     through batch_generate offline at the same batch size; and a short
     request sent while long ones run, against the same request alone."""
-    import main
     from decoder import Settings
     from generate import measure_batch
     from loading import load
 
     target_hf, _ = build_pair(args.dir)
-    target_dir = args.dir / "pair-target-mlx"
-    if not (target_dir / "config.json").exists():
-        convert_measuring_memory(target_hf, target_dir)
+    target_dir = converted(target_hf, args.dir / "pair-target-mlx")
     pairs = {"demo pair": (DEMO / "target", DEMO / "draft"), "benchmark pair": (target_dir, DEMO / "target")}
-    demo = main.demo_prompts()
+    demo = held_out_prompts()
     client_counts = [int(n) for n in (args.clients or "1,4,16,64").split(",")]
     body = {"model": "default", "max_tokens": args.tokens, "num_draft": args.num_draft, "delta": 0}
     print(f"\nserver.py under load: greedy, delta 0, num-draft {args.num_draft}, at most {args.tokens} tokens, "
@@ -1305,6 +1444,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", help="serve: concurrent client counts (default 1,4,16,64)")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--ct2-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lengths", default="128,512,2048,8192", help="encode: input lengths in tokens")
@@ -1330,6 +1470,8 @@ def main() -> None:
         return decode_worker(args.decode_worker, args.tokens)
     if args.hf_worker:
         return hf_worker(args.hf_worker, args.assistant, args.num_draft, args.cache_fix)
+    if args.ct2_worker:
+        return ct2_worker(args.ct2_worker)
     import cpu  # noqa: F401  (before mlx.core, which the benchmarks import)
 
     sys.path.insert(0, str(DEMO))  # train.py writes the pair's draft as a Hugging Face checkpoint

@@ -15,23 +15,23 @@ its symbols to the bundled one).
 The `mlx[cpu]` wheel for Linux links the slow reference BLAS. Decoding is
 matrix-vector products over the weights, so the BLAS decides the speed.
 Loading the chosen library with RTLD_GLOBAL before MLX's own library resolves
-its symbols makes MLX call it. Debian's BLIS (`libblis4-serial`;
-`libblis3-serial` on older releases) and Intel MKL (from PyPI) are both fast
-for one-row products; BLIS is the faster of the two for the few-row products
-of speculative verification on the CPUs it has kernels for. On a CPU newer
-than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its portable "generic"
-kernels, 1.1-3.8x slower than MKL for those products, so the default order skips
-such a BLIS (docs/PERFORMANCE.md has the measurements).
+its symbols makes MLX call it. Intel MKL (from PyPI) comes first: it runs its
+own OpenMP threads, which spin between products instead of sleeping, so each
+product spreads over the cores with no hand-off between sleeping threads.
+Debian's BLIS (`libblis4-serial`) runs one thread: with it, `use_cores` splits
+each large decoding product over several MLX CPU streams (threads) instead,
+and every split product is a hand-off between threads (about a third slower
+than MKL's threads on the Intel Xeon measured; docs/PERFORMANCE.md). On a CPU
+newer than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its portable
+"generic" kernels; the order skips such a BLIS.
 
-The library runs one thread: a single core's matrix-vector product reads memory
-as fast as the BLAS's own threading would, so `use_cores` splits each
-large decoding product over several MLX CPU streams (threads) instead, and
-the encoder spreads a prompt's blocks of work over the same streams (`lanes`).
+Either way the encoder spreads a prompt's blocks of work over the MLX
+streams (`lanes`), and MKL runs one thread meanwhile (`many_rows`).
 
 On macOS MLX uses Accelerate (CPU) and Metal (GPU); nothing is loaded there.
-T5_MLX_BLAS picks the library: `blis`, `mkl`, `openblas` or `bundled`, or a
-comma-separated order of preference (the default is `blis,mkl,openblas`;
-training, whose large products want MKL's threads, asks for `mkl,blis,openblas`).
+T5_MLX_BLAS picks the library: `mkl`, `blis`, `openblas` or `bundled`, or a
+comma-separated order of preference (the default is `mkl,blis,openblas`).
+MKL_THREADING_LAYER=SEQUENTIAL keeps MKL to one thread, split as BLIS is.
 """
 
 import contextlib
@@ -65,7 +65,7 @@ _LIBRARIES = {
     "mkl": (_mkl_path, "MKL_Set_Num_Threads", ctypes.c_int),
     "openblas": (lambda: ctypes.util.find_library("openblas"), "openblas_set_num_threads", ctypes.c_int),
 }
-DEFAULT_ORDER = "blis,mkl,openblas"
+DEFAULT_ORDER = "mkl,blis,openblas"
 MLX_FIRST = "bundled reference BLAS (mlx.core was imported before cpu.py)"
 
 
@@ -92,8 +92,12 @@ def _load() -> str:
         if name == "blis" and not asked and blis_kernels(path) == "generic":
             skipped = "; BLIS skipped: it has only generic kernels for this CPU"
             continue
-        if name == "mkl":  # one thread per MLX stream anyway: no OpenMP runtime in the way (training asks for it)
-            os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
+        if name == "mkl":  # its OpenMP threads (intel-openmp, from the requirements)
+            os.environ.setdefault("MKL_THREADING_LAYER", "INTEL")
+            # Idle threads spin this many ms before they sleep: long enough to
+            # span a decode step's gaps, short enough not to crowd the Python
+            # thread or another library's threads (the default is 200 ms).
+            os.environ.setdefault("KMP_BLOCKTIME", "5")
         try:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
@@ -102,14 +106,18 @@ def _load() -> str:
             global _library
             _library = library
         if hasattr(library, setter_name):
-            global _thread_setter
+            global _thread_setter, THREADED
             _thread_setter = getattr(library, setter_name)
             _thread_setter.argtypes, _thread_setter.restype = [count_type], None
             _thread_setter(1)
+            if name == "mkl" and os.environ["MKL_THREADING_LAYER"].upper() != "SEQUENTIAL":
+                _thread_setter(os.cpu_count() or 1)
+                THREADED = (os.cpu_count() or 1) > 1
         for setter in ("bli_pack_set_pack_a", "bli_pack_set_pack_b"):
             if name == "blis" and hasattr(library, setter):
                 getattr(library, setter).argtypes = [ctypes.c_bool]
-        return f"{name} ({os.path.basename(path)}, 1 thread per MLX stream{skipped})"
+        threads = f"{os.cpu_count()} threads of its own" if THREADED else "1 thread per MLX stream"
+        return f"{name} ({os.path.basename(path)}, {threads}{skipped})"
     return "bundled reference BLAS (slow: apt install libblis4-serial, or pip install mkl)"
 
 
@@ -127,6 +135,7 @@ def blis_kernels(path: str) -> str | None:
 
 _thread_setter = None
 _library = None  # the loaded BLAS, when it is BLIS (see many_rows)
+THREADED = False  # whether the BLAS spreads each product over the cores itself (MKL's OpenMP threads)
 
 
 def _keep_freed_memory() -> None:
@@ -152,25 +161,31 @@ _keep_freed_memory()
 
 
 def set_threads(count: int) -> None:
-    """Let the BLAS use several threads: right for training's large matrix
-    products, where decoding's matrix-vector products gain nothing from it.
-    A single-threaded build (Debian's libblis4-serial) ignores it."""
+    """Set how many threads the BLAS runs (training's --threads; MKL
+    starts with one per core). A single-threaded build (Debian's
+    libblis4-serial) ignores it."""
     if _thread_setter is not None:
         _thread_setter(count)
 
 
 @contextlib.contextmanager
 def many_rows():
-    """Evaluate a prompt's products (hundreds of rows) in here. BLIS skips
-    packing its operands for small products ("sup"), which suits decoding's
-    few rows but runs a prompt's at a third of the speed; inside, it packs
-    them. The setting is BLIS's own, global to every thread."""
+    """Evaluate a prompt's products (hundreds of rows) in here: the lanes
+    spread its blocks over the cores, so a threaded BLAS runs one thread
+    (its threads would crowd the lanes'); BLIS, which skips packing its
+    operands for small products ("sup") as suits decoding's few rows but
+    runs a prompt's at a third of the speed that way, packs them. Both
+    settings are the library's own, global to every thread."""
+    if THREADED:
+        _thread_setter(1)
     if _library is not None:
         _library.bli_pack_set_pack_a(True)
         _library.bli_pack_set_pack_b(True)
     try:
         yield
     finally:
+        if THREADED:
+            _thread_setter(os.cpu_count() or 1)
         if _library is not None:
             _library.bli_pack_set_pack_a(False)
             _library.bli_pack_set_pack_b(False)
@@ -183,9 +198,9 @@ import mlx.core as mx  # noqa: E402  (after the BLAS is loaded)
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_map_with_path  # noqa: E402
 
-# Splitting costs a join between threads: worth it from ~8 MB of float32
-# weights (T5-large's FFN and head; every projection of T5-11B). On 2 cores,
-# T5-large decoding ran ~5-8% faster than MKL's own 2-thread product.
+# With a single-threaded BLAS, splitting costs a hand-off between threads:
+# worth it from ~8 MB of float32 weights (T5-large's FFN and head; every
+# projection of T5-11B).
 SPLIT_MIN_ELEMENTS = 2_000_000
 
 
@@ -274,9 +289,10 @@ DECODING_LAYER = re.compile(r"decoder\.layers\.\d+\.(self_attention\.[qkvo]|cros
 def use_cores(model: nn.Module) -> nn.Module:
     """Split a model's large decoding products over the CPU's cores, in
     place: those projections (and a tied head) are swapped for split ones,
-    as nn.quantize swaps layers. Off the CPU path or on a single core,
-    nothing changes. The weights are the same arrays, under the same names."""
-    if not lanes():
+    as nn.quantize swaps layers. Off the CPU path, on a single core, or with
+    a BLAS that runs threads of its own, nothing changes. The weights are the
+    same arrays, under the same names."""
+    if not lanes() or THREADED:
         return model
 
     def split(path, module):

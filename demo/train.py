@@ -25,7 +25,6 @@ thread count: same models.
 import argparse
 import itertools
 import json
-import os
 import shutil
 import sys
 import sysconfig
@@ -37,9 +36,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-if __name__ == "__main__":  # training's large products want MKL's threads (decoding prefers BLIS)
-    os.environ.setdefault("T5_MLX_BLAS", "mkl,blis,openblas")
-    os.environ.setdefault("MKL_THREADING_LAYER", "INTEL")
 import cpu  # noqa: E402  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402

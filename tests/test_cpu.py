@@ -35,15 +35,16 @@ def active(order: str | None) -> str:
 
 
 @linux_only
-def test_the_default_is_blis_when_it_has_kernels_for_this_cpu_else_another_fast_library():
-    """BLIS on a CPU its build does not know runs generic kernels, slower than MKL: the default skips it, and says so."""
+def test_the_default_is_mkl_else_blis_when_it_has_kernels_for_this_cpu_else_openblas():
+    """MKL (from the requirements) first; BLIS on a CPU its build does not
+    know runs generic kernels, slower than the others: the order skips it, and says so."""
     blis = find_library("blis")
     with_kernels = blis is not None and cpu.blis_kernels(blis) not in ("generic", None)
-    expected = {"blis"} if with_kernels else {"mkl", "openblas"}
+    expected = {"mkl"} if cpu._mkl_path() else {"blis"} if with_kernels else {"openblas"}
     for order in (None, "", "auto"):
-        chosen = active(order)
-        assert chosen.split()[0] in expected, order
-        assert ("BLIS skipped: it has only generic kernels" in chosen) == (blis is not None and not with_kernels)
+        assert active(order).split()[0] in expected, order
+    if blis is not None and not with_kernels:
+        assert "BLIS skipped: it has only generic kernels" in active("blis,mkl"), "no BLIS kernels: skipped, and said"
 
 
 @linux_only
@@ -83,13 +84,20 @@ def test_the_first_installed_library_of_the_requested_order_wins():
 
 @linux_only
 @needs_mkl
-def test_mkl_runs_without_its_openmp_runtime():
-    """One thread per MLX stream: MKL's sequential layer, so no OpenMP threads spin beside MLX's."""
+def test_mkl_runs_its_openmp_threads_unless_asked_for_its_sequential_layer():
+    """MKL spreads each product over the cores with Intel's OpenMP runtime
+    (its threads spin between products, where sleeping ones would have to be
+    woken); products are then left whole. MKL_THREADING_LAYER=SEQUENTIAL
+    keeps it to one thread, and products are split over MLX's streams."""
+    import os
+
     code = ("import cpu, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); "
-            "print('libiomp5' in open('/proc/self/maps').read())")
-    assert python(code, "mkl").stdout.strip() == "False"
-    env_asks = "import os; os.environ['MKL_THREADING_LAYER'] = 'INTEL'; " + code  # as demo/train.py does
-    assert python(env_asks, "mkl").stdout.strip() == "True"
+            "print(cpu.THREADED, 'libiomp5' in open('/proc/self/maps').read())")
+    cores = (os.cpu_count() or 1) > 1
+    assert python(code, "mkl").stdout.split() == [str(cores), "True"]
+    sequential = "import os; os.environ['MKL_THREADING_LAYER'] = 'SEQUENTIAL'; " + code
+    assert python(sequential, "mkl").stdout.split() == ["False", "False"]
+    assert f"{os.cpu_count()} threads of its own" in active("mkl") or not cores
 
 
 @linux_only
@@ -159,6 +167,7 @@ def test_use_cores_splits_the_large_decoding_products_only_and_keeps_the_logits(
 
     if not cpu.lanes():
         pytest.skip("one core, or the accelerator path: nothing is split")
+    monkeypatch.setattr(cpu, "THREADED", False)  # as with a single-threaded BLAS (BLIS)
     config = t5_config(vocab_size=20000, d_model=128, d_ff=16384, initializer_factor=1.0)
     make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
@@ -197,6 +206,7 @@ def test_use_cores_splits_exactly_the_decoders_step_layers(tokenizer_dir, tmp_pa
     if not cpu.lanes():
         pytest.skip("one core, or the accelerator path: nothing is split")
     monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "THREADED", False)  # as with a single-threaded BLAS (BLIS)
     make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir, untied_head=untied)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     model = loading.load_model(tmp_path / "mlx")
@@ -206,3 +216,20 @@ def test_use_cores_splits_exactly_the_decoders_step_layers(tokenizer_dir, tmp_pa
                  "cross_attention.q", "cross_attention.o", "ffn.wi", "ffn.wo")}
     head = {"lm_head", "shared"} if untied else {"shared"}  # an untied model's shared is split too: a lookup, unchanged
     assert split == decoding | head
+
+
+def test_a_blas_with_threads_of_its_own_leaves_every_product_whole(tokenizer_dir, tmp_path, monkeypatch):
+    """MKL's threads already spread each product: splitting it over MLX's streams too would crowd the cores."""
+    import mlx.nn as nn
+    from checkpoints import make_checkpoint, t5_config
+
+    import convert
+    import loading
+
+    monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "THREADED", True)
+    make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    model = loading.load_model(tmp_path / "mlx")
+    assert not [name for name, module in model.named_modules() if isinstance(module, (cpu.SplitLinear, cpu.SplitEmbedding))]
+    assert type(model.decoder.layers[0].ffn.wi) is nn.Linear
