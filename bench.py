@@ -1,4 +1,4 @@
-"""Measure decoding speed against Hugging Face transformers.
+"""Measure decoding speed against Hugging Face transformers and CTranslate2.
 
     python bench.py regular          # T5-large-shaped random fp32 checkpoint, 100 tokens
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
@@ -12,10 +12,14 @@
     python bench.py serve            # server.py under 1 to 64 concurrent clients, against batch_generate offline
     python bench.py                  # regular and speculative
 
-Checkpoints are built once under bench_models/ and converted with convert.py.
-Runs of ours and of transformers (PyTorch CPU, same thread count, in a separate
-process so neither library's threading settings touch the other) alternate,
-and the tables report medians. Every table starts with the machine it ran on.
+Checkpoints are built once under bench_models/ and converted with convert.py
+(and CTranslate2's converter). Runs of ours and of the references alternate
+(`alternate`), and the tables report medians. The references run in
+processes of their own (`Worker`), on as many threads as cores, so that no
+library's threading settings touch another's: transformers (PyTorch CPU), and
+in regular, steps and speculative CTranslate2 (float32 and int8, each with
+its wheel's GNU OpenMP and with Intel's), when installed. Every table starts
+with the machine it ran on.
 
 The benchmark pair has trained agreement: the draft is the demo target
 (demo/, 8.4 M parameters), and the target embeds it exactly and adds 18+18
@@ -420,7 +424,7 @@ def bench_regular(args) -> None:
     per_token = weight_bytes_per_token(model)
     rate = {name: args.tokens / timing.median for name, timing in timings.items()}
     achieved = per_token * rate["ours"]
-    same = {name: timing.output == timings["ours"].output for name, timing in timings.items()}
+    same = {name: timing.output == timings["ours"].output for name, timing in timings.items() if "int8" not in name}
     rows = [
         ("machine", machine()),
         ("checkpoint", f"random T5-large shapes, float32, {source_bytes / 1e9:.2f} GB"),
@@ -432,7 +436,7 @@ def bench_regular(args) -> None:
         rows.append((f"{name} ({worker.version}, {os.cpu_count()} threads)",
                      f"{rate[name]:.2f} tokens/s: ours {rate['ours'] / rate[name]:.2f}x"))
     rows += [
-        ("same greedy tokens", "yes" if all(same.values()) else "NO: " + ", ".join(n for n, ok in same.items() if not ok)),
+        ("same greedy tokens (but int8's, another model)", "yes" if all(same.values()) else "NO: " + ", ".join(n for n, ok in same.items() if not ok)),
         ("weights read per token", f"{per_token / 1e9:.2f} GB"),
         ("achieved weight bandwidth", f"{achieved / 1e9:.1f} GB/s"),
         (f"machine read bandwidth ({os.cpu_count()} threads)", f"{bandwidth / 1e9:.1f} GB/s"),
@@ -570,7 +574,8 @@ def bench_steps(args) -> None:
         runs |= {key: worker_run(worker, [PROMPT_IDS], args.tokens, forced=True) for key, worker in ct2.items()}
         timings = alternate(runs, args.repeats)
         model._compiled_step = compiled
-        same = ct2_same_tokens(model, ct2, [PROMPT_IDS], args.tokens) if ct2 else None
+        floats = {key: worker for key, worker in ct2.items() if "int8" not in key}  # int8 is another model
+        same = ct2_same_tokens(model, floats, [PROMPT_IDS], args.tokens) if floats else None
         for worker in (hf, *ct2.values()):
             worker.close()
         rate = {key: args.tokens / timing.median for key, timing in timings.items()}
@@ -593,7 +598,7 @@ def bench_steps(args) -> None:
             ("ours compiled over ours op by op", f"{rate['compiled'] / rate['op by op']:.2f}x"),
             *[(f"{key} ({ct2[key].version}): tokens/s, ours compiled over it", f"{rate[key]:.1f}, {rate['compiled'] / rate[key]:.2f}x")
               for key in ct2],
-            *([("CTranslate2's greedy tokens to EOS equal ours", same)] if ct2 else []),
+            *([("CTranslate2's float32 greedy tokens to EOS equal ours", same)] if floats else []),
             ("a step, compiled", split(profiles["compiled"])),
             ("a step, op by op", split(profiles["op by op"])),
         ]
@@ -663,7 +668,10 @@ def bench_speculative(args) -> None:
     draft_own = [list(regular_generate(draft, prompt, args.tokens, Sampling())) for prompt in prompts]
     differ = sum(mine != theirs for mine, theirs in zip(draft_own, reference))
     rates = {name: generated / timing.median for name, timing in timings.items()}
-    unequal = [name for name, timing in timings.items() if timing.output["tokens"] != reference]
+    # int8 is another model: its tokens are counted, not required to be ours
+    unequal = [name for name, timing in timings.items() if timing.output["tokens"] != reference and "int8" not in name]
+    int8_same = {name: sum(a == b for a, b in zip(timing.output["tokens"], reference))
+                 for name, timing in timings.items() if "int8" in name}
 
     def acceptance(name: str) -> str:
         counts = timings[name].output
@@ -695,7 +703,9 @@ def bench_speculative(args) -> None:
     for name, worker in ct2.items():
         rows.append((f"{name} ({worker.version}), regular: tokens/s; ours regular, ours auto over it",
                      f"{rates[name]:.2f}; {rates['regular'] / rates[name]:.2f}x, {rates['auto'] / rates[name]:.2f}x"))
-    rows.append(("same tokens (every contender, prompt and the last pass)", "yes" if not unequal else "NO: " + ", ".join(unequal)))
+    rows.append(("same tokens (every float contender, prompt and the last pass)", "yes" if not unequal else "NO: " + ", ".join(unequal)))
+    rows += [(f"{name}: prompts whose tokens are float32's (int8 rounds the weights)", f"{same} of {len(prompts)}")
+             for name, same in int8_same.items()]
     print_table(f"Speculative greedy decoding (delta 0), {len(prompts)} held-out demo prompts "
                 f"({generated} tokens), median of {args.repeats} alternating passes", rows)
 
@@ -1313,25 +1323,33 @@ BLAS_ROWS = [1, 2, 5, 8, 40]  # a regular step, verify passes of 1 and 4 drafts,
 
 def blas_worker() -> None:
     """In a process whose BLAS T5_MLX_BLAS chose: microseconds per product
-    x @ w.T (split over the cores as decoding splits it) for each weight
-    shape and row count, medians over 7 runs of 10 products."""
+    x @ w.T, as decoding runs it (whole with MKL's threads, else split over
+    the cores), for each weight shape and row count, medians over 7 runs of 10
+    products; and MLX's 8-bit product of the same (groups of 64), which
+    calls no BLAS and runs on one stream, as a quantized model's layers do."""
     import cpu
     import mlx.core as mx
 
-    times = {}
+    times, quantized = {}, {}
     for shape in BLAS_SHAPES:
         weights = [mx.random.normal(shape) for _ in range(10)]
-        mx.eval(weights)
+        packed = [mx.quantize(w, group_size=64, bits=8) for w in weights]
+        mx.eval(weights, packed)
         for rows in BLAS_ROWS:
             x = mx.random.normal((rows, shape[1]))
             mx.eval(x)
-            runs = []
-            for _ in range(9):
-                start = time.perf_counter()
-                mx.eval([cpu.split_matmul(x, w) for w in weights])
-                runs.append((time.perf_counter() - start) / len(weights))
-            times[f"{shape}x{rows}"] = statistics.median(runs[2:]) * 1e6
-    print(json.dumps({"active": cpu.ACTIVE, "times": times}))
+            products = {
+                "float32": lambda: [x @ w.T if cpu.THREADED else cpu.split_matmul(x, w) for w in weights],
+                "8-bit": lambda: [mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=8) for q in packed],
+            }
+            for kind, product in products.items():
+                runs = []
+                for _ in range(9):
+                    start = time.perf_counter()
+                    mx.eval(product())
+                    runs.append((time.perf_counter() - start) / len(weights))
+                (times if kind == "float32" else quantized)[f"{shape}x{rows}"] = statistics.median(runs[2:]) * 1e6
+    print(json.dumps({"active": cpu.ACTIVE, "times": times, "quantized": quantized}))
 
 
 def bench_blas(args) -> None:
@@ -1343,10 +1361,10 @@ def bench_blas(args) -> None:
     import cpu
 
     blis = ctypes.util.find_library("blis")
-    print(f"\nDecoding's products (x @ w.T, split over the cores as decoding splits them), microseconds each, "
-          f"by BLAS\n\nmachine: {machine()}\nBLIS's kernels for this CPU: "
+    print(f"\nDecoding's products (x @ w.T, over the cores as decoding runs them), microseconds each, by BLAS, "
+          f"and MLX's 8-bit product (no BLAS, one stream)\n\nmachine: {machine()}\nBLIS's kernels for this CPU: "
           f"{cpu.blis_kernels(blis) if blis else 'BLIS not installed'}\n")
-    results = {}
+    results, quantized = {}, None
     for name in ("blis", "mkl", "openblas"):
         env = {**os.environ, "T5_MLX_BLAS": name}
         done = subprocess.run([sys.executable, __file__, "--blas-worker"], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -1354,15 +1372,18 @@ def bench_blas(args) -> None:
             result = json.loads(done.stdout)
             if result["active"].startswith(name):  # not installed: the worker fell back to the bundled BLAS
                 results[name] = result["times"]
+                quantized = quantized or result["quantized"]
     names = list(results)
-    print("| weight (rows x columns) | x rows | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
+    print("| weight (rows x columns) | x rows | " + " | ".join(names) + " | 8-bit | 8-bit / fastest float32 |\n"
+          "|---|---|" + "---|" * (len(names) + 2))
     for shape in BLAS_SHAPES:
         for rows in BLAS_ROWS:
             key = f"{shape}x{rows}"
             cells = [results[name][key] for name in names]
             best = min(cells)
             print(f"| {shape[0]} x {shape[1]} | {rows} | "
-                  + " | ".join(f"**{c:.0f}**" if c == best else f"{c:.0f}" for c in cells) + " |")
+                  + " | ".join(f"**{c:.0f}**" if c == best else f"{c:.0f}" for c in cells)
+                  + f" | {quantized[key]:.0f} | {quantized[key] / best:.1f}x |")
 
 
 # Shapes from the public configs on the Hugging Face hub (v1.0 T5: tied head, vocabulary 32128).

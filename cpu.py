@@ -20,8 +20,9 @@ own OpenMP threads, which spin between products instead of sleeping, so each
 product spreads over the cores with no hand-off between sleeping threads.
 Debian's BLIS (`libblis4-serial`) runs one thread: with it, `use_cores` splits
 each large decoding product over several MLX CPU streams (threads) instead,
-and every split product is a hand-off between threads (about a third slower
-than MKL's threads on the Intel Xeon measured; docs/PERFORMANCE.md). On a CPU
+and every split product is a hand-off between threads (regular decoding ran
+1.16-1.53x faster on MKL's threads on the Intel Xeon measured, though BLIS's
+kernels are faster for a verify pass's few rows; docs/PERFORMANCE.md). On a CPU
 newer than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its portable
 "generic" kernels; the order skips such a BLIS.
 
