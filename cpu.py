@@ -1,7 +1,7 @@
 """MLX's CPU backend made fast, and the one place that decides whether its path runs.
 
 `in_use()` says whether this process takes the CPU path (our attention,
-lanes, products split over cores, float32 by default) or the accelerator
+lanes, products over every core, float32 by default) or the accelerator
 path that Metal and CUDA take (MLX's fused attention, bfloat16 by default);
 the model, the decoder and the loader ask it and test nothing else.
 T5_MLX_PATH=accelerator takes the accelerator path while MLX computes on the
@@ -94,11 +94,12 @@ def _load() -> str:
             skipped = "; BLIS skipped: it has only generic kernels for this CPU"
             continue
         if name == "mkl":  # its OpenMP threads (intel-openmp, from the requirements)
-            os.environ.setdefault("MKL_THREADING_LAYER", "INTEL")
             # Idle threads spin this many ms before they sleep: long enough to
             # span a decode step's gaps, short enough not to crowd the Python
             # thread or another library's threads (the default is 200 ms).
-            os.environ.setdefault("KMP_BLOCKTIME", "5")
+            for key, value in (("MKL_THREADING_LAYER", "INTEL"), ("KMP_BLOCKTIME", "5")):
+                if key not in os.environ:
+                    os.environ[key] = SET_HERE[key] = value
         try:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
@@ -110,16 +111,26 @@ def _load() -> str:
             global _thread_setter, THREADED
             _thread_setter = getattr(library, setter_name)
             _thread_setter.argtypes, _thread_setter.restype = [count_type], None
-            _thread_setter(1)
             if name == "mkl" and os.environ["MKL_THREADING_LAYER"].upper() != "SEQUENTIAL":
-                _thread_setter(os.cpu_count() or 1)
-                THREADED = (os.cpu_count() or 1) > 1
+                global _thread_getter
+                _thread_getter = library.MKL_Get_Max_Threads
+                _thread_getter.argtypes, _thread_getter.restype = [], ctypes.c_int
+                if not {"MKL_NUM_THREADS", "OMP_NUM_THREADS"} & set(os.environ):  # else MKL heeds them
+                    _thread_setter(_cores())
+                THREADED = _thread_getter() > 1
+            else:
+                _thread_setter(1)
         for setter in ("bli_pack_set_pack_a", "bli_pack_set_pack_b"):
             if name == "blis" and hasattr(library, setter):
                 getattr(library, setter).argtypes = [ctypes.c_bool]
-        threads = f"{os.cpu_count()} threads of its own" if THREADED else "1 thread per MLX stream"
+        threads = f"{_thread_getter()} threads of its own" if THREADED else "1 thread per MLX stream"
         return f"{name} ({os.path.basename(path)}, {threads}{skipped})"
-    return "bundled reference BLAS (slow: apt install libblis4-serial, or pip install mkl)"
+    return f"bundled reference BLAS (slow: pip install mkl, or apt install libblis4-serial{skipped})"
+
+
+def _cores() -> int:
+    """The cores this process may run on (a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def blis_kernels(path: str) -> str | None:
@@ -134,9 +145,10 @@ def blis_kernels(path: str) -> str | None:
         return None
 
 
-_thread_setter = None
+_thread_setter = _thread_getter = None
 _library = None  # the loaded BLAS, when it is BLIS (see many_rows)
 THREADED = False  # whether the BLAS spreads each product over the cores itself (MKL's OpenMP threads)
+SET_HERE = {}  # the environment variables _load set (child processes of other libraries may want them gone)
 
 
 def _keep_freed_memory() -> None:
@@ -177,7 +189,8 @@ def many_rows():
     operands for small products ("sup") as suits decoding's few rows but
     runs a prompt's at a third of the speed that way, packs them. Both
     settings are the library's own, global to every thread."""
-    if THREADED:
+    threads = _thread_getter() if THREADED and lanes() else None  # no lanes: MKL's threads do the spreading
+    if threads:
         _thread_setter(1)
     if _library is not None:
         _library.bli_pack_set_pack_a(True)
@@ -185,8 +198,8 @@ def many_rows():
     try:
         yield
     finally:
-        if THREADED:
-            _thread_setter(os.cpu_count() or 1)
+        if threads:
+            _thread_setter(threads)
         if _library is not None:
             _library.bli_pack_set_pack_a(False)
             _library.bli_pack_set_pack_b(False)

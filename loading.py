@@ -119,7 +119,7 @@ def load_model(folder: str | Path) -> T5:
     """A converted folder's T5, checked against its config, every weight read
     and decoding compiled. In a quantized folder (its config says
     "quantization"), the layers with `.scales` are quantized ones. On the CPU
-    path, large decoding products are split over the cores."""
+    path, decoding's products run on every core (cpu.use_cores)."""
     return _mapped(Path(folder)).compile_decoding()  # compiling reads every weight
 
 

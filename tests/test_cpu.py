@@ -43,8 +43,11 @@ def test_the_default_is_mkl_else_blis_when_it_has_kernels_for_this_cpu_else_open
     expected = {"mkl"} if cpu._mkl_path() else {"blis"} if with_kernels else {"openblas"}
     for order in (None, "", "auto"):
         assert active(order).split()[0] in expected, order
-    if blis is not None and not with_kernels:
-        assert "BLIS skipped: it has only generic kernels" in active("blis,mkl"), "no BLIS kernels: skipped, and said"
+    without_mkl = ("import importlib.metadata as m; files = m.files; "
+                   "m.files = lambda name: files('not-a-package') if name == 'mkl' else files(name); "
+                   "import cpu; print(cpu.ACTIVE)")
+    chosen = python(without_mkl).stdout
+    assert ("BLIS skipped: it has only generic kernels" in chosen) == (blis is not None and not with_kernels), chosen
 
 
 @linux_only
@@ -93,11 +96,43 @@ def test_mkl_runs_its_openmp_threads_unless_asked_for_its_sequential_layer():
 
     code = ("import cpu, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); "
             "print(cpu.THREADED, 'libiomp5' in open('/proc/self/maps').read())")
-    cores = (os.cpu_count() or 1) > 1
+    cores = len(os.sched_getaffinity(0)) > 1
     assert python(code, "mkl").stdout.split() == [str(cores), "True"]
     sequential = "import os; os.environ['MKL_THREADING_LAYER'] = 'SEQUENTIAL'; " + code
     assert python(sequential, "mkl").stdout.split() == ["False", "False"]
-    assert f"{os.cpu_count()} threads of its own" in active("mkl") or not cores
+    assert f"{len(os.sched_getaffinity(0))} threads of its own" in active("mkl") or not cores
+
+
+@linux_only
+@needs_mkl
+def test_mkl_spins_5_ms_unless_told_otherwise_and_heeds_a_thread_count_given():
+    """cpu.py's defaults fill in what the environment leaves unset, and say
+    which they set (bench.py's reference engines run without them)."""
+    unset = "import os; [os.environ.pop(key, None) for key in ('KMP_BLOCKTIME', 'MKL_THREADING_LAYER')]; "  # this process set them
+    report = "import cpu; print(os.environ['KMP_BLOCKTIME'], sorted(cpu.SET_HERE), cpu.ACTIVE)"
+    assert python(unset + report, "mkl").stdout.split()[:3] == ["5", "['KMP_BLOCKTIME',", "'MKL_THREADING_LAYER']"]
+    given = python(unset + "os.environ['KMP_BLOCKTIME'] = '50'; os.environ['MKL_NUM_THREADS'] = '1'; " + report, "mkl")
+    assert given.stdout.split()[:2] == ["50", "['MKL_THREADING_LAYER']"] and "1 thread per MLX stream" in given.stdout
+
+
+@linux_only
+@needs_mkl
+def test_many_rows_holds_mkl_to_one_thread_while_the_lanes_spread_a_prompt_and_restores_its_count():
+    code = """
+import cpu
+assert cpu.THREADED and cpu.lanes(), 'needs 2 cores'
+cpu.set_threads(2)
+try:
+    with cpu.many_rows():
+        inside = cpu._thread_getter()
+        raise KeyError
+except KeyError:
+    pass
+print(inside, cpu._thread_getter())
+"""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no lanes")
+    assert python(code, "mkl").stdout.split() == ["1", "2"]
 
 
 @linux_only
@@ -226,6 +261,8 @@ def test_a_blas_with_threads_of_its_own_leaves_every_product_whole(tokenizer_dir
     import convert
     import loading
 
+    if not cpu.lanes():
+        pytest.skip("one core, or the accelerator path: nothing is split anyway")
     monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "THREADED", True)
     make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir)
