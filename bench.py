@@ -1189,9 +1189,11 @@ def percentile(values: list[float], share: float) -> float:
 
 
 class ServerProcess:
-    """server.py in a process of its own on a free local port."""
+    """server.py (or `code` run as a script, given server.py's options) in a
+    process of its own on a free port of 127.0.0.1, once /health answers.
+    Its output goes to `log` (a file), or nowhere."""
 
-    def __init__(self, *options: str):
+    def __init__(self, *options: str, code: str | None = None, log=None, wait_seconds: float = 180):
         import socket
 
         import httpx
@@ -1200,16 +1202,24 @@ class ServerProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "server.py", *options, "--port", str(self.port)], cwd=ROOT,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(900):
+        argv = [*options, "--port", str(self.port)]
+        command = [sys.executable, "server.py", *argv] if code is None else [sys.executable, "-c", code, *argv]
+        output = subprocess.DEVNULL if log is None else log
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+        deadline = time.time() + wait_seconds
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server.py exited ({self.process.returncode}) before it answered: {self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError("server.py did not start")
+        raise TimeoutError(f"server.py did not answer in {wait_seconds:.0f} s: {self.output()}")
+
+    def output(self) -> str:
+        return "(its output was not kept)"
 
     def close(self) -> None:
         self.process.terminate()

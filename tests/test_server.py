@@ -3,9 +3,6 @@
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +13,7 @@ import openai
 import pytest
 from checkpoints import PROMPT
 
+import bench
 import main
 from generate import generate, stream_generate
 from loading import load
@@ -25,32 +23,13 @@ PAIR = ["--model", "demo/target", "--draft-model", "demo/draft"]
 EXACT = {"delta": 0, "num_draft": 3}  # greedy (the default temperature) and exact acceptance
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """server.py in a process of its own on a free port of 127.0.0.1, until stop()."""
+class Server(bench.ServerProcess):
+    """server.py in a process of its own on a free port of 127.0.0.1, until
+    stop(); its output kept for the failure messages."""
 
     def __init__(self, *options: str, code: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [*options, "--port", str(self.port)]
-        command = [sys.executable, "server.py", *argv] if code is None else [sys.executable, "-c", code, *argv]
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"server-{self.port}.log", "w+")
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert self.process.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(self.output())
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"server-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
+        super().__init__(*options, code=code, log=self.log)
 
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=options.pop("api_key", "unused"), max_retries=0, **options)
