@@ -7,7 +7,7 @@ from checkpoints import reference_greedy
 
 import mlx.core as mx
 from loading import load_model
-from model import KVCache, ModelArgs, RelativePositionBias, write
+from model import DecoderCache, KVCache, ModelArgs, RelativePositionBias, write
 
 
 def assert_within(ours: mx.array, reference: np.ndarray, tolerance=1e-4) -> None:
@@ -179,22 +179,43 @@ def test_changing_the_weights_of_a_compiled_model_is_not_ignored(checkpoint):
 
 
 def test_a_long_session_keeps_a_bounded_number_of_compiled_steps(checkpoint):
-    """Each new shape (here, prompt length) traces a graph; past most_traces
+    """Each new shape (here, tokens a step) traces a graph; past most_traces
     they are dropped and tracing starts over, with the same logits."""
     model = load_model(checkpoint.mlx_dir)
     model.most_traces = 3
-    for length in range(4, 10):
-        prompt = mx.array([checkpoint.prompt_ids[:length - 1] + [1]])
-        compiled = model.decode(mx.array([[0, 5]]), model.make_cache(model.encode(prompt)))
-        assert 1 <= len(model._traced) <= 3
-        plain = model.decode_step(mx.array([[0, 5]]), *model_inputs(model, prompt))[0]
+    prompt = mx.array([checkpoint.prompt_ids])
+    for length in range(1, 7):
+        tokens = mx.array([[0, 5, 9, 13, 17, 21][:length]])
+        compiled = model.decode(tokens, model.make_cache(model.encode(prompt)))
+        assert len(model._traced) == (length - 1) % 3 + 1
+        plain = model.decode_step(tokens, *model_inputs(model, prompt, length))[0]
         np.testing.assert_allclose(np.array(compiled), np.array(plain), rtol=0, atol=1e-5 * float(mx.abs(plain).max()))
 
 
-def model_inputs(model, prompt: mx.array) -> tuple:
-    """decode_step's arguments after `prompt` is encoded, for two new tokens."""
+def test_prompts_of_about_one_length_share_compiled_steps(checkpoint):
+    """The cache keeps a prompt's positions in blocks, the padding masked:
+    prompts whose lengths fall in one block trace one graph a step shape,
+    and each gets the logits of its own unpadded keys."""
+    model = load_model(checkpoint.mlx_dir)
+    block = DecoderCache.prompt_block
+    for length in (2, block // 2, block, block + 1):
+        prompt = mx.array([(checkpoint.prompt_ids * block)[: length - 1] + [1]])
+        cache = model.make_cache(model.encode(prompt))
+        assert cache.cross_keys_values[0][0].shape[2] == (block if length <= block else 2 * block)
+        padded = model.decode(mx.array([[0, 5]]), cache)
+        assert len(model._traced) == (1 if length <= block else 2)
+        encoded = model.encode(prompt)
+        own_keys = [layer.cross_attention.project_keys_values(encoded) for layer in model.decoder.layers]
+        unpadded = DecoderCache(own_keys, None)
+        keys, values = unpadded.reserve(2)
+        plain = model.decode_step(mx.array([[0, 5]]), mx.array(unpadded.offsets), keys, values, own_keys, None)[0]
+        np.testing.assert_allclose(np.array(padded), np.array(plain), rtol=0, atol=1e-5 * float(mx.abs(plain).max()))
+
+
+def model_inputs(model, prompt: mx.array, tokens: int = 2) -> tuple:
+    """decode_step's arguments after `prompt` is encoded, for `tokens` new tokens."""
     cache = model.make_cache(model.encode(prompt))
-    keys, values = cache.reserve(2)
+    keys, values = cache.reserve(tokens)
     return mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias
 
 
