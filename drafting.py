@@ -53,12 +53,12 @@ class AutoDraft:
     its text has P 0: what follows would never be output. R is the speed
     (tokens a second, all rows); d the seconds one more draft adds to a
     round, its draft step and its share of the target's pass: the slope of
-    round seconds against draft steps, the last one measured while rounds
-    are all of one length. Only drafts the target judged count (up to each
-    row's first rejection), and recent rounds weigh more. So drafting goes
-    further after full acceptances and stops sooner after rejections; a slow
-    draft, or a fast target, drafts less; a draft whose confidence says
-    nothing (it agrees either way) is trusted on its record.
+    the fastest rounds' seconds against their draft steps. Only drafts the
+    target judged count (up to each row's first rejection), and recent
+    rounds weigh more. So drafting goes further after full acceptances and
+    stops sooner after rejections; a slow draft, or a fast target, drafts
+    less; a draft whose confidence says nothing (it agrees either way) is
+    trusted on its record.
 
     Step i's confidences are read while step i + 1 runs (a read that waited
     would idle the machine for longer than a step of a small draft), so
@@ -78,8 +78,7 @@ class AutoDraft:
         self.accepted, self.judged = [0.0] * self.bins, [0.0] * self.bins  # decayed counts by confidence
         self.tokens = self.seconds = 0.0  # decayed sums over rounds
         self.draft_seconds = None
-        self.slope = None  # the last slope measured: rounds of one length, all that auto may run, measure none
-        self.rounds = [0.0] * 5  # decayed sums of 1, k, k^2, seconds, k * seconds over rounds of k drafts
+        self.floors = {}  # (rows, draft steps) -> [round seconds of the fastest such rounds, rounds seen]
         self.shapes = set()  # (rows, drafts) of the rounds seen
         self.steps = 0  # draft steps run this round (draft_tokens counts them)
 
@@ -101,14 +100,32 @@ class AutoDraft:
     def draft_cost(self) -> float:
         """Seconds one more draft adds to a round (d): its draft step, and its
         share of the target's pass, which on a small target is most of it.
-        The slope of round seconds against draft steps, once rounds of different
-        lengths were seen (and the last slope measured while they are all of
-        one length); the draft step alone until then."""
-        weight, drafts, squares, seconds, products = self.rounds
-        spread = squares / weight - (drafts / weight) ** 2 if weight else 0.0
-        if spread >= 0.25:
-            self.slope = (products / weight - drafts / weight * seconds / weight) / spread
-        return max(self.slope or 0.0, self.draft_seconds)
+        The slope of round seconds against draft steps, once rounds of
+        different lengths were seen (for the batch size seen most); the draft
+        step alone until then. Each length's seconds are a floor (`floor`):
+        a busy machine only ever slows a round down, and a slope through
+        averages took its hiccups for the cost of a draft (one in three
+        short sessions then drafted one token a round at 90% acceptance)."""
+        by_rows = {}
+        for (rows, steps), (seconds, seen) in self.floors.items():
+            by_rows.setdefault(rows, []).append((steps, seconds, min(seen, 20)))
+        points = max(by_rows.values(), key=lambda p: sum(w for *_, w in p), default=[])
+        weight = sum(w for *_, w in points)
+        if len(points) < 2:
+            return self.draft_seconds
+        mean_steps = sum(k * w for k, _, w in points) / weight
+        mean_seconds = sum(t * w for _, t, w in points) / weight
+        spread = sum(w * (k - mean_steps) ** 2 for k, _, w in points)
+        slope = sum(w * (k - mean_steps) * (t - mean_seconds) for k, t, w in points) / spread
+        return max(slope, self.draft_seconds)
+
+    def floor(self, previous: float | None, seconds: float) -> float:
+        """A time's floor after one more reading: a faster one at once, a
+        slower one slowly (a longer prompt, a longer output, a model moved
+        to slower memory)."""
+        if previous is None or seconds < previous:
+            return seconds
+        return previous + (1 - self.cost_decay) * (seconds - previous)
 
     def worth(self, reach: list[float], seconds: float | None) -> bool:
         """Whether drafts that rows reach with these P add more tokens than
@@ -135,13 +152,10 @@ class AutoDraft:
         return False, self.worth(last, self.draft_cost - self.draft_seconds)
 
     def timed(self, seconds: float):
-        """A draft step took this long. The estimate follows a faster step at
-        once and a slower one slowly: a first call's tracing and compiling,
-        or a busy machine, would otherwise read as the step's cost."""
-        if self.draft_seconds is None or seconds < self.draft_seconds:
-            self.draft_seconds = seconds
-        else:
-            self.draft_seconds += (1 - self.decay) / 2 * (seconds - self.draft_seconds)
+        """A draft step took this long: its floor, since a first call's
+        tracing and compiling, or a busy machine, would otherwise read as
+        the step's cost."""
+        self.draft_seconds = self.floor(self.draft_seconds, seconds)
 
     def learn(self, confidences: list[list[float]], accepted: list[int], seconds: float):
         """After a round: each row's drafts' confidences and how many passed,
@@ -159,11 +173,10 @@ class AutoDraft:
             return
         self.tokens = self.decay * self.tokens + sum(accepted) + len(accepted)
         self.seconds = self.decay * self.seconds + seconds
-        # Against the draft steps run, a dropped one included: against the drafts
-        # kept, rounds that dropped one would look dear for their length.
-        steps, keep = self.steps, self.cost_decay
-        self.rounds = [keep * total + new for total, new in
-                       zip(self.rounds, (1, steps, steps * steps, seconds, steps * seconds))]
+        # By the draft steps run, a dropped one included: by the drafts kept,
+        # rounds that dropped one would look dear for their length.
+        low, seen = self.floors.get((len(accepted), self.steps), (None, 0))
+        self.floors[(len(accepted), self.steps)] = [self.floor(low, seconds), seen + 1]
 
 
 

@@ -5,6 +5,7 @@ copies in the encoder's input, and what cannot run is refused."""
 
 import io
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,7 @@ def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
     where it otherwise drafts several."""
     draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
     confident = learnt([(4, 4)] * 20)
-    confident.slope = 0.004  # a draft costs its step and as much again in the target's pass
+    confident.floors = {(1, 1): [0.014, 20], (1, 4): [0.026, 20]}  # a draft: its step and as much again in the target's pass
     assert drafts_taken(confident, draft, prompt) >= 3
     cache = encode_prompts(draft, [prompt])
     first = draft.decode(mx.array([[draft.args.decoder_start_token_id]]), cache)[0, -1].argmax().item()
@@ -208,8 +209,8 @@ def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
 
 def test_auto_keeps_a_measured_draft_cost_through_rounds_of_one_length():
     """The cost of a draft is the slope of round time against round length;
-    rounds of one length measure no slope, and the last one measured holds
-    (the draft step alone would make the next draft look cheap)."""
+    rounds of one length measure no slope, and the lengths seen before keep
+    theirs (the draft step alone would make the next draft look cheap)."""
     auto = AutoDraft()
     auto.draft_seconds = 0.001
     for steps in [1, 4] * 10:
@@ -220,6 +221,21 @@ def test_auto_keeps_a_measured_draft_cost_through_rounds_of_one_length():
         auto.steps = 1
         auto.learn([[0.5]], [1], 0.014)
     assert auto.draft_cost == pytest.approx(0.004)
+
+
+def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
+    """A busy machine slows rounds down by some share of their time, never
+    speeds them up: with a third of the rounds slowed by up to 3x, the cost
+    of a draft stays where the quiet rounds put it (a slope through every
+    round's seconds grows with the slowdowns)."""
+    rng = random.Random(0)
+    auto = AutoDraft()
+    auto.draft_seconds = 0.001
+    for i in range(200):
+        auto.steps = 1 + i % 4
+        slowdown = 1 + 2 * rng.random() if rng.random() < 1 / 3 else 1
+        auto.learn([[0.5] * auto.steps], [auto.steps], (0.01 + 0.002 * auto.steps) * slowdown)
+    assert auto.draft_cost == pytest.approx(0.002, rel=0.05)
 
 
 def test_auto_reports_its_mean_drafts_per_round(pair):
