@@ -493,13 +493,18 @@ class T5(nn.Module):
         """(B, L) new decoder ids -> (B, L, vocab) logits; appends L positions to the cache."""
         length = tokens.shape[1]
         keys, values = cache.reserve(length)
-        step = self._compiled_step or self.decode_step
+        step = self.decode_step
         if self._compiled_step is not None:
             shapes = (tokens.shape, keys[0].shape, cache.cross_keys_values[0][0].shape, cache.cross_bias is None)
-            if shapes not in self._traced:
+            if shapes in self._traced:
+                step = self._compiled_step
+            elif shapes in self._seen:
                 if len(self._traced) == self.most_traces:
-                    step = self.compile_decoding()._compiled_step  # a fresh start: MLX frees the old traces
+                    self.compile_decoding()  # a fresh start: MLX frees the old traces
                 self._traced.add(shapes)
+                step = self._compiled_step
+            else:
+                self._seen.add(shapes)
         logits, keys, values = step(tokens, mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias)
         cache.advance(length, keys, values)
         return logits
@@ -518,19 +523,23 @@ class T5(nn.Module):
 
     def compile_decoding(self) -> "T5":
         """Run decode steps as compiled graphs, traced once per shape (rows,
-        new tokens, prompt length, storage capacity; a trace costs about a
-        step, and half a megabyte for the demo target: after `most_traces`
-        shapes, a long session starts over with none): MLX then replays the traced graph instead of running the
-        Python that builds it, and fuses its elementwise work, which is much
-        of a narrow model's step (bench.py steps). The weights become
-        constants of those graphs, so compile once they are final: changing
-        them with update or update_modules turns compilation off again, and
-        after any other change (assigning a weight or a layer, patching a
-        function the step calls) call this again. Models built directly, as
-        training builds them, are not compiled."""
+        new tokens, prompt length, storage capacity) on the shape's second
+        step: MLX then replays the traced graph instead of running the Python
+        that builds it, and fuses its elementwise work, which is much of a
+        narrow model's step (bench.py steps). A trace costs about a step and
+        the first step of a shape runs plainly, for a sixth more: many shapes
+        of a one-shot run, where num-draft auto tries lengths, never recur.
+        After `most_traces` shapes (half a megabyte each for the demo target)
+        a long session starts over with none. The weights become constants
+        of those graphs, so compile once they are final: changing them with
+        update or update_modules turns compilation off again, and after any
+        other change (assigning a weight or a layer, patching a function the
+        step calls) call this again. Models built directly, as training
+        builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
         self._compiled_step = mx.compile(self.decode_step)
         self._traced = set()  # the shapes traced so far
+        self._seen = set()  # the shapes run once, plainly
         return self
 
     @property

@@ -179,17 +179,21 @@ def test_changing_the_weights_of_a_compiled_model_is_not_ignored(checkpoint):
 
 
 def test_a_long_session_keeps_a_bounded_number_of_compiled_steps(checkpoint):
-    """Each new shape (here, tokens a step) traces a graph; past most_traces
-    they are dropped and tracing starts over, with the same logits."""
+    """A shape (here, tokens a step) runs plainly its first time and traces a
+    graph its second; past most_traces the graphs are dropped and tracing
+    starts over, with the same logits."""
     model = load_model(checkpoint.mlx_dir)
     model.most_traces = 3
     prompt = mx.array([checkpoint.prompt_ids])
     for length in range(1, 7):
         tokens = mx.array([[0, 5, 9, 13, 17, 21][:length]])
+        first = model.decode(tokens, model.make_cache(model.encode(prompt)))
+        assert len(model._traced) == (length - 2) % 3 + 1 if length > 1 else not model._traced
         compiled = model.decode(tokens, model.make_cache(model.encode(prompt)))
         assert len(model._traced) == (length - 1) % 3 + 1
         plain = model.decode_step(tokens, *model_inputs(model, prompt, length))[0]
-        np.testing.assert_allclose(np.array(compiled), np.array(plain), rtol=0, atol=1e-5 * float(mx.abs(plain).max()))
+        for logits in (first, compiled):
+            np.testing.assert_allclose(np.array(logits), np.array(plain), rtol=0, atol=1e-5 * float(mx.abs(plain).max()))
 
 
 def test_prompts_of_about_one_length_share_compiled_steps(checkpoint):
@@ -202,6 +206,7 @@ def test_prompts_of_about_one_length_share_compiled_steps(checkpoint):
         prompt = mx.array([(checkpoint.prompt_ids * block)[: length - 1] + [1]])
         cache = model.make_cache(model.encode(prompt))
         assert cache.cross_keys_values[0][0].shape[2] == (block if length <= block else 2 * block)
+        model.decode(mx.array([[0, 5]]), model.make_cache(model.encode(prompt)))  # its shape's plain first run
         padded = model.decode(mx.array([[0, 5]]), cache)
         assert len(model._traced) == (1 if length <= block else 2)
         encoded = model.encode(prompt)
