@@ -4,6 +4,7 @@
     python bench.py speculative      # the benchmark pair, on held-out demo prompts
     python bench.py batch            # many prompts: batched speculative and regular decoding, by batch size
     python bench.py drafting         # num-draft auto against each fixed num-draft
+    python bench.py fresh            # fresh processes: auto in a short session; one-shot runs against warm ones
     python bench.py lookup           # prompt lookup (no draft model) against regular decoding
     python bench.py quantized        # float and quantized: size, memory, speed and quality
     python bench.py sizes            # weights of t5-small ... t5-11b by format, and which Mac holds them
@@ -940,6 +941,67 @@ def bench_drafting(args) -> None:
         print(f"\nauto / best fixed: {results['auto'][0] / results[best][0]:.1%}{exact}")
 
 
+def main_py(*options: str) -> list[dict]:
+    """main.py --json in a fresh process: one result (text, tokens, stats) per prompt."""
+    out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--json", *options], capture_output=True, text=True,
+                         check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def bench_fresh(args) -> None:
+    """What a fresh process sees, where nothing is traced yet and auto has
+    learnt nothing: a short session (the 20 held-out demo prompts through
+    main.py --prompts-file, demo pair) under each fixed num-draft and auto;
+    and one-shot runs of the benchmark pair (main.py --prompt, one prompt a
+    process) against the same prompts warm (a second pass in one process)."""
+    fixed = (args.num_drafts or "1,2,3,4").split(",")
+    session = ["--demo", "--prompts-file", str(DEMO / "prompts.txt"), "--batch-size", "1", "--max-tokens", "40",
+               "--delta", "0"]
+
+    def short(num_draft: str):
+        def run():
+            results = main_py(*session, "--num-draft", num_draft)
+            return sum(r["stats"]["seconds"] for r in results), [r["tokens"] for r in results]
+        return run
+
+    timings = alternate({k: short(k) for k in [*fixed, "auto"]}, args.repeats)
+    best = min(fixed, key=lambda k: timings[k].median)
+    same = all(t.output == timings[best].output for t in timings.values())
+    print(f"\nA short session in a fresh process: main.py {' '.join(session[:1] + session[3:])}, the 20 held-out "
+          f"demo prompts; seconds over the prompts (encoding and decoding), medians of {args.repeats} alternating "
+          f"runs after a warm-up run each\n\nmachine: {machine()}\n\n| num-draft | seconds | runs |\n|---|---|---|")
+    for name, timing in timings.items():
+        mark = " (best fixed)" if name == best else ""
+        print(f"| {name}{mark} | {timing.median:.3f} | {' '.join(f'{s:.2f}' for s in timing.seconds)} |")
+    print(f"\nauto / best fixed (speed): {timings[best].median / timings['auto'].median:.1%}; "
+          f"every run's tokens the same: {'yes' if same else 'NO'}")
+
+    target_hf, _ = build_pair(args.dir)
+    pair = ["--model", str(converted(target_hf, args.dir / "pair-target-mlx")), "--draft-model", str(DEMO / "target"),
+            "--delta", "0", "--max-tokens", str(args.tokens)]
+    prompts = held_out_prompts(args.prompts or 6)
+    listed = args.dir / "fresh-prompts.txt"
+    listed.write_text("\n".join(prompts * 2) + "\n")
+    print(f"\nOne-shot against warm, the benchmark pair: {len(prompts)} held-out demo prompts, delta 0, at most "
+          f"{args.tokens} tokens; tokens/s over the prompts (encoding and decoding; loading apart), medians of "
+          f"{args.repeats} runs\n\n| num-draft | one-shot: main.py --prompt, a process a prompt | warm: the "
+          f"prompts' second pass in one process (--prompts-file) | one-shot / warm |\n|---|---|---|---|")
+    for num_draft in [str(args.num_draft), "auto"]:
+        def one_shot():
+            results = [main_py(*pair, "--num-draft", num_draft, "--prompt", prompt)[0] for prompt in prompts]
+            return sum(r["stats"]["seconds"] for r in results), [r["tokens"] for r in results]
+
+        def warm():
+            results = main_py(*pair, "--num-draft", num_draft, "--prompts-file", str(listed), "--batch-size", "1")
+            return sum(r["stats"]["seconds"] for r in results[len(prompts):]), [r["tokens"] for r in results[len(prompts):]]
+
+        timings = alternate({"one-shot": one_shot, "warm": warm}, args.repeats)
+        assert timings["one-shot"].output == timings["warm"].output, "one-shot and warm runs must give the same tokens"
+        tokens = sum(map(len, timings["warm"].output))
+        rates = {name: tokens / timing.median for name, timing in timings.items()}
+        print(f"| {num_draft} | {rates['one-shot']:.1f} | {rates['warm']:.1f} | {rates['one-shot'] / rates['warm']:.0%} |")
+
+
 def bench_lookup(args) -> None:
     """Prompt lookup against regular decoding, on both targets, over the
     held-out demo prompts and the copy-heavy ones (copy_prompts)."""
@@ -1480,7 +1542,7 @@ def bench_sizes(args) -> None:
         print(f"| {name} | {per_token / 2**10:,.0f} KiB | {per_token * 612 / 2**20:,.0f} MiB |")
 
 
-BENCHMARKS = ["regular", "speculative", "steps", "batch", "drafting", "lookup", "quantized", "sizes", "encode",
+BENCHMARKS = ["regular", "speculative", "steps", "batch", "drafting", "fresh", "lookup", "quantized", "sizes", "encode",
               "attention", "blas", "serve", "all"]
 
 
@@ -1489,11 +1551,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("which", nargs="?", choices=BENCHMARKS, default="all")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-draft", type=int, default=4, help="speculative: draft tokens per verify step")
-    parser.add_argument("--prompts", type=int, help="speculative: how many held-out demo prompts (default 6); "
+    parser.add_argument("--num-draft", type=int, default=4, help="speculative, fresh: draft tokens per verify step")
+    parser.add_argument("--prompts", type=int, help="speculative, fresh: how many held-out demo prompts (default 6); "
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
-    parser.add_argument("--num-drafts", help="batch, drafting: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
+    parser.add_argument("--num-drafts", help="batch, drafting, fresh: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
     parser.add_argument("--pairs", help="batch, drafting, lookup: only these pairs (demo, benchmark)")
     parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large)")
     parser.add_argument("--clients", help="serve: concurrent client counts (default 1,4,16,64)")
@@ -1541,6 +1603,8 @@ def main() -> None:
         bench_batch(args)
     if args.which == "drafting":
         bench_drafting(args)
+    if args.which == "fresh":
+        bench_fresh(args)
     if args.which == "lookup":
         bench_lookup(args)
     if args.which == "quantized":

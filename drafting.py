@@ -179,8 +179,6 @@ class AutoDraft:
         self.floors[(len(accepted), self.steps)] = [self.floor(low, seconds), seen + 1]
 
 
-
-
 def draft_confidence(scores: mx.array, tokens: mx.array, sampling: RowSampling) -> mx.array:
     """The draft's probability for the tokens it drafted: (B, V), (B,) -> (B,).
     Greedy rows: the argmax's probability at temperature 1."""
