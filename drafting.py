@@ -72,6 +72,9 @@ class AutoDraft:
     cap = 8
     decay = 0.95  # the weight of the past against one new round
     cost_decay = 0.98  # for the cost of a draft, which changes slowly
+    # Rounds of a length before its floor counts: one slow round (a trace for a
+    # new cache size) would otherwise price a length auto then never drafts again.
+    trusted = 3
     bins = 5
 
     def __init__(self):
@@ -79,7 +82,7 @@ class AutoDraft:
         self.tokens = self.seconds = 0.0  # decayed sums over rounds
         self.draft_seconds = None
         self.floors = {}  # (rows, draft steps) -> [round seconds of the fastest such rounds, rounds seen]
-        self.shapes = set()  # (rows, drafts) of the rounds seen
+        self.shapes = {}  # (rows, drafts) -> rounds seen of that shape
         self.steps = 0  # draft steps run this round (draft_tokens counts them)
 
     def bin(self, confidence: float) -> int:
@@ -108,7 +111,8 @@ class AutoDraft:
         short sessions then drafted one token a round at 90% acceptance)."""
         by_rows = {}
         for (rows, steps), (seconds, seen) in self.floors.items():
-            by_rows.setdefault(rows, []).append((steps, seconds, min(seen, 20)))
+            if seen >= self.trusted:
+                by_rows.setdefault(rows, []).append((steps, seconds, min(seen, 20)))
         points = max(by_rows.values(), key=lambda p: sum(w for *_, w in p), default=[])
         weight = sum(w for *_, w in points)
         if len(points) < 2:
@@ -159,8 +163,9 @@ class AutoDraft:
 
     def learn(self, confidences: list[list[float]], accepted: list[int], seconds: float):
         """After a round: each row's drafts' confidences and how many passed,
-        and the round's seconds (not counted the first time a batch of its
-        size drafts as many: those rounds trace graphs for their shapes)."""
+        and the round's seconds (not counted in the first two rounds where a
+        batch of its size drafts as many: the first runs its steps plainly,
+        the second traces their graphs)."""
         self.accepted = [self.decay * n for n in self.accepted]
         self.judged = [self.decay * n for n in self.judged]
         for row, passed in zip(confidences, accepted):
@@ -168,8 +173,8 @@ class AutoDraft:
                 self.judged[self.bin(confidence)] += 1
                 self.accepted[self.bin(confidence)] += i < passed
         drafts = max(len(row) for row in confidences)
-        if (len(accepted), drafts) not in self.shapes:  # the first round of a shape also traces its graphs
-            self.shapes.add((len(accepted), drafts))
+        seen = self.shapes[(len(accepted), drafts)] = self.shapes.get((len(accepted), drafts), 0) + 1
+        if seen <= 2:  # a shape's first round runs its steps plainly, its second traces them (T5.decode)
             return
         self.tokens = self.decay * self.tokens + sum(accepted) + len(accepted)
         self.seconds = self.decay * self.seconds + seconds

@@ -238,6 +238,23 @@ def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
     assert auto.draft_cost == pytest.approx(0.002, rel=0.05)
 
 
+def test_auto_does_not_price_drafts_by_one_slow_round():
+    """A round length seen once may have traced a graph (a new cache size):
+    its time does not set the cost of a draft until it is seen again, or
+    auto, finding a second draft dear, would never draft two again to learn
+    otherwise."""
+    auto = AutoDraft()
+    auto.draft_seconds = 0.0005
+    auto.shapes = {(1, 1): 2, (1, 2): 2}  # past the rounds that run plainly and trace
+    for steps, seconds in [(1, 0.004)] * 20 + [(2, 0.009)]:
+        auto.steps = steps
+        auto.learn([[0.5] * steps], [steps], seconds)
+    assert auto.draft_cost == pytest.approx(0.0005)
+    for _ in range(AutoDraft.trusted - 1):
+        auto.learn([[0.5] * 2], [2], 0.0046)
+    assert auto.draft_cost == pytest.approx(0.0006, rel=0.05)
+
+
 def test_auto_reports_its_mean_drafts_per_round(pair):
     stats = Stats()
     list(speculative_generate(pair["target"], pair["drafts"]["close"], pair["checkpoint"].prompt_ids, 30, Sampling(),
