@@ -15,23 +15,24 @@ its symbols to the bundled one).
 The `mlx[cpu]` wheel for Linux links the slow reference BLAS. Decoding is
 matrix-vector products over the weights, so the BLAS decides the speed.
 Loading the chosen library with RTLD_GLOBAL before MLX's own library resolves
-its symbols makes MLX call it. Intel MKL (from PyPI) comes first: it runs its
-own OpenMP threads, which spin between products instead of sleeping, so each
-product spreads over the cores with no hand-off between sleeping threads.
-Debian's BLIS (`libblis4-serial`) runs one thread: with it, `use_cores` splits
-each large decoding product over several MLX CPU streams (threads) instead,
-and every split product is a hand-off between threads (regular decoding ran
-1.16-1.53x faster on MKL's threads on the Intel Xeon measured, though BLIS's
-kernels are faster for a verify pass's few rows; docs/PERFORMANCE.md). On a CPU
-newer than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its portable
-"generic" kernels; the order skips such a BLIS.
+its symbols makes MLX call it. Intel MKL (from PyPI) runs its own OpenMP
+threads, which spin between products instead of sleeping, so each product
+spreads over the cores with no hand-off between sleeping threads. Debian's
+BLIS (`libblis4-serial`) runs one thread: with it, `use_cores` splits each
+large decoding product over several MLX CPU streams (threads) instead, and
+every split product is a hand-off between threads. Which is faster depends on
+the CPU (`default_order`): on an Intel Xeon regular decoding ran 1.16-1.53x
+faster on MKL's threads, on a Zen 4 1.29x faster on BLIS (docs/PERFORMANCE.md).
+On a CPU newer than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its
+portable "generic" kernels; the order skips such a BLIS.
 
 Either way the encoder spreads a prompt's blocks of work over the MLX
 streams (`lanes`), and MKL runs one thread meanwhile (`many_rows`).
 
 On macOS MLX uses Accelerate (CPU) and Metal (GPU); nothing is loaded there.
 T5_MLX_BLAS picks the library: `mkl`, `blis`, `openblas` or `bundled`, or a
-comma-separated order of preference (the default is `mkl,blis,openblas`).
+comma-separated order of preference (the default is `mkl,blis,openblas`, or
+`blis,mkl,openblas` on AMD's CPUs).
 MKL_THREADING_LAYER=SEQUENTIAL keeps MKL to one thread, split as BLIS is.
 """
 
@@ -66,7 +67,23 @@ _LIBRARIES = {
     "mkl": (_mkl_path, "MKL_Set_Num_Threads", ctypes.c_int),
     "openblas": (lambda: ctypes.util.find_library("openblas"), "openblas_set_num_threads", ctypes.c_int),
 }
-DEFAULT_ORDER = "mkl,blis,openblas"
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker as Linux names it ("GenuineIntel", "AuthenticAMD"), or ""."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def default_order() -> list[str]:
+    """MKL first on Intel's CPUs, BLIS first on AMD's: MKL's products of a
+    few rows, decoding's, ran 1.5-2x slower than BLIS's split over the cores
+    on a Zen 4, where MKL's threads were the faster on an Intel Xeon
+    (docs/PERFORMANCE.md, "The BLAS on Linux")."""
+    return ["blis", "mkl", "openblas"] if cpu_vendor() == "AuthenticAMD" else ["mkl", "blis", "openblas"]
 MLX_FIRST = "bundled reference BLAS (mlx.core was imported before cpu.py)"
 
 
@@ -78,7 +95,7 @@ def _load() -> str:
     order = [name.strip() for name in os.environ.get("T5_MLX_BLAS", "").lower().split(",") if name.strip()]
     asked = order not in ([], ["auto"])  # a library named by the user is taken whatever its kernels
     if not asked:
-        order = DEFAULT_ORDER.split(",")
+        order = default_order()
     skipped = ""
     for name in order:
         if name == "bundled":
