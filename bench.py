@@ -943,9 +943,10 @@ def bench_drafting(args) -> None:
 
 def main_py(*options: str) -> list[dict]:
     """main.py --json in a fresh process: one result (text, tokens, stats) per prompt."""
-    out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--json", *options], capture_output=True, text=True,
-                         check=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    done = subprocess.run([sys.executable, str(ROOT / "main.py"), "--json", *options], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"main.py {' '.join(options)} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def bench_fresh(args) -> None:
@@ -1549,10 +1550,10 @@ BENCHMARKS = ["regular", "speculative", "steps", "batch", "drafting", "fresh", "
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
     parser.add_argument("which", nargs="?", choices=BENCHMARKS, default="all")
-    parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative: at most, EOS stops)")
+    parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative, fresh's one-shot runs: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative, fresh: draft tokens per verify step")
-    parser.add_argument("--prompts", type=int, help="speculative, fresh: how many held-out demo prompts (default 6); "
+    parser.add_argument("--prompts", type=int, help="speculative, fresh's one-shot runs: how many held-out demo prompts (default 6); "
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
     parser.add_argument("--num-drafts", help="batch, drafting, fresh: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")

@@ -21,8 +21,8 @@ spreads over the cores with no hand-off between sleeping threads. Debian's
 BLIS (`libblis4-serial`) runs one thread: with it, `use_cores` splits each
 large decoding product over several MLX CPU streams (threads) instead, and
 every split product is a hand-off between threads. Which is faster depends on
-the CPU (`default_order`): on an Intel Xeon regular decoding ran 1.16-1.53x
-faster on MKL's threads, on a Zen 4 1.29x faster on BLIS (docs/PERFORMANCE.md).
+the CPU (`default_order`): MKL's threads on an Intel Xeon, BLIS on a Zen 4
+(docs/PERFORMANCE.md, "The BLAS on Linux").
 On a CPU newer than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its
 portable "generic" kernels; the order skips such a BLIS.
 
@@ -80,10 +80,11 @@ def cpu_vendor() -> str:
 
 def default_order() -> list[str]:
     """MKL first on Intel's CPUs, BLIS first on AMD's: MKL's products of a
-    few rows, decoding's, ran 1.5-2x slower than BLIS's split over the cores
-    on a Zen 4, where MKL's threads were the faster on an Intel Xeon
+    few rows, decoding's, ran slower than BLIS's split over the cores on a
+    Zen 4, where MKL's threads were the faster on an Intel Xeon
     (docs/PERFORMANCE.md, "The BLAS on Linux")."""
     return ["blis", "mkl", "openblas"] if cpu_vendor() == "AuthenticAMD" else ["mkl", "blis", "openblas"]
+
 MLX_FIRST = "bundled reference BLAS (mlx.core was imported before cpu.py)"
 
 

@@ -75,6 +75,7 @@ class AutoDraft:
     # Rounds of a length before its floor counts: one slow round (a trace for a
     # new cache size) would otherwise price a length auto then never drafts again.
     trusted = 3
+    most_weight = 20  # rounds a length's floor weighs at most: the lengths auto runs most would drown the rest
     bins = 5
 
     def __init__(self):
@@ -82,6 +83,7 @@ class AutoDraft:
         self.tokens = self.seconds = 0.0  # decayed sums over rounds
         self.draft_seconds = None
         self.floors = {}  # (rows, draft steps) -> [round seconds of the fastest such rounds, rounds seen]
+        self.slope = None  # fit_slope's, once two lengths' floors count
         self.shapes = {}  # (rows, drafts) -> rounds seen of that shape
         self.steps = 0  # draft steps run this round (draft_tokens counts them)
 
@@ -103,25 +105,30 @@ class AutoDraft:
     def draft_cost(self) -> float:
         """Seconds one more draft adds to a round (d): its draft step, and its
         share of the target's pass, which on a small target is most of it.
-        The slope of round seconds against draft steps, once rounds of
-        different lengths were seen (for the batch size seen most); the draft
-        step alone until then. Each length's seconds are a floor (`floor`):
-        a busy machine only ever slows a round down, and a slope through
-        averages took its hiccups for the cost of a draft (one in three
-        short sessions then drafted one token a round at 90% acceptance)."""
+        The slope of round seconds against draft steps (`fit_slope`), once
+        rounds of different lengths were seen; the draft step alone until then."""
+        return self.draft_seconds if self.slope is None else max(self.slope, self.draft_seconds)
+
+    def fit_slope(self):
+        """The slope of round seconds against draft steps, through each
+        length's floor (`floor`), for the batch size with the most rounds
+        behind two or more lengths: a busy machine only ever slows a round
+        down, and a slope through averages took its hiccups for the cost of
+        a draft. A length counts after `trusted` rounds, and weighs as many
+        rounds as it had, up to `most_weight`."""
         by_rows = {}
-        for (rows, steps), (seconds, seen) in self.floors.items():
-            if seen >= self.trusted:
-                by_rows.setdefault(rows, []).append((steps, seconds, min(seen, 20)))
-        points = max(by_rows.values(), key=lambda p: sum(w for *_, w in p), default=[])
+        for (rows, steps), (seconds, rounds) in self.floors.items():
+            if rounds >= self.trusted:
+                by_rows.setdefault(rows, []).append((steps, seconds, min(rounds, self.most_weight)))
+        fits = [points for points in by_rows.values() if len(points) >= 2]
+        if not fits:
+            return
+        points = max(fits, key=lambda p: sum(w for *_, w in p))
         weight = sum(w for *_, w in points)
-        if len(points) < 2:
-            return self.draft_seconds
         mean_steps = sum(k * w for k, _, w in points) / weight
         mean_seconds = sum(t * w for _, t, w in points) / weight
         spread = sum(w * (k - mean_steps) ** 2 for k, _, w in points)
-        slope = sum(w * (k - mean_steps) * (t - mean_seconds) for k, t, w in points) / spread
-        return max(slope, self.draft_seconds)
+        self.slope = sum(w * (k - mean_steps) * (t - mean_seconds) for k, t, w in points) / spread
 
     def floor(self, previous: float | None, seconds: float) -> float:
         """A time's floor after one more reading: a faster one at once, a
@@ -164,8 +171,9 @@ class AutoDraft:
     def learn(self, confidences: list[list[float]], accepted: list[int], seconds: float):
         """After a round: each row's drafts' confidences and how many passed,
         and the round's seconds (not counted in the first two rounds where a
-        batch of its size drafts as many: the first runs its steps plainly,
-        the second traces their graphs)."""
+        batch of its size drafts as many, which run their steps plainly and
+        then trace them; later rounds that meet a new cache size do too, and
+        the floors and `trusted` absorb those)."""
         self.accepted = [self.decay * n for n in self.accepted]
         self.judged = [self.decay * n for n in self.judged]
         for row, passed in zip(confidences, accepted):
@@ -173,15 +181,16 @@ class AutoDraft:
                 self.judged[self.bin(confidence)] += 1
                 self.accepted[self.bin(confidence)] += i < passed
         drafts = max(len(row) for row in confidences)
-        seen = self.shapes[(len(accepted), drafts)] = self.shapes.get((len(accepted), drafts), 0) + 1
-        if seen <= 2:  # a shape's first round runs its steps plainly, its second traces them (T5.decode)
+        shape_rounds = self.shapes[(len(accepted), drafts)] = self.shapes.get((len(accepted), drafts), 0) + 1
+        if shape_rounds <= 2:  # a shape's first round runs its steps plainly, its second traces them (T5.decode)
             return
         self.tokens = self.decay * self.tokens + sum(accepted) + len(accepted)
         self.seconds = self.decay * self.seconds + seconds
         # By the draft steps run, a dropped one included: by the drafts kept,
         # rounds that dropped one would look dear for their length.
-        low, seen = self.floors.get((len(accepted), self.steps), (None, 0))
-        self.floors[(len(accepted), self.steps)] = [self.floor(low, seconds), seen + 1]
+        low, rounds = self.floors.get((len(accepted), self.steps), (None, 0))
+        self.floors[(len(accepted), self.steps)] = [self.floor(low, seconds), rounds + 1]
+        self.fit_slope()
 
 
 def draft_confidence(scores: mx.array, tokens: mx.array, sampling: RowSampling) -> mx.array:

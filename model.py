@@ -317,8 +317,8 @@ class DecoderCache:
     each layer's self-attention cache, and the cross-attention keys/values
     and encoder padding bias, computed once per prompt."""
 
-    # Every step reads the padding too (at most 31 positions, 1.5 MB each in
-    # T5-11B at 16 bits: 1.5% of a 4-bit decoder's bytes at worst), and each
+    # Every step reads the padding too (at most 31 positions a row, 1.5 MB each
+    # in T5-11B at 16 bits: 1.5% of a 4-bit decoder's bytes for one row), and each
     # new length compiles new graphs, one for every draft count a round may
     # verify (num-draft auto's eight among them).
     prompt_block = 32
@@ -332,7 +332,7 @@ class DecoderCache:
         rows = cross_keys_values[0][0].shape[0]
         self.self_attention = [KVCache(rows) for _ in cross_keys_values]
         self.cross_keys_values = cross_keys_values
-        self.cross_bias = cross_bias  # encoder padding mask (B, 1, 1, S); None: no padding
+        self.cross_bias = cross_bias  # encoder padding mask (B, 1, 1, S); make_cache always gives one
 
     @property
     def offsets(self) -> list[int]:
@@ -499,8 +499,9 @@ class T5(nn.Module):
             if shapes in self._traced:
                 step = self._compiled_step
             elif shapes in self._seen:
-                if len(self._traced) == self.most_traces:
+                if len(self._traced) >= self.most_traces:
                     self.compile_decoding()  # a fresh start: MLX frees the old traces
+                self._seen.discard(shapes)
                 self._traced.add(shapes)
                 step = self._compiled_step
             else:
@@ -523,12 +524,13 @@ class T5(nn.Module):
 
     def compile_decoding(self) -> "T5":
         """Run decode steps as compiled graphs, traced once per shape (rows,
-        new tokens, prompt length, storage capacity) on the shape's second
-        step: MLX then replays the traced graph instead of running the Python
-        that builds it, and fuses its elementwise work, which is much of a
-        narrow model's step (bench.py steps). A trace costs about a step and
-        the first step of a shape runs plainly, for a sixth more: many shapes
-        of a one-shot run, where num-draft auto tries lengths, never recur.
+        new tokens, prompt length rounded up to DecoderCache.prompt_block,
+        storage capacity) on the shape's second step: MLX then replays the
+        traced graph instead of running the Python that builds it, and fuses
+        its elementwise work, which is much of a narrow model's step (bench.py
+        steps). A trace costs about a step, and a shape's first step runs
+        plainly, a little slower than a replayed one: many shapes of a
+        one-shot run, where num-draft auto tries lengths, never recur.
         After `most_traces` shapes (half a megabyte each for the demo target)
         a long session starts over with none. The weights become constants
         of those graphs, so compile once they are final: changing them with

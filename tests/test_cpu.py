@@ -41,7 +41,7 @@ def test_the_default_is_mkl_then_blis_on_intel_and_blis_then_mkl_on_amd_skipping
     know runs generic kernels, slower than the others: the order skips it,
     and says so. OpenBLAS last."""
     blis = find_library("blis")
-    with_kernels = blis is not None and cpu.blis_kernels(blis) not in ("generic", None)
+    with_kernels = blis is not None and cpu.blis_kernels(blis) != "generic"  # unknown kernels: taken
     installed = {"mkl": cpu._mkl_path() is not None, "blis": with_kernels}
     preferred = ["blis", "mkl"] if cpu.cpu_vendor() == "AuthenticAMD" else ["mkl", "blis"]
     expected = {next((name for name in preferred if installed[name]), "openblas")}
@@ -52,6 +52,12 @@ def test_the_default_is_mkl_then_blis_on_intel_and_blis_then_mkl_on_amd_skipping
                    "import cpu; print(cpu.ACTIVE)")
     chosen = python(without_mkl).stdout
     assert ("BLIS skipped: it has only generic kernels" in chosen) == (blis is not None and not with_kernels), chosen
+
+
+def test_amds_cpus_prefer_blis_and_every_other_cpu_mkl(monkeypatch):
+    for vendor, first in (("AuthenticAMD", "blis"), ("GenuineIntel", "mkl"), ("", "mkl")):
+        monkeypatch.setattr(cpu, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert cpu.default_order()[0] == first and sorted(cpu.default_order()) == ["blis", "mkl", "openblas"]
 
 
 @linux_only

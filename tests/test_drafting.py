@@ -196,6 +196,7 @@ def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
     draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
     confident = learnt([(4, 4)] * 20)
     confident.floors = {(1, 1): [0.014, 20], (1, 4): [0.026, 20]}  # a draft: its step and as much again in the target's pass
+    confident.fit_slope()
     assert drafts_taken(confident, draft, prompt) >= 3
     cache = encode_prompts(draft, [prompt])
     first = draft.decode(mx.array([[draft.args.decoder_start_token_id]]), cache)[0, -1].argmax().item()
@@ -240,9 +241,9 @@ def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
 
 def test_auto_does_not_price_drafts_by_one_slow_round():
     """A round length seen once may have traced a graph (a new cache size):
-    its time does not set the cost of a draft until it is seen again, or
-    auto, finding a second draft dear, would never draft two again to learn
-    otherwise."""
+    its time does not set the cost of a draft until AutoDraft.trusted rounds
+    of it were seen, or auto, finding a second draft dear, would never draft
+    two again to learn otherwise."""
     auto = AutoDraft()
     auto.draft_seconds = 0.0005
     auto.shapes = {(1, 1): 2, (1, 2): 2}  # past the rounds that run plainly and trace
