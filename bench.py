@@ -993,8 +993,9 @@ def bench_fresh(args) -> None:
             return sum(r["stats"]["seconds"] for r in results), [r["tokens"] for r in results]
 
         def warm():
-            results = main_py(*pair, "--num-draft", num_draft, "--prompts-file", str(listed), "--batch-size", "1")
-            return sum(r["stats"]["seconds"] for r in results[len(prompts):]), [r["tokens"] for r in results[len(prompts):]]
+            second_pass = main_py(*pair, "--num-draft", num_draft, "--prompts-file", str(listed),
+                                  "--batch-size", "1")[len(prompts):]
+            return sum(r["stats"]["seconds"] for r in second_pass), [r["tokens"] for r in second_pass]
 
         timings = alternate({"one-shot": one_shot, "warm": warm}, args.repeats)
         assert timings["one-shot"].output == timings["warm"].output, "one-shot and warm runs must give the same tokens"
@@ -1550,10 +1551,12 @@ BENCHMARKS = ["regular", "speculative", "steps", "batch", "drafting", "fresh", "
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Decoding speed: ours vs Hugging Face transformers")
     parser.add_argument("which", nargs="?", choices=BENCHMARKS, default="all")
-    parser.add_argument("--tokens", type=int, default=100, help="tokens to generate (speculative, fresh's one-shot runs: at most, EOS stops)")
+    parser.add_argument("--tokens", type=int, default=100,
+                        help="tokens to generate (speculative, fresh's one-shot runs: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-draft", type=int, default=4, help="speculative, fresh: draft tokens per verify step")
-    parser.add_argument("--prompts", type=int, help="speculative, fresh's one-shot runs: how many held-out demo prompts (default 6); "
+    parser.add_argument("--prompts", type=int,
+                        help="speculative, fresh's one-shot runs: how many held-out demo prompts (default 6); "
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
     parser.add_argument("--num-drafts", help="batch, drafting, fresh: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
