@@ -425,7 +425,7 @@ def bench_regular(args) -> None:
     source_bytes = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
 
     start = time.perf_counter()
-    model = load_model(mlx_dir)
+    model = load_model(mlx_dir, one_row=True)  # regular decoding of one prompt, as main.py --regular-decode loads it
     load_seconds = time.perf_counter() - start
     hf = HFWorker(hf_dir)
     ct2 = ct2_workers(hf_dir, args.dir)
@@ -583,7 +583,7 @@ def bench_steps(args) -> None:
     rows = [("machine", machine()), ("MLX's cost to run an operation (a chain of 1,000 tiny ones)", f"{per_op * 1e6:.1f} us")]
     for name in chosen:
         label, hf_dir, mlx_dir = shapes[name]
-        model = load_model(converted(hf_dir, mlx_dir))
+        model = load_model(converted(hf_dir, mlx_dir), one_row=True)  # as main.py --regular-decode loads it
         compiled = model._compiled_step
         hf = HFWorker(hf_dir)
         ct2 = ct2_workers(hf_dir, args.dir)

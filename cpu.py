@@ -276,40 +276,112 @@ def from_lane(streams: tuple, i: int) -> tuple:
     return streams[i % len(streams):] + streams[:i % len(streams)] if streams else streams
 
 
+# A one-row product by a (out, in) weight stored row by row runs BLIS's dot
+# product kernel along `in`: with the short rows of a d_model -> d_ff weight
+# (256-1024 numbers) it reads 1.2-1.6x slower than by the same weight stored
+# transposed, whose long rows BLIS streams (bench.py blas --layouts, Zen 4).
+# With several rows (a verify pass, a batch) the transposed layout is the
+# slower by up to a fifth, and past 8192 outputs its rows' stride slows it, so
+# only a model that decodes one row a step (use_cores's one_row) takes it.
+TRANSPOSED_MIN_RATIO = 4  # outputs per input, at least
+TRANSPOSED_MOST_OUTPUTS = 8192
+
+
+def product_parts(weight: mx.array, streams: tuple, by_input: bool) -> list[tuple]:
+    """x @ weight.T for a weight (out, in) as one part per stream: (stream,
+    the columns of x it takes or None, its block of weight.T). By output, the
+    parts are blocks of the weight's rows and their products are joined; by
+    input (for a weight stored transposed: weight.T is then contiguous, and
+    so is each block of its rows), blocks of weight.T's rows, whose products
+    are summed. Every part is a view: no copy."""
+    if len(streams) < 2:
+        return [(None, None, weight.T)]
+    if by_input:
+        size = -(-weight.shape[1] // len(streams))
+        return [(s, (i * size, (i + 1) * size), weight.T[i * size : (i + 1) * size]) for i, s in enumerate(streams)]
+    size = -(-weight.shape[0] // len(streams))
+    return [(s, None, weight[i * size : (i + 1) * size].T) for i, s in enumerate(streams)]
+
+
+def multiply(x: mx.array, parts: list[tuple]) -> mx.array:
+    """x @ weight.T from product_parts, each part's product on its stream."""
+    if len(parts) == 1:
+        return x @ parts[0][2]
+    products = [mx.matmul(x if cut is None else x[..., cut[0] : cut[1]], part, stream=stream) for stream, cut, part in parts]
+    if parts[0][1] is None:
+        return mx.concatenate(products, axis=-1)
+    total = products[0]
+    for product in products[1:]:
+        total = total + product
+    return total
+
+
 def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T with the weight's rows split over the CPU streams, which
     run on their own threads (the BLAS itself runs on one): decoding reads
     every weight once per token, and one core alone cannot saturate memory;
     a batch's verify pass (tens of rows) is bound by arithmetic, and runs
     1.5-1.8x faster on two cores than on one."""
-    parts = lanes()
-    if len(parts) < 2:
-        return x @ weight.T
-    rows = -(-weight.shape[0] // len(parts))
-    products = [mx.matmul(x, weight[i * rows : (i + 1) * rows].T, stream=s) for i, s in enumerate(parts)]
-    return mx.concatenate(products, axis=-1)
+    return multiply(x, product_parts(weight, lanes(), by_input=False))
 
 
-class SplitLinear(nn.Module):
-    """A bias-free nn.Linear computed by split_matmul."""
+class DecodingProduct:
+    """A decoding layer's product x @ weight.T with its parts (product_parts)
+    made once, when the weights are final (`prepare`, which T5.compile_decoding
+    calls): a compiled step then runs no transpose or slice of its weights
+    (a fifth of the pair's target's operations a step, ~4% of its time). A
+    weight replaced afterwards (update) is multiplied as stored, split by
+    output, until the next prepare."""
 
-    def __init__(self, weight: mx.array):
-        super().__init__()
-        self.weight = weight
+    def _plan(self, split: bool, transposed: bool) -> None:
+        # Not an array, list or tuple: nn.Module keeps it out of the parameters.
+        self.plan = _Plan(split, transposed)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return split_matmul(x, self.weight)
+    def prepare(self) -> None:
+        plan = self.plan
+        if plan.weight is self["weight"]:
+            return
+        if plan.transposed:  # the same (out, in) values, stored column by column
+            self.weight = mx.contiguous(self["weight"].T).T
+        plan.parts = product_parts(self["weight"], lanes() if plan.split else (), by_input=plan.transposed)
+        mx.eval(self["weight"], [part for *_, part in plan.parts])
+        plan.weight = self["weight"]
+
+    def product(self, x: mx.array) -> mx.array:
+        plan, weight = self.plan, self["weight"]
+        parts = plan.parts if plan.weight is weight else product_parts(weight, lanes() if plan.split else (), by_input=False)
+        return multiply(x, parts)
 
 
-class SplitEmbedding(nn.Embedding):
-    """An nn.Embedding whose linear form (a tied output head) is split."""
+class _Plan:
+    def __init__(self, split: bool, transposed: bool):
+        self.split, self.transposed = split, transposed
+        self.weight = self.parts = None  # the weight the parts were made of, and they
 
-    def __init__(self, weight: mx.array):
+
+class DecodingLinear(nn.Module, DecodingProduct):
+    """A bias-free nn.Linear as a decode step multiplies by it (DecodingProduct):
+    split over the cores (`split`), its weight stored transposed (`transposed`)."""
+
+    def __init__(self, weight: mx.array, split: bool = False, transposed: bool = False):
         nn.Module.__init__(self)
         self.weight = weight
+        self._plan(split, transposed)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.product(x)
+
+
+class DecodingEmbedding(nn.Embedding, DecodingProduct):
+    """An nn.Embedding whose linear form (a tied output head) is a DecodingProduct."""
+
+    def __init__(self, weight: mx.array, split: bool = False):
+        nn.Module.__init__(self)
+        self.weight = weight
+        self._plan(split, transposed=False)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return split_matmul(x, self.weight)
+        return self.product(x)
 
 
 # The layers a decode step runs: the decoder's, but for the cross-attention
@@ -318,26 +390,40 @@ class SplitEmbedding(nn.Embedding):
 DECODING_LAYER = re.compile(r"decoder\.layers\.\d+\.(self_attention\.[qkvo]|cross_attention\.[qo]|ffn\.\w+)|lm_head|shared")
 
 
-def use_cores(model: nn.Module) -> nn.Module:
-    """Split a model's large decoding products over the CPU's cores, in
-    place: those projections (and a tied head) are swapped for split ones,
-    as nn.quantize swaps layers. Off the CPU path, on a single core, or with
-    a BLAS that runs threads of its own, nothing changes. The weights are the
-    same arrays, under the same names."""
-    if not lanes() or THREADED:
+def use_cores(model: nn.Module, one_row: bool = False) -> nn.Module:
+    """On the CPU path, swap a model's decoding layers (DECODING_LAYER) for
+    DecodingLinear and DecodingEmbedding, in place, as nn.quantize swaps
+    layers: large products split over the cores (with a BLAS that runs one
+    thread, on a multi-core CPU); with `one_row` (every step of this model
+    decodes one row: regular decoding of one prompt at a time), the wide
+    float32 weights of d_model -> d_ff products stored transposed (with a
+    one-thread BLAS). The weights keep their names and values; those not
+    stored transposed stay the same arrays. Quantized layers are left alone."""
+    if not in_use():
         return model
+    one_thread = not THREADED
 
-    def split(path, module):
-        if not DECODING_LAYER.fullmatch(path) or module.weight.size < SPLIT_MIN_ELEMENTS:
+    def swap(path, module):
+        if not DECODING_LAYER.fullmatch(path) or type(module) not in (nn.Linear, nn.Embedding) or "bias" in module:
             return module
-        if type(module) is nn.Linear and "bias" not in module:
-            return SplitLinear(module.weight)
+        split = bool(lanes()) and one_thread and module.weight.size >= SPLIT_MIN_ELEMENTS
         if type(module) is nn.Embedding:
-            return SplitEmbedding(module.weight)
-        return module
+            return DecodingEmbedding(module.weight, split)
+        outputs, inputs = module.weight.shape
+        transposed = one_row and one_thread and module.weight.dtype == mx.float32 and \
+            TRANSPOSED_MIN_RATIO * inputs <= outputs <= TRANSPOSED_MOST_OUTPUTS
+        return DecodingLinear(module.weight, split, transposed)
 
-    model.update_modules(tree_map_with_path(split, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
     return model
+
+
+def prepare(model: nn.Module) -> None:
+    """Make every DecodingProduct's parts (and transposed storage) once the
+    weights are read; T5.compile_decoding calls it."""
+    for _, module in model.named_modules():
+        if isinstance(module, DecodingProduct):
+            module.prepare()
 
 
 def uncompiled_kernels() -> Path | None:

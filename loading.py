@@ -115,15 +115,17 @@ def resolve(name: str | Path, role: str = "model") -> Path:
     raise ModelNotFound(f"no converted {role} '{name}' (looked for {looked}): {advice}", role)
 
 
-def load_model(folder: str | Path) -> T5:
+def load_model(folder: str | Path, one_row: bool = False) -> T5:
     """A converted folder's T5, checked against its config, every weight read
     and decoding compiled. In a quantized folder (its config says
     "quantization"), the layers with `.scales` are quantized ones. On the CPU
-    path, decoding's products run on every core (cpu.use_cores)."""
-    return _mapped(Path(folder)).compile_decoding()  # compiling reads every weight
+    path, decoding's products run on every core, and with `one_row` (each
+    step will decode one row: regular decoding, one prompt at a time) take
+    the weight layout fastest there (cpu.use_cores)."""
+    return _mapped(Path(folder), one_row).compile_decoding()  # compiling reads every weight
 
 
-def _mapped(folder: Path) -> T5:
+def _mapped(folder: Path, one_row: bool = False) -> T5:
     """load_model's model before its weights are read: mx.load maps the
     safetensors lazily (never copying through numpy), so a folder is checked
     in moments and read afterwards."""
@@ -145,7 +147,7 @@ def _mapped(folder: Path) -> T5:
         detail = " ".join(str(e).split())  # one line: MLX lists the names on lines of their own
         raise LoadError(f"{folder}'s weights do not match its config ({detail[:200]}): convert the model again")
     model.eval()
-    return cpu.use_cores(model)
+    return cpu.use_cores(model, one_row)
 
 
 class Tokenizer:
@@ -227,12 +229,13 @@ def check_fit(path: Path, model: T5, tokenizer) -> None:
 _warned_slow_blas = False
 
 
-def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False) -> Models:
+def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False, one_row: bool = False) -> Models:
     """Load a converted target (and draft) by folder, name under mlx_models/,
     or the hub id it was converted from. Every weight is read now (verbose:
     saying so on stderr), so the first generation's time is decoding, not
     disk reads. A draft must share the target's tokenizer; that is checked
-    before any weights load."""
+    before any weights load. `one_row`: the target will decode one row a
+    step, regular decoding of one prompt at a time (load_model)."""
     global _warned_slow_blas
     target_path = resolve(target, "target")
     draft_path = resolve(draft, "draft") if draft is not None else None
@@ -247,7 +250,7 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         _warned_slow_blas = True
         advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
-    target_model = _mapped(target_path)
+    target_model = _mapped(target_path, one_row)
     draft_model = _mapped(draft_path) if draft_path is not None else None
     if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
         names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)

@@ -166,9 +166,10 @@ def check_usage(args) -> Settings:
     return settings
 
 
-def load_models(args, speculative: bool):
+def load_models(args, speculative: bool, one_row: bool = False):
     try:
-        return load(args.model, draft=args.draft_model if speculative and not args.prompt_lookup else None, verbose=True)
+        return load(args.model, draft=args.draft_model if speculative and not args.prompt_lookup else None, verbose=True,
+                    one_row=one_row)
     except ModelNotFound as e:
         if e.role == "draft":
             raise UsageError(f"{e} (or pass --regular-decode to run the target alone)")
@@ -199,7 +200,9 @@ def run(args) -> int:
         sweep(load_models(args, True), prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats,
               batch_size=args.batch_size)
         return 0
-    models = load_models(args, settings.speculative)
+    # Regular decoding of one prompt at a time: each of the target's steps takes one row.
+    one_row = not settings.speculative and (not prompts or len(prompts) == 1 or args.batch_size == 1)
+    models = load_models(args, settings.speculative, one_row)
     if prompts:
         generations = stream_batch_generate(models, prompts, batch_size=args.batch_size, **vars(settings))
         if args.json:

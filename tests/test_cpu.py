@@ -196,6 +196,10 @@ def test_split_matmul_equals_one_matmul():
     np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
 
 
+def split_layers(model) -> set[str]:
+    return {name for name, module in model.named_modules() if isinstance(module, cpu.DecodingProduct) and module.plan.split}
+
+
 def test_use_cores_splits_the_large_decoding_products_only_and_keeps_the_logits(tokenizer_dir, tmp_path, monkeypatch):
     """A model whose tied head and FFN are over the threshold and whose
     attention is not: the head and the decoder's FFN are split; the
@@ -217,17 +221,16 @@ def test_use_cores_splits_the_large_decoding_products_only_and_keeps_the_logits(
     make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     split = loading.load_model(tmp_path / "mlx")
-    assert isinstance(split.shared, cpu.SplitEmbedding)
-    assert isinstance(split.decoder.layers[0].ffn.wi, cpu.SplitLinear) and isinstance(split.decoder.layers[1].ffn.wo, cpu.SplitLinear)
+    assert {"shared", "decoder.layers.0.ffn.wi", "decoder.layers.1.ffn.wo"} <= split_layers(split)
     assert type(split.encoder.layers[0].ffn.wi) is nn.Linear  # a prompt's products
-    assert type(split.decoder.layers[0].self_attention.q) is nn.Linear  # under the threshold
+    assert "decoder.layers.0.self_attention.q" not in split_layers(split)  # under the threshold
     use_cores = cpu.use_cores
-    monkeypatch.setattr(cpu, "use_cores", lambda model: model)
+    monkeypatch.setattr(cpu, "use_cores", lambda model, one_row=False: model)
     whole = loading.load_model(tmp_path / "mlx")
     assert type(whole.shared) is nn.Embedding
     before = [(name, id(array)) for name, array in tree_flatten(whole.parameters())]
     swapped = use_cores(whole)
-    assert swapped is whole and isinstance(swapped.shared, cpu.SplitEmbedding)
+    assert swapped is whole and isinstance(swapped.shared, cpu.DecodingEmbedding)
     assert [(name, id(array)) for name, array in tree_flatten(swapped.parameters())] == before  # same arrays, names
     unsplit = loading.load_model(tmp_path / "mlx")
 
@@ -255,12 +258,78 @@ def test_use_cores_splits_exactly_the_decoders_step_layers(tokenizer_dir, tmp_pa
     make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir, untied_head=untied)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     model = loading.load_model(tmp_path / "mlx")
-    split = {name for name, module in model.named_modules() if isinstance(module, (cpu.SplitLinear, cpu.SplitEmbedding))}
     decoding = {f"decoder.layers.{i}.{part}" for i in range(2) for part in
                 ("self_attention.q", "self_attention.k", "self_attention.v", "self_attention.o",
                  "cross_attention.q", "cross_attention.o", "ffn.wi", "ffn.wo")}
     head = {"lm_head", "shared"} if untied else {"shared"}  # an untied model's shared is split too: a lookup, unchanged
-    assert split == decoding | head
+    assert split_layers(model) == decoding | head
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_one_row_stores_the_wide_d_model_to_d_ff_weights_transposed_with_the_same_values_and_logits(
+        tokenizer_dir, tmp_path, monkeypatch, threaded):
+    """A model loaded for one row a step (regular decoding) stores the
+    weights of its decoder's d_model -> d_ff products (at least 4 outputs an
+    input, at most 8192) transposed, with a one-thread BLAS only: the same
+    names and values, the same logits, and a weight updated afterwards is
+    multiplied as given."""
+    import mlx.core as mx
+    from checkpoints import make_checkpoint, t5_config
+    from mlx.utils import tree_flatten
+
+    import convert
+    import loading
+
+    if not cpu.in_use():
+        pytest.skip("the accelerator path: nothing is swapped")
+    monkeypatch.setattr(cpu, "THREADED", threaded)
+    make_checkpoint(tmp_path / "hf", t5_config(d_model=64, d_ff=512, num_decoder_layers=2), 0, tokenizer_dir)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    one_row, default = loading.load_model(tmp_path / "mlx", one_row=True), loading.load_model(tmp_path / "mlx")
+    transposed = {name for name, module in one_row.named_modules() if isinstance(module, cpu.DecodingProduct) and module.plan.transposed}
+    assert transposed == (set() if threaded else {"decoder.layers.0.ffn.wi", "decoder.layers.1.ffn.wi"})
+    mine, theirs = tree_flatten(one_row.parameters()), tree_flatten(default.parameters())
+    assert [name for name, _ in mine] == [name for name, _ in theirs]
+    assert all(np.array_equal(np.array(a), np.array(b)) for (_, a), (_, b) in zip(mine, theirs))
+
+    def logits(model):
+        cache = model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))
+        return np.array(mx.concatenate([model.decode(mx.array([[token]]), cache) for token in (0, 5, 9)], axis=1))
+
+    np.testing.assert_allclose(logits(one_row), logits(default), rtol=1e-5, atol=1e-3)  # logits of ~100
+    doubled = {"decoder": {"layers": [{"ffn": {"wi": {"weight": layer.ffn.wi.weight * 2}}} for layer in default.decoder.layers]}}
+    one_row.update(doubled)
+    default.update(doubled)
+    np.testing.assert_allclose(logits(one_row), logits(default), rtol=1e-5, atol=1e-3)  # logits of ~100
+
+
+def test_a_compiled_one_token_step_transposes_and_slices_no_weight(tokenizer_dir, tmp_path, monkeypatch):
+    """The weights' transposes and split parts are made once, at load: a
+    one-token step's graph keeps only attention's transposes of its keys
+    (two a layer) and the position bias's, and no slices."""
+    import re
+    import tempfile
+
+    import mlx.core as mx
+    from checkpoints import make_checkpoint, t5_config
+
+    import convert
+    import loading
+
+    if not cpu.in_use():
+        pytest.skip("the accelerator path: nothing is swapped")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "THREADED", False)
+    make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    model = loading.load_model(tmp_path / "mlx")
+    cache = model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))
+    for token in (0, 5):  # run plainly, then traced
+        mx.eval(model.decode(mx.array([[token]]), cache))
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, model.decode(mx.array([[9]]), cache))
+        operations = re.findall(r'label\s*=\s*"(\w+)[^"]*"[^\]]*shape=rectangle', dot.read())
+    assert operations.count("Transpose") == 2 * 2 + 1 and "Slice" not in operations
 
 
 def test_a_blas_with_threads_of_its_own_leaves_every_product_whole(tokenizer_dir, tmp_path, monkeypatch):
@@ -278,5 +347,5 @@ def test_a_blas_with_threads_of_its_own_leaves_every_product_whole(tokenizer_dir
     make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     model = loading.load_model(tmp_path / "mlx")
-    assert not [name for name, module in model.named_modules() if isinstance(module, (cpu.SplitLinear, cpu.SplitEmbedding))]
-    assert type(model.decoder.layers[0].ffn.wi) is nn.Linear
+    assert not split_layers(model)
+    assert type(model.encoder.layers[0].ffn.wi) is nn.Linear
