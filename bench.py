@@ -1417,6 +1417,8 @@ def short_among_long(url: str, prompts: list[str], repeats: int, num_draft: int)
 # benchmark pair target's FFN, T5-large's attention and FFN.
 BLAS_SHAPES = [(256, 256), (512, 256), (8192, 256), (256, 8192), (1024, 1024), (4096, 1024)]
 BLAS_ROWS = [1, 2, 5, 8, 40]  # a regular step, verify passes of 1 and 4 drafts, batches of 8 (x 5)
+# d_model -> d_ff weights (T5-small's, the pair target's, T5-large's, T5-3B's), as stored and transposed (cpu.py)
+LAYOUT_SHAPES = [(2048, 512), (8192, 256), (4096, 1024), (16384, 1024)]
 
 
 def blas_worker() -> None:
@@ -1447,7 +1449,27 @@ def blas_worker() -> None:
                     mx.eval(product())
                     runs.append((time.perf_counter() - start) / len(weights))
                 (times if kind == "float32" else quantized)[f"{shape}x{rows}"] = statistics.median(runs[2:]) * 1e6
-    print(json.dumps({"active": cpu.ACTIVE, "times": times, "quantized": quantized}))
+    streams = () if cpu.THREADED else cpu.lanes()
+    layouts = {}  # the products as decoding runs them, by the weight as stored and stored transposed
+    for shape in LAYOUT_SHAPES:
+        weights = [mx.random.normal(shape) for _ in range(10)]
+        mx.eval(weights)
+        transposed = [mx.contiguous(w.T).T for w in weights]  # the same values, stored column by column
+        mx.eval(transposed)
+        parts = {False: [cpu.product_parts(w, streams, by_input=False) for w in weights],
+                 True: [cpu.product_parts(w, streams, by_input=True) for w in transposed]}
+        for rows in BLAS_ROWS:
+            x = mx.random.normal((rows, shape[1]))
+            mx.eval(x)
+            runs = {False: [], True: []}
+            for _ in range(9):
+                for layout in runs:
+                    start = time.perf_counter()
+                    mx.eval([cpu.multiply(x, p) for p in parts[layout]])
+                    runs[layout].append((time.perf_counter() - start) / len(weights))
+            layouts[f"{shape}x{rows}"] = [statistics.median(runs[layout][2:]) * 1e6 for layout in (False, True)]
+        del weights, transposed, parts
+    print(json.dumps({"active": cpu.ACTIVE, "times": times, "quantized": quantized, "layouts": layouts}))
 
 
 def bench_blas(args) -> None:
@@ -1462,14 +1484,14 @@ def bench_blas(args) -> None:
     print(f"\nDecoding's products (x @ w.T, over the cores as decoding runs them), microseconds each, by BLAS, "
           f"and MLX's 8-bit product (no BLAS, one stream)\n\nmachine: {machine()}\nBLIS's kernels for this CPU: "
           f"{cpu.blis_kernels(blis) if blis else 'BLIS not installed'}\n")
-    results, quantized = {}, None
+    results, quantized, layouts = {}, None, {}
     for name in ("blis", "mkl", "openblas"):
         env = {**os.environ, "T5_MLX_BLAS": name}
         done = subprocess.run([sys.executable, __file__, "--blas-worker"], cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode == 0:
             result = json.loads(done.stdout)
             if result["active"].startswith(name):  # not installed: the worker fell back to the bundled BLAS
-                results[name] = result["times"]
+                results[name], layouts[name] = result["times"], result["layouts"]
                 quantized = quantized or result["quantized"]
     names = list(results)
     print("| weight (rows x columns) | x rows | " + " | ".join(names) + " | 8-bit | 8-bit / fastest float32 |\n"
@@ -1482,6 +1504,15 @@ def bench_blas(args) -> None:
             print(f"| {shape[0]} x {shape[1]} | {rows} | "
                   + " | ".join(f"**{c:.0f}**" if c == best else f"{c:.0f}" for c in cells)
                   + f" | {quantized[key]:.0f} | {quantized[key] / best:.1f}x |")
+    print("\nThe weights of d_model -> d_ff products as stored (out x in) and stored transposed "
+          "(cpu.use_cores's one_row), microseconds each, as decoding runs them; speed of transposed over stored\n\n"
+          "| weight (rows x columns) | x rows | " + " | ".join(f"{name}: stored / transposed / speed" for name in names)
+          + " |\n|---|---|" + "---|" * len(names))
+    for shape in LAYOUT_SHAPES:
+        for rows in BLAS_ROWS:
+            cells = [layouts[name][f"{shape}x{rows}"] for name in names]
+            print(f"| {shape[0]} x {shape[1]} | {rows} | "
+                  + " | ".join(f"{stored:.0f} / {flipped:.0f} / {stored / flipped:.2f}x" for stored, flipped in cells) + " |")
 
 
 # Shapes from the public configs on the Hugging Face hub (v1.0 T5: tied head, vocabulary 32128).

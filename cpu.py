@@ -278,13 +278,12 @@ def from_lane(streams: tuple, i: int) -> tuple:
 
 # A one-row product by a (out, in) weight stored row by row runs BLIS's dot
 # product kernel along `in`: with the short rows of a d_model -> d_ff weight
-# (256-1024 numbers) it reads 1.2-1.6x slower than by the same weight stored
-# transposed, whose long rows BLIS streams (bench.py blas --layouts, Zen 4).
-# With several rows (a verify pass, a batch) the transposed layout is the
-# slower by up to a fifth, and past 8192 outputs its rows' stride slows it, so
-# only a model that decodes one row a step (use_cores's one_row) takes it.
-TRANSPOSED_MIN_RATIO = 4  # outputs per input, at least
-TRANSPOSED_MOST_OUTPUTS = 8192
+# (256-1024 numbers) it ran 1.04-1.8x slower than by the same weight stored
+# transposed, whose long rows BLIS streams (`python bench.py blas`, Zen 4).
+# With several rows (a verify pass, a batch) the transposed layout was the
+# slower by up to 30%, so only a model that decodes one row a step
+# (use_cores's one_row) takes it.
+TRANSPOSED_MIN_RATIO = 4  # outputs per input, at least: d_model -> d_ff products
 
 
 def product_parts(weight: mx.array, streams: tuple, by_input: bool) -> list[tuple]:
@@ -410,8 +409,7 @@ def use_cores(model: nn.Module, one_row: bool = False) -> nn.Module:
         if type(module) is nn.Embedding:
             return DecodingEmbedding(module.weight, split)
         outputs, inputs = module.weight.shape
-        transposed = one_row and one_thread and module.weight.dtype == mx.float32 and \
-            TRANSPOSED_MIN_RATIO * inputs <= outputs <= TRANSPOSED_MOST_OUTPUTS
+        transposed = one_row and one_thread and module.weight.dtype == mx.float32 and TRANSPOSED_MIN_RATIO * inputs <= outputs
         return DecodingLinear(module.weight, split, transposed)
 
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))

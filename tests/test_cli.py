@@ -136,3 +136,26 @@ def test_ctrl_c_stops_a_one_shot_run_with_its_statistics_so_far(v1_1_checkpoint)
     text, stats = (first + out).splitlines()[-2:]
     assert text and stats.startswith(tuple(f"{n} decode steps, {n} tokens in" for n in range(1, 64)))
     assert stats.endswith("[stopped]") and err.strip().endswith("interrupted")
+
+
+@pytest.mark.parametrize("argv, one_row", [
+    (["--regular-decode"], True),  # one prompt, regular decoding: every step one row
+    (["--regular-decode", "--prompts-file", "demo/prompts.txt", "--batch-size", "1"], True),
+    (["--regular-decode", "--prompts-file", "demo/prompts.txt", "--batch-size", "2"], False),  # batches of rows
+    ([], False),  # speculative: the target verifies several rows a step
+    (["--prompt-lookup"], False),
+])
+def test_the_target_is_loaded_for_one_row_a_step_only_when_every_step_decodes_one(monkeypatch, argv, one_row):
+    loaded = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        loaded.update(kwargs)
+        raise Loaded
+
+    monkeypatch.setattr(main, "load", load)
+    with pytest.raises(Loaded):
+        main.main(["--demo", *argv])
+    assert loaded["one_row"] is one_row

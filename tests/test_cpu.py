@@ -270,7 +270,7 @@ def test_one_row_stores_the_wide_d_model_to_d_ff_weights_transposed_with_the_sam
         tokenizer_dir, tmp_path, monkeypatch, threaded):
     """A model loaded for one row a step (regular decoding) stores the
     weights of its decoder's d_model -> d_ff products (at least 4 outputs an
-    input, at most 8192) transposed, with a one-thread BLAS only: the same
+    input) transposed, with a one-thread BLAS only: the same
     names and values, the same logits, and a weight updated afterwards is
     multiplied as given."""
     import mlx.core as mx
