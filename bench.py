@@ -1449,15 +1449,15 @@ def blas_worker() -> None:
                     mx.eval(product())
                     runs.append((time.perf_counter() - start) / len(weights))
                 (times if kind == "float32" else quantized)[f"{shape}x{rows}"] = statistics.median(runs[2:]) * 1e6
-    streams = () if cpu.THREADED else cpu.lanes()
+    count = 1 if cpu.THREADED else len(cpu.lanes())
     layouts = {}  # the products as decoding runs them, by the weight as stored and stored transposed
     for shape in LAYOUT_SHAPES:
         weights = [mx.random.normal(shape) for _ in range(10)]
         mx.eval(weights)
         transposed = [mx.contiguous(w.T).T for w in weights]  # the same values, stored column by column
         mx.eval(transposed)
-        parts = {False: [cpu.product_parts(w, streams, by_input=False) for w in weights],
-                 True: [cpu.product_parts(w, streams, by_input=True) for w in transposed]}
+        parts = {False: [cpu.product_parts(w, count, by_input=False) for w in weights],
+                 True: [cpu.product_parts(w, count, by_input=True) for w in transposed]}
         for rows in BLAS_ROWS:
             x = mx.random.normal((rows, shape[1]))
             mx.eval(x)

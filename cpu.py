@@ -283,30 +283,34 @@ def from_lane(streams: tuple, i: int) -> tuple:
 # With several rows (a verify pass, a batch) the transposed layout was the
 # slower by up to 30%, so only a model that decodes one row a step
 # (use_cores's one_row) takes it.
-TRANSPOSED_MIN_RATIO = 4  # outputs per input, at least: d_model -> d_ff products
+TRANSPOSED_MIN_RATIO = 4  # outputs per input, at least
+D_FF_INPUT = re.compile(r"ffn\.wi(_0|_1)?$")  # the d_model -> d_ff products (the layout was measured on these)
 
 
-def product_parts(weight: mx.array, streams: tuple, by_input: bool) -> list[tuple]:
-    """x @ weight.T for a weight (out, in) as one part per stream: (stream,
-    the columns of x it takes or None, its block of weight.T). By output, the
-    parts are blocks of the weight's rows and their products are joined; by
-    input (for a weight stored transposed: weight.T is then contiguous, and
-    so is each block of its rows), blocks of weight.T's rows, whose products
-    are summed. Every part is a view: no copy."""
-    if len(streams) < 2:
+def product_parts(weight: mx.array, count: int, by_input: bool) -> list[tuple]:
+    """x @ weight.T for a weight (out, in) as `count` parts, one per lane:
+    (the lane's index or None, the columns of x it takes or None, its block
+    of weight.T). By output, the parts are blocks of the weight's rows and
+    their products are joined; by input (for a weight stored transposed:
+    weight.T is then contiguous, and so is each block of its rows), blocks of
+    weight.T's rows, whose products are summed. Every part is a view: no copy.
+    Lanes are named by index: each thread has streams of its own (lanes)."""
+    if count < 2:
         return [(None, None, weight.T)]
     if by_input:
-        size = -(-weight.shape[1] // len(streams))
-        return [(s, (i * size, (i + 1) * size), weight.T[i * size : (i + 1) * size]) for i, s in enumerate(streams)]
-    size = -(-weight.shape[0] // len(streams))
-    return [(s, None, weight[i * size : (i + 1) * size].T) for i, s in enumerate(streams)]
+        size = -(-weight.shape[1] // count)
+        return [(i, (i * size, (i + 1) * size), weight.T[i * size : (i + 1) * size]) for i in range(count)]
+    size = -(-weight.shape[0] // count)
+    return [(i, None, weight[i * size : (i + 1) * size].T) for i in range(count)]
 
 
 def multiply(x: mx.array, parts: list[tuple]) -> mx.array:
-    """x @ weight.T from product_parts, each part's product on its stream."""
+    """x @ weight.T from product_parts, each part's product on its lane."""
     if len(parts) == 1:
         return x @ parts[0][2]
-    products = [mx.matmul(x if cut is None else x[..., cut[0] : cut[1]], part, stream=stream) for stream, cut, part in parts]
+    streams = lanes()
+    products = [mx.matmul(x if cut is None else x[..., cut[0] : cut[1]], part, stream=streams[lane])
+                for lane, cut, part in parts]
     if parts[0][1] is None:
         return mx.concatenate(products, axis=-1)
     total = products[0]
@@ -321,7 +325,7 @@ def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     every weight once per token, and one core alone cannot saturate memory;
     a batch's verify pass (tens of rows) is bound by arithmetic, and runs
     1.5-1.8x faster on two cores than on one."""
-    return multiply(x, product_parts(weight, lanes(), by_input=False))
+    return multiply(x, product_parts(weight, len(lanes()), by_input=False))
 
 
 class DecodingProduct:
@@ -340,16 +344,19 @@ class DecodingProduct:
         plan = self.plan
         if plan.weight is self["weight"]:
             return
-        if plan.transposed:  # the same (out, in) values, stored column by column
+        transposed = plan.transposed and self["weight"].dtype == mx.float32  # the BLAS's products only
+        if transposed:  # the same (out, in) values, stored column by column
             self.weight = mx.contiguous(self["weight"].T).T
-        plan.parts = product_parts(self["weight"], lanes() if plan.split else (), by_input=plan.transposed)
+        plan.parts = product_parts(self["weight"], len(lanes()) if plan.split else 1, by_input=transposed)
         mx.eval(self["weight"], [part for *_, part in plan.parts])
         plan.weight = self["weight"]
 
     def product(self, x: mx.array) -> mx.array:
         plan, weight = self.plan, self["weight"]
-        parts = plan.parts if plan.weight is weight else product_parts(weight, lanes() if plan.split else (), by_input=False)
-        return multiply(x, parts)
+        if plan.weight is not weight:  # replaced since prepare: drop the old weight's parts (and memory)
+            plan.weight = plan.parts = None
+            return multiply(x, product_parts(weight, len(lanes()) if plan.split else 1, by_input=False))
+        return multiply(x, plan.parts)
 
 
 class _Plan:
@@ -409,7 +416,8 @@ def use_cores(model: nn.Module, one_row: bool = False) -> nn.Module:
         if type(module) is nn.Embedding:
             return DecodingEmbedding(module.weight, split)
         outputs, inputs = module.weight.shape
-        transposed = one_row and one_thread and module.weight.dtype == mx.float32 and TRANSPOSED_MIN_RATIO * inputs <= outputs
+        transposed = one_row and one_thread and module.weight.dtype == mx.float32 and \
+            D_FF_INPUT.search(path) is not None and TRANSPOSED_MIN_RATIO * inputs <= outputs
         return DecodingLinear(module.weight, split, transposed)
 
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))

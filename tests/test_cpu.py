@@ -196,6 +196,33 @@ def test_split_matmul_equals_one_matmul():
     np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
 
 
+def test_product_parts_by_output_and_by_input_equal_one_matmul_in_any_thread():
+    """Split by the weight's rows (joined) or, stored transposed, by its
+    inputs (summed), with sizes the lanes do not divide and x of three
+    dimensions, and from a thread other than the one that made the parts
+    (each thread has lanes of its own)."""
+    import threading
+
+    import mlx.core as mx
+
+    if len(cpu.lanes()) < 2:
+        pytest.skip("one core, or the accelerator path: nothing is split")
+    lanes = len(cpu.lanes())
+    x, weight = mx.random.normal((2, 3, 1027)), mx.random.normal((4101, 1027))  # odd sizes: uneven parts
+    stored_transposed = mx.contiguous(weight.T).T
+    expected = np.array(x @ weight.T)
+    parts = [cpu.product_parts(weight, lanes, by_input=False), cpu.product_parts(stored_transposed, lanes, by_input=True)]
+    results = []
+    for made in parts:
+        results.append(np.array(cpu.multiply(x, made)))
+        thread = threading.Thread(target=lambda made=made: results.append(np.array(cpu.multiply(x, made))))
+        thread.start()
+        thread.join()
+    assert len(results) == 4
+    for result in results:
+        np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-3)
+
+
 def split_layers(model) -> set[str]:
     return {name for name, module in model.named_modules() if isinstance(module, cpu.DecodingProduct) and module.plan.split}
 
