@@ -231,9 +231,10 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_map_with_path  # noqa: E402
 
 # With a single-threaded BLAS, splitting costs a hand-off between threads:
-# worth it from ~8 MB of float32 weights (T5-large's FFN and head; every
-# projection of T5-11B).
-SPLIT_MIN_ELEMENTS = 2_000_000
+# worth it from ~1 MB of float32 weights (T5-small's 512 x 512 attention and
+# every larger product); the pair's target's 256 x 256 attention (256 KB)
+# ran slower split (docs/PERFORMANCE.md, "On AMD's CPUs").
+SPLIT_MIN_ELEMENTS = 250_000
 
 
 PATH_SETTING = "T5_MLX_PATH"  # "accelerator": the path a GPU takes, whatever device MLX computes on
