@@ -333,7 +333,7 @@ class DecodingProduct:
     """A decoding layer's product x @ weight.T with its parts (product_parts)
     made once, when the weights are final (`prepare`, which T5.compile_decoding
     calls): a compiled step then runs no transpose or slice of its weights
-    (a fifth of the pair's target's operations a step, ~4% of its time). A
+    (a fifth of a narrow model's operations a step). A
     weight replaced afterwards (update) is multiplied as stored, split by
     output, until the next prepare."""
 

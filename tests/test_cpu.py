@@ -223,6 +223,17 @@ def test_product_parts_by_output_and_by_input_equal_one_matmul_in_any_thread():
         np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-3)
 
 
+def converted(tokenizer_dir, tmp_path, untied: bool = False, **config) -> Path:
+    """A random float32 checkpoint of these shapes, converted: its MLX folder."""
+    from checkpoints import make_checkpoint, t5_config
+
+    import convert
+
+    make_checkpoint(tmp_path / "hf", t5_config(**config), 0, tokenizer_dir, untied_head=untied)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    return tmp_path / "mlx"
+
+
 def split_layers(model) -> set[str]:
     return {name for name, module in model.named_modules() if isinstance(module, cpu.DecodingProduct) and module.plan.split}
 
@@ -235,18 +246,14 @@ def test_use_cores_splits_the_large_decoding_products_only_and_keeps_the_logits(
     unsplit model's, the weights the same arrays under the same names."""
     import mlx.core as mx
     import mlx.nn as nn
-    from checkpoints import make_checkpoint, t5_config
     from mlx.utils import tree_flatten
 
-    import convert
     import loading
 
     if not cpu.lanes():
         pytest.skip("one core, or the accelerator path: nothing is split")
     monkeypatch.setattr(cpu, "THREADED", False)  # as with a single-threaded BLAS (BLIS)
-    config = t5_config(vocab_size=20000, d_model=128, d_ff=16384, initializer_factor=1.0)
-    make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
-    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    converted(tokenizer_dir, tmp_path, vocab_size=20000, d_model=128, d_ff=16384, initializer_factor=1.0)
     split = loading.load_model(tmp_path / "mlx")
     assert {"shared", "decoder.layers.0.ffn.wi", "decoder.layers.1.ffn.wo"} <= split_layers(split)
     assert type(split.encoder.layers[0].ffn.wi) is nn.Linear  # a prompt's products
@@ -273,17 +280,14 @@ def test_use_cores_splits_exactly_the_decoders_step_layers(tokenizer_dir, tmp_pa
     decoder's, but cross-attention's keys and values, which make_cache
     computes once a prompt) and the head (the tied embedding, or lm_head);
     nothing of the encoder's."""
-    from checkpoints import make_checkpoint, t5_config
 
-    import convert
     import loading
 
     if not cpu.lanes():
         pytest.skip("one core, or the accelerator path: nothing is split")
     monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "THREADED", False)  # as with a single-threaded BLAS (BLIS)
-    make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir, untied_head=untied)
-    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    converted(tokenizer_dir, tmp_path, untied, num_decoder_layers=2)
     model = loading.load_model(tmp_path / "mlx")
     decoding = {f"decoder.layers.{i}.{part}" for i in range(2) for part in
                 ("self_attention.q", "self_attention.k", "self_attention.v", "self_attention.o",
@@ -301,17 +305,14 @@ def test_one_row_stores_the_wide_d_model_to_d_ff_weights_transposed_with_the_sam
     names and values, the same logits, and a weight updated afterwards is
     multiplied as given."""
     import mlx.core as mx
-    from checkpoints import make_checkpoint, t5_config
     from mlx.utils import tree_flatten
 
-    import convert
     import loading
 
     if not cpu.in_use():
         pytest.skip("the accelerator path: nothing is swapped")
     monkeypatch.setattr(cpu, "THREADED", threaded)
-    make_checkpoint(tmp_path / "hf", t5_config(d_model=64, d_ff=512, num_decoder_layers=2), 0, tokenizer_dir)
-    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    converted(tokenizer_dir, tmp_path, d_model=64, d_ff=512, num_decoder_layers=2)
     one_row, default = loading.load_model(tmp_path / "mlx", one_row=True), loading.load_model(tmp_path / "mlx")
     transposed = {name for name, module in one_row.named_modules() if isinstance(module, cpu.DecodingProduct) and module.plan.transposed}
     assert transposed == (set() if threaded else {"decoder.layers.0.ffn.wi", "decoder.layers.1.ffn.wi"})
@@ -338,17 +339,14 @@ def test_a_compiled_one_token_step_transposes_and_slices_no_weight(tokenizer_dir
     import tempfile
 
     import mlx.core as mx
-    from checkpoints import make_checkpoint, t5_config
 
-    import convert
     import loading
 
     if not cpu.in_use():
         pytest.skip("the accelerator path: nothing is swapped")
     monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "THREADED", False)
-    make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir)
-    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    converted(tokenizer_dir, tmp_path, num_decoder_layers=2)
     model = loading.load_model(tmp_path / "mlx")
     cache = model.make_cache(model.encode(mx.array([[7, 8, 9, 1]])))
     for token in (0, 5):  # run plainly, then traced
@@ -362,17 +360,14 @@ def test_a_compiled_one_token_step_transposes_and_slices_no_weight(tokenizer_dir
 def test_a_blas_with_threads_of_its_own_leaves_every_product_whole(tokenizer_dir, tmp_path, monkeypatch):
     """MKL's threads already spread each product: splitting it over MLX's streams too would crowd the cores."""
     import mlx.nn as nn
-    from checkpoints import make_checkpoint, t5_config
 
-    import convert
     import loading
 
     if not cpu.lanes():
         pytest.skip("one core, or the accelerator path: nothing is split anyway")
     monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "THREADED", True)
-    make_checkpoint(tmp_path / "hf", t5_config(num_decoder_layers=2), 0, tokenizer_dir)
-    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    converted(tokenizer_dir, tmp_path, num_decoder_layers=2)
     model = loading.load_model(tmp_path / "mlx")
     assert not split_layers(model)
     assert type(model.encoder.layers[0].ffn.wi) is nn.Linear
