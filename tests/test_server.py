@@ -233,21 +233,25 @@ def test_the_api_key_is_required_and_checked(strict_server):
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(strict_server):
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(
-        httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY, timeout=120))) for _ in range(2)]
-    for thread in threads:  # one decoding, then one waiting
+    """The decoding row is a stream held open until the refusals are checked
+    (a short request could finish in between and empty the queue); closing it
+    frees the row for the one waiting, which then runs to its end."""
+    waiting = []
+    with httpx.stream("POST", strict_server.url + "/v1/completions", headers=KEY, timeout=60,
+                      json={**LONG, "max_tokens": 5000, "stream": True}) as decoding:
+        lines = decoding.iter_lines()  # kept: a dropped iterator closes the stream
+        assert next(line for line in lines if line.startswith("data:"))
+        thread = threading.Thread(target=lambda: waiting.append(
+            httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY, timeout=120)))
         thread.start()
-        wait_for(strict_server, lambda m: m["active_rows"] == 1)
-    wait_for(strict_server, lambda m: m["queued"] == 1)
-    refused = httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY)
-    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["type"] == "rate_limit_error"
-    with pytest.raises(openai.RateLimitError):
-        strict_server.client(api_key="sesame").completions.create(**LONG)
-    for thread in threads:
-        thread.join()
-    assert [r.json()["choices"][0]["finish_reason"] for r in results] == ["length", "length"]
+        wait_for(strict_server, lambda m: m["active_rows"] == 1 and m["queued"] == 1)
+        refused = httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            strict_server.client(api_key="sesame").completions.create(**LONG)
+    thread.join()
+    assert waiting[0].json()["choices"][0]["finish_reason"] == "length"
 
 
 def wait_for(server: Server, condition, seconds: float = 30) -> dict:
@@ -281,14 +285,15 @@ def test_a_prompt_too_long_and_a_body_too_big_are_refused(strict_server):
 
 def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_checkpoint):
     """Requests taken before the signal all complete, exactly (a random
-    checkpoint, whose answers run to max_tokens, keeps them in flight); new
-    ones get a 503, and the process exits 0."""
+    checkpoint, whose answers run to max_tokens, keeps them in flight: 2,000
+    tokens, about a second here, where 300 took 0.1 s); new ones get a 503,
+    and the process exits 0."""
     running = Server("--model", str(v1_1_checkpoint.mlx_dir), "--max-batch", "2", "--max-queue", "8")
     asked = [PROMPT[: 40 + 10 * i] for i in range(4)]  # two decoding, two waiting
     answers = {}
 
     def ask(i):
-        body = {"model": "mlx", "prompt": asked[i], "max_tokens": 300}
+        body = {"model": "mlx", "prompt": asked[i], "max_tokens": 2000}
         answers[i] = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
@@ -307,7 +312,7 @@ def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_ch
     models = load(v1_1_checkpoint.mlx_dir)
     for i, prompt in enumerate(asked):
         assert answers[i].status_code == 200
-        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=300)
+        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=2000)
 
 
 FAILING = """
