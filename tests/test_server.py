@@ -283,17 +283,29 @@ def test_a_prompt_too_long_and_a_body_too_big_are_refused(strict_server):
     assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
 
 
+PACED = """
+import sys, time
+import decoder, server
+for batch in (decoder.RegularBatch, decoder.SpeculativeBatch):
+    def round(self, real=batch.round):
+        time.sleep(0.005)
+        return (yield from real(self))
+    batch.round = round
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
 def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_checkpoint):
     """Requests taken before the signal all complete, exactly (a random
-    checkpoint, whose answers run to max_tokens, keeps them in flight: 2,000
-    tokens, about a second here, where 300 took 0.1 s); new ones get a 503,
-    and the process exits 0."""
-    running = Server("--model", str(v1_1_checkpoint.mlx_dir), "--max-batch", "2", "--max-queue", "8")
+    checkpoint's answers run to max_tokens, and rounds paced to 5 ms keep
+    them in flight: unpaced, 300 tokens took 0.1 s); new ones get a 503, and
+    the process exits 0."""
+    running = Server("--model", str(v1_1_checkpoint.mlx_dir), "--max-batch", "2", "--max-queue", "8", code=PACED)
     asked = [PROMPT[: 40 + 10 * i] for i in range(4)]  # two decoding, two waiting
     answers = {}
 
     def ask(i):
-        body = {"model": "mlx", "prompt": asked[i], "max_tokens": 2000}
+        body = {"model": "mlx", "prompt": asked[i], "max_tokens": 300}
         answers[i] = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
@@ -312,7 +324,7 @@ def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_ch
     models = load(v1_1_checkpoint.mlx_dir)
     for i, prompt in enumerate(asked):
         assert answers[i].status_code == 200
-        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=2000)
+        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=300)
 
 
 FAILING = """
