@@ -1430,16 +1430,18 @@ def blas_worker() -> None:
     import cpu
     import mlx.core as mx
 
+    count = 1 if cpu.THREADED else len(cpu.lanes())
     times, quantized = {}, {}
     for shape in BLAS_SHAPES:
         weights = [mx.random.normal(shape) for _ in range(10)]
         packed = [mx.quantize(w, group_size=64, bits=8) for w in weights]
         mx.eval(weights, packed)
+        parts = [cpu.product_parts(w, count, by_input=False) for w in weights]  # made once, as decoding's are
         for rows in BLAS_ROWS:
             x = mx.random.normal((rows, shape[1]))
             mx.eval(x)
             products = {
-                "float32": lambda: [x @ w.T if cpu.THREADED else cpu.split_matmul(x, w) for w in weights],
+                "float32": lambda: [cpu.multiply(x, p) for p in parts],
                 "8-bit": lambda: [mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=8) for q in packed],
             }
             for kind, product in products.items():
@@ -1449,7 +1451,6 @@ def blas_worker() -> None:
                     mx.eval(product())
                     runs.append((time.perf_counter() - start) / len(weights))
                 (times if kind == "float32" else quantized)[f"{shape}x{rows}"] = statistics.median(runs[2:]) * 1e6
-    count = 1 if cpu.THREADED else len(cpu.lanes())
     layouts = {}  # the products as decoding runs them, by the weight as stored and stored transposed
     for shape in LAYOUT_SHAPES:
         weights = [mx.random.normal(shape) for _ in range(10)]

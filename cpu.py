@@ -306,7 +306,11 @@ def product_parts(weight: mx.array, count: int, by_input: bool) -> list[tuple]:
 
 
 def multiply(x: mx.array, parts: list[tuple]) -> mx.array:
-    """x @ weight.T from product_parts, each part's product on its lane."""
+    """x @ weight.T from product_parts, each part's product on its lane (its
+    own thread; the BLAS runs one): decoding reads every weight once per
+    token, and one core alone cannot saturate memory; a batch's verify pass
+    (tens of rows) is bound by arithmetic, and ran 1.5-1.8x faster on two
+    cores than on one."""
     if len(parts) == 1:
         return x @ parts[0][2]
     streams = lanes()
@@ -318,15 +322,6 @@ def multiply(x: mx.array, parts: list[tuple]) -> mx.array:
     for product in products[1:]:
         total = total + product
     return total
-
-
-def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T with the weight's rows split over the CPU streams, which
-    run on their own threads (the BLAS itself runs on one): decoding reads
-    every weight once per token, and one core alone cannot saturate memory;
-    a batch's verify pass (tens of rows) is bound by arithmetic, and runs
-    1.5-1.8x faster on two cores than on one."""
-    return multiply(x, product_parts(weight, len(lanes()), by_input=False))
 
 
 class DecodingProduct:

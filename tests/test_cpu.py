@@ -187,13 +187,15 @@ def test_main_warns_on_stderr_only_when_the_slow_bundled_blas_is_active(order, w
     assert done.stderr.count("warning:") == warned  # once, on one line
 
 
-def test_split_matmul_equals_one_matmul():
-    """Large weights are multiplied in row blocks on several streams."""
+def test_a_product_split_by_output_over_the_lanes_equals_one_matmul():
+    """Large weights are multiplied in row blocks on several streams (one
+    block, one matmul, where there are no lanes)."""
     import mlx.core as mx
 
     x = mx.random.normal((1, 3, 1024))
     weight = mx.random.normal((4100, 1024))  # rows not divisible by the stream count
-    np.testing.assert_allclose(np.array(cpu.split_matmul(x, weight)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
+    parts = cpu.product_parts(weight, len(cpu.lanes()), by_input=False)
+    np.testing.assert_allclose(np.array(cpu.multiply(x, parts)), np.array(x @ weight.T), rtol=1e-5, atol=1e-4)
 
 
 def test_product_parts_by_output_and_by_input_equal_one_matmul_in_any_thread():
