@@ -375,10 +375,14 @@ def ct2_same_tokens(model, workers: dict, prompts: list[list[int]], tokens: int)
     """Whether each CTranslate2 configuration's greedy tokens are ours,
     generated to EOS (a forced length would differ at the EOS CTranslate2
     suppresses): "yes", or which configurations differ on how many prompts."""
-    from decoder import regular_generate
-    from sampling import Sampling
+    from decoder import Request, batch_for, drive
+    from loading import Models
+    from options import Settings
 
-    ours = [list(regular_generate(model, prompt, tokens, Sampling())) for prompt in prompts]
+    settings = Settings(max_tokens=tokens, speculative=False)
+    ours = []
+    for prompt in prompts:
+        ours.append([t for _, t, _ in drive(batch_for(Models(model), settings, 1), [Request(prompt, settings)]) if t is not None])
     differ = {name: sum(worker.run(prompt, tokens)["tokens"] != mine for prompt, mine in zip(prompts, ours))
               for name, worker in workers.items()}
     return "yes" if not any(differ.values()) else "; ".join(f"{name}: {count} of {len(prompts)} differ"

@@ -37,7 +37,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from loading import FORMAT_KEY, LoadError, T5Error, read_config
+from errors import ConversionError, LoadError
+from loading import FORMAT_KEY, could_be_hub_id, read_config
 from model import T5, ModelArgs
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -97,10 +98,6 @@ class Quantization:
 EMBEDDING_ALIASES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
 
 
-class ConversionError(T5Error):
-    """A problem the user can fix; printed as one line."""
-
-
 def rename(hf_name: str) -> str | None:
     for pattern, replacement in RENAMES:
         if re.match(pattern, hf_name):
@@ -137,8 +134,9 @@ def resolve_source(model: str) -> Path:
         if not path.is_dir():
             raise ConversionError(f"{model} is a file; give the folder holding a Hugging Face T5 checkpoint")
         return path
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) or model.startswith((".", "/")):
-        raise ConversionError(f"{model} is neither a folder nor a Hugging Face hub id (like t5-small or google/flan-t5-base)")
+    if not could_be_hub_id(model):  # mlx_models/t5-11b, ./mine: a folder that is not there, not a download
+        raise ConversionError(f"there is no folder {model} here (and it is not a Hugging Face hub id, like t5-small or "
+                              "google/flan-t5-base)")
     return download(model)
 
 

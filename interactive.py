@@ -1,7 +1,7 @@
 """The interactive loop (`main.py --interactive`), and how a generation is shown at a terminal.
 
 Models load once; prompts generate with the current settings, and commands
-change them: one `:name value` per knob of decoder.KNOBS, plus the mode,
+change them: one `:name value` per knob of options.KNOBS, plus the mode,
 :compare, :show, :demo N (with --demo) and :quit.
 """
 
@@ -11,9 +11,10 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from decoder import KNOBS, OptionError, Settings, Stats
+from errors import OptionError
 from generate import encoding_seconds, measure, stream_generate, warm_up
 from loading import Models
+from options import KNOBS, Settings, Stats
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -49,7 +50,7 @@ def show_generation(models: Models, prompt: str, settings: Settings, out=None) -
     announce_encoding(models, prompt, settings)
     pieces, stats = [], None
     try:
-        for response in stream_generate(models, prompt, **vars(settings)):
+        for response in stream_generate(models, prompt, settings=settings):
             out.write(response.text)
             out.flush()
             pieces.append(response.text)

@@ -19,25 +19,13 @@ import cpu  # before mlx.core
 import mlx.core as mx
 import mlx.nn as nn
 
+from drafting import AutoDraft
+from errors import LoadError, ModelNotFound
 from model import T5, ModelArgs
 
 FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
 MODELS_DIR = Path("mlx_models")  # where convert.py writes by default
 REPOSITORY = Path(__file__).resolve().parent
-
-
-class T5Error(Exception):
-    """A problem the caller can fix: a model that cannot be used, an option out of range."""
-
-
-class LoadError(T5Error):
-    """A model that cannot be loaded: not converted, damaged, or not a draft for its target."""
-
-
-class ModelNotFound(LoadError):
-    def __init__(self, message: str, role: str):
-        super().__init__(message)
-        self.role = role  # "target" or "draft"
 
 
 def read_config(folder: str | Path, converted: bool = True) -> dict:
@@ -108,11 +96,19 @@ def resolve(name: str | Path, role: str = "model") -> Path:
     if path.is_file():
         raise LoadError(f"{role} {name} is a file: give a folder written by convert.py")
     looked = " and ".join(str(folder) for folder in candidates)
+    raise ModelNotFound(f"no converted {role} '{name}' (looked for {looked}): {conversion_advice(name)}", role)
+
+
+def conversion_advice(name: str) -> str:
+    """How to make the converted folder a name means: convert.py's command."""
+    # convert.py writes a quantized conversion of NAME to mlx_models/NAME-<bits>bit
+    base, _, bits = name.removeprefix(f"{MODELS_DIR.name}/").rpartition("-")
+    if base and bits in {f"{b}bit" for b in (2, 3, 4, 5, 6, 8)} and could_be_hub_id(base):
+        return f"run `python convert.py --model {base} -q{'' if bits == '4bit' else ' --q-bits ' + bits[:-3]}` first"
     if could_be_hub_id(name):
-        advice = f"run `python convert.py --model {name}` first"
-    else:  # a path: convert.py cannot download it, but can write there
-        advice = f"convert a checkpoint there first: `python convert.py --model <hub id or checkpoint folder> --out {name}`"
-    raise ModelNotFound(f"no converted {role} '{name}' (looked for {looked}): {advice}", role)
+        return f"run `python convert.py --model {name}` first"
+    # a path: convert.py cannot download it, but can write there
+    return f"convert a checkpoint there first: `python convert.py --model <hub id or checkpoint folder> --out {name}`"
 
 
 def load_model(folder: str | Path, one_row: bool = False) -> T5:
@@ -198,17 +194,18 @@ def load_tokenizer(folder: str | Path):
 class Models:
     """A target, its draft (None: regular decoding only) and their shared
     tokenizer, with what decoding learns about them from one generation to
-    the next: `drafting`, what num_draft "auto" learnt about the pair
-    (drafting.AutoDraft) for each delta, sampling setting and batch size;
-    `encoding_rate`, the flops a second a prompt was last encoded at
-    (generate.encoding_seconds), None until a prompt takes long enough to tell."""
+    the next: `drafting`, what num-draft auto has learnt of the pair
+    (drafting.AutoDraft); `encoding_rate`, the flops a second a prompt was
+    last encoded at (generate.encoding_seconds), None until a prompt takes
+    long enough to tell. `load` makes one; tests and benchmarks may build
+    one from models in hand."""
 
     target: T5
-    draft: T5 | None
-    tokenizer: object
-    target_path: Path
+    draft: T5 | None = None
+    tokenizer: object = None
+    target_path: Path | None = None
     draft_path: Path | None = None
-    drafting: dict = field(default_factory=dict, repr=False)
+    drafting: AutoDraft = field(default_factory=AutoDraft, repr=False)
     encoding_rate: float | None = None
 
 

@@ -15,12 +15,14 @@ import argparse
 import json
 import sys
 import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from decoder import AUTO, KNOBS, Settings
-from generate import BATCH_SIZE, stream_batch_generate, stream_generate, warm_up
+from errors import ModelNotFound, T5Error, UsageError
+from generate import stream_batch_generate, stream_generate, warm_up
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
-from loading import ModelNotFound, T5Error, load
+from loading import load
+from options import AUTO, BATCH_SIZE, KNOBS, Settings
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -36,10 +38,6 @@ DEFAULTS = {name: getattr(Settings(), name) for name in KNOBS} | {"delta": 0.1}
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_DEFAULTS = DEFAULTS | {"num_draft": 3}
 DEMO_PROMPT = 20
-
-
-class UsageError(T5Error):
-    """Bad input from the user; printed as one line."""
 
 
 def prompt_lines(path: Path) -> list[str]:
@@ -122,122 +120,158 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_usage(args) -> Settings:
-    """Every check that needs no model, so that bad input fails at once; the settings."""
-    defaults = DEMO_DEFAULTS if args.demo else DEFAULTS
+@dataclass(frozen=True)
+class Plan:
+    """What a command line asks for, checked before anything loads."""
+
+    settings: Settings
+    mode: str  # "one-shot", "interactive", "compare" or "sweep"
+    model: str
+    draft_model: str | None  # None: no draft model is loaded
+    prompt: str
+    prompt_given: bool
+    prompts: list[str] | None = None  # --prompts-file's, or a sweep's
+    examples: list[str] | None = None  # --demo's held-out prompts
+    batch_size: int = BATCH_SIZE_DEFAULT
+    json: bool = False
+    demo: bool = False
+    num_drafts: list | None = None  # the sweep's grid
+    deltas: list | None = None
+    plot: str | None = None
+    repeats: int = 1
+
+
+def knob_settings(args, defaults: dict) -> Settings:
+    """The knobs' flags, or their defaults, as Settings; an error names the flag."""
     values = {name: defaults[name] if getattr(args, name) is None else getattr(args, name) for name in KNOBS}
     values = {name: KNOBS[name].parse(value, f"--{KNOBS[name].flag}") if isinstance(value, str) else value
               for name, value in values.items()}
-    if args.regular_decode and (args.compare or args.sweep):
-        raise UsageError("--compare and --sweep run regular decoding themselves: drop --regular-decode")
     if args.regular_decode and (args.prompt_lookup or values["num_draft"] == AUTO):
         raise UsageError(f"{'--prompt-lookup' if args.prompt_lookup else '--num-draft auto'} is for speculative decoding: "
                          "drop --regular-decode")
-    if args.prompt_lookup and args.draft_model_given:
+    if args.prompt_lookup and args.draft_model is not None:
         raise UsageError("--prompt-lookup drafts without a draft model: drop --draft-model (or --prompt-lookup)")
     if args.prompt_lookup and values["num_draft"] == AUTO:
         raise UsageError("--num-draft auto follows a draft model's confidence: with --prompt-lookup give a number, "
                          "the longest draft")
-    settings = Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()},
-                        speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup)
-    if not args.regular_decode and not args.draft_model and not args.prompt_lookup:
-        raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
-    if args.json and (args.interactive or args.compare or args.sweep):
-        raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
-    for name, default in SWEEP_OPTIONS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, LOOKUP_NUM_DRAFTS if name == "num_drafts" and args.prompt_lookup else default)
-        elif not args.sweep:
-            raise UsageError(f"--{name.replace('_', '-')} goes with --sweep")
-    if args.repeats < 1:
+    return Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()},
+                    speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup)
+
+
+def sweep_grid(args) -> dict:
+    """The sweep's options, checked (with --sweep), or a refusal of any given without it."""
+    given = {name: getattr(args, name) for name in SWEEP_OPTIONS if getattr(args, name) is not None}
+    if not args.sweep:
+        if given:
+            raise UsageError(f"--{next(iter(given)).replace('_', '-')} goes with --sweep")
+        return {}
+    options = SWEEP_OPTIONS | {"num_drafts": LOOKUP_NUM_DRAFTS if args.prompt_lookup else SWEEP_OPTIONS["num_drafts"]} | given
+    if options["repeats"] < 1:
         raise UsageError("--repeats must be at least 1")
-    if args.prompts_file and (args.interactive or args.compare):
+    num_drafts = parse_list(options["num_drafts"], "num_draft", "--num-drafts")
+    if args.prompt_lookup and AUTO in num_drafts:
+        raise UsageError("--num-drafts: auto follows a draft model's confidence, not --prompt-lookup's drafts")
+    deltas = parse_list(options["deltas"], "delta", "--deltas")
+    if options["plot"]:  # fail before loading anything
+        check_plot_path(options["plot"])
+    return {"num_drafts": num_drafts, "deltas": deltas, "plot": options["plot"], "repeats": options["repeats"]}
+
+
+def check_usage(args) -> Plan:
+    """Every check that needs no model, so that bad input fails at once; what to run."""
+    if args.regular_decode and (args.compare or args.sweep):
+        raise UsageError("--compare and --sweep run regular decoding themselves: drop --regular-decode")
+    settings = knob_settings(args, DEMO_DEFAULTS if args.demo else DEFAULTS)
+    draft_model = args.draft_model
+    if draft_model is None and not args.prompt_lookup:
+        draft_model = str(DEMO_DIR / "draft") if args.demo else "t5-small"
+    if settings.speculative and not draft_model and not args.prompt_lookup:
+        raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
+    mode = "interactive" if args.interactive else "compare" if args.compare else "sweep" if args.sweep else "one-shot"
+    if args.json and mode != "one-shot":
+        raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
+    if args.prompts_file and mode in ("interactive", "compare"):
         raise UsageError("--prompts-file goes with a one-shot run or --sweep, not --interactive or --compare")
     if args.batch_size is not None:
         if not args.prompts_file and not args.sweep:
             raise UsageError("--batch-size goes with --prompts-file (or --sweep)")
         BATCH_SIZE.check(args.batch_size, "--batch-size")
-    else:
-        args.batch_size = SWEEP_BATCH_SIZE_DEFAULT if args.sweep else BATCH_SIZE_DEFAULT
-    if args.prompts_file and args.prompt_given:
+    if args.prompts_file and args.prompt is not None:
         raise UsageError("give --prompt or --prompts-file, not both")
-    if not args.prompt.strip():
+    examples = demo_prompts() if args.demo else None
+    prompt = args.prompt if args.prompt is not None else examples[DEMO_PROMPT - 1] if args.demo else DEFAULT_PROMPT
+    if not prompt.strip():
         raise UsageError("the prompt is empty")
-    return settings
+    grid = sweep_grid(args)
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else None  # bad files fail before loading
+    if args.sweep and not prompts:
+        prompts = examples if examples and args.prompt is None else [prompt]
+    batch_size = args.batch_size or (SWEEP_BATCH_SIZE_DEFAULT if args.sweep else BATCH_SIZE_DEFAULT)
+    model = args.model if args.model is not None else str(DEMO_DIR / "target") if args.demo else "t5-11b"
+    return Plan(settings, mode, model, None if args.prompt_lookup else draft_model, prompt, args.prompt is not None,
+                prompts, examples, batch_size, args.json, args.demo, **grid)
 
 
-def load_models(args, speculative: bool, one_row: bool = False):
+def load_models(plan: Plan, one_row: bool = False):
+    drafts = plan.settings.speculative or plan.mode == "sweep"  # --regular-decode loads no draft
     try:
-        return load(args.model, draft=args.draft_model if speculative and not args.prompt_lookup else None, verbose=True,
-                    one_row=one_row)
+        return load(plan.model, draft=plan.draft_model if drafts else None, verbose=True, one_row=one_row)
     except ModelNotFound as e:
         if e.role == "draft":
             raise UsageError(f"{e} (or pass --regular-decode to run the target alone)")
         raise
 
 
-def run(args) -> int:
-    prompt_given = args.prompt_given = args.prompt is not None
-    examples = demo_prompts() if args.demo else None
-    if args.model is None:
-        args.model = str(DEMO_DIR / "target") if args.demo else "t5-11b"
-    args.draft_model_given = args.draft_model is not None
-    if args.draft_model is None and not args.prompt_lookup:
-        args.draft_model = str(DEMO_DIR / "draft") if args.demo else "t5-small"
-    if args.prompt is None:
-        args.prompt = examples[DEMO_PROMPT - 1] if args.demo else DEFAULT_PROMPT
-    settings = check_usage(args)
-    prompts = read_prompts(args.prompts_file) if args.prompts_file else None  # bad files fail before loading
-
-    if args.sweep:
-        prompts = prompts or (examples if examples and not prompt_given else [args.prompt])
-        num_drafts = parse_list(args.num_drafts, "num_draft", "--num-drafts")
-        if args.prompt_lookup and AUTO in num_drafts:
-            raise UsageError("--num-drafts: auto follows a draft model's confidence, not --prompt-lookup's drafts")
-        deltas = parse_list(args.deltas, "delta", "--deltas")
-        if args.plot:  # fail before loading anything
-            check_plot_path(args.plot)
-        sweep(load_models(args, True), prompts, settings, num_drafts, deltas, args.plot, repeats=args.repeats,
-              batch_size=args.batch_size)
+def run(plan: Plan) -> int:
+    settings = plan.settings
+    if plan.mode == "sweep":
+        sweep(load_models(plan), plan.prompts, settings, plan.num_drafts, plan.deltas, plan.plot, repeats=plan.repeats,
+              batch_size=plan.batch_size)
         return 0
     # Regular decoding of one prompt at a time: each of the target's steps takes one row.
-    one_row = not settings.speculative and (not prompts or len(prompts) == 1 or args.batch_size == 1)
-    models = load_models(args, settings.speculative, one_row)
-    if prompts:
-        generations = stream_batch_generate(models, prompts, batch_size=args.batch_size, **vars(settings))
-        if args.json:
+    one_row = not settings.speculative and (not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)
+    models = load_models(plan, one_row)
+    if plan.prompts:
+        generations = stream_batch_generate(models, plan.prompts, batch_size=plan.batch_size, settings=settings)
+        if plan.json:
             for generation in generations:
                 print(json.dumps({"text": generation.text, "tokens": generation.tokens, "stats": generation.stats.to_dict()}),
                       flush=True)
         else:
-            show_batch(generations, len(prompts), settings.drafts(models))
-    elif args.interactive:
-        Session(models, settings, examples).run(first_prompt=args.prompt if prompt_given else None)
-    elif args.compare:
-        compare(models, args.prompt, settings)
-    elif args.json:
-        announce_encoding(models, args.prompt, settings)
-        responses = list(stream_generate(models, args.prompt, **vars(settings)))
+            show_batch(generations, len(plan.prompts), settings.drafts(models))
+    elif plan.mode == "interactive":
+        Session(models, settings, plan.examples).run(first_prompt=plan.prompt if plan.prompt_given else None)
+    elif plan.mode == "compare":
+        compare(models, plan.prompt, settings)
+    elif plan.json:
+        announce_encoding(models, plan.prompt, settings)
+        responses = list(stream_generate(models, plan.prompt, settings=settings))
         tokens = [response.token for response in responses if response.token is not None]
         text = "".join(response.text for response in responses)
         print(json.dumps({"text": text, "tokens": tokens, "stats": responses[-1].stats.to_dict()}))
     else:
-        if args.demo:  # a first impression: the timings are warm, and the speedup is measured
-            warm_up(models, args.prompt, settings)
-            if not prompt_given:
-                print(f"Held-out prompt {DEMO_PROMPT} of {len(examples)} (Python code, a span masked by <extra_id_0>):\n"
-                      f"{args.prompt}\n\nOutput:", flush=True)
-        text, stats = show_generation(models, args.prompt, settings)
-        if args.demo and settings.speculative:
-            show_speedup(models, args.prompt, settings, stats)
-        show_filled(args.prompt, text)
+        show_one(models, plan)
     return 0
+
+
+def show_one(models, plan: Plan) -> None:
+    """A one-shot run at a terminal; with --demo, a first impression: warm
+    timings, the held-out prompt shown, and the speedup measured."""
+    if plan.demo:
+        warm_up(models, plan.prompt, plan.settings)
+        if not plan.prompt_given:
+            print(f"Held-out prompt {DEMO_PROMPT} of {len(plan.examples)} (Python code, a span masked by <extra_id_0>):\n"
+                  f"{plan.prompt}\n\nOutput:", flush=True)
+    text, stats = show_generation(models, plan.prompt, plan.settings)
+    if plan.demo and plan.settings.speculative:
+        show_speedup(models, plan.prompt, plan.settings, stats)
+    show_filled(plan.prompt, text)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        return run(check_usage(args))
     except T5Error as e:  # bad options, and model folders the user has to fix
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -472,6 +472,8 @@ class T5(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self._compiled_step = None  # compile_decoding sets it
+        self._paused = None  # the compiled step while `compiled` is switched off
+        self.cold_steps = 0  # decode steps of compiled decoding that did not replay a traced graph
 
     def encode(self, tokens: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> mx.array:
         """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model).
@@ -507,14 +509,16 @@ class T5(nn.Module):
             shapes = (tokens.shape, keys[0].shape, cache.cross_keys_values[0][0].shape, cache.cross_bias is None)
             if shapes in self._traced:
                 step = self._compiled_step
-            elif shapes in self._seen:
-                if len(self._traced) >= self.most_traces:
-                    self.compile_decoding()  # a fresh start: MLX frees the old traces
-                self._seen.discard(shapes)
-                self._traced.add(shapes)
-                step = self._compiled_step
             else:
-                self._seen.add(shapes)
+                self.cold_steps += 1
+                if shapes in self._seen:
+                    if len(self._traced) >= self.most_traces:
+                        self.compile_decoding()  # a fresh start: MLX frees the old traces
+                    self._seen.discard(shapes)
+                    self._traced.add(shapes)
+                    step = self._compiled_step
+                else:
+                    self._seen.add(shapes)
         logits, keys, values = step(tokens, mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias)
         cache.advance(length, keys, values)
         return logits
@@ -536,10 +540,11 @@ class T5(nn.Module):
         new tokens, prompt length rounded up to DecoderCache.prompt_block,
         storage capacity) on the shape's second step: MLX then replays the
         traced graph instead of running the Python that builds it, and fuses
-        its elementwise work, which is much of a narrow model's step (bench.py
-        steps). A trace costs about a step, and a shape's first step runs
-        plainly, a little slower than a replayed one: many shapes of a
-        one-shot run, where num-draft auto tries lengths, never recur.
+        its elementwise work, which is much of a narrow model's step
+        (`python -m bench steps`). A trace costs about a step, and a shape's
+        first step runs plainly, a little slower than a replayed one: many
+        shapes of a one-shot run, where num-draft auto tries lengths, never
+        recur. `cold_steps` counts the steps that did not replay a graph.
         After `most_traces` shapes (half a megabyte each for the demo target)
         a long session starts over with none. The weights become constants
         of those graphs, so compile once they are final: changing them with
@@ -556,13 +561,31 @@ class T5(nn.Module):
 
     @property
     def compiled(self) -> bool:
-        """Whether decode steps run as compiled graphs (compile_decoding)."""
+        """Whether decode steps run as compiled graphs (compile_decoding).
+        Set False to build every step's graph op by op (what compiling saves:
+        `python -m bench steps`), True to compile again."""
         return self._compiled_step is not None
 
+    @compiled.setter
+    def compiled(self, on: bool) -> None:
+        if on == self.compiled:
+            return
+        if not on:  # kept, with its traces, for when it is switched on again
+            self._paused, self._compiled_step = self._compiled_step, None
+        elif self._paused is not None:
+            self._compiled_step, self._paused = self._paused, None
+        else:
+            self.compile_decoding()
+
+    @property
+    def traced_shapes(self) -> int:
+        """Decode-step shapes traced into compiled graphs so far."""
+        return len(self._traced) if self.compiled else 0
+
     def update(self, parameters: dict, strict: bool = True) -> "T5":
-        self._compiled_step = None
+        self._compiled_step = self._paused = None
         return super().update(parameters, strict)
 
     def update_modules(self, modules: dict, strict: bool = True) -> "T5":
-        self._compiled_step = None
+        self._compiled_step = self._paused = None
         return super().update_modules(modules, strict)

@@ -8,13 +8,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from decoder import AUTO, KNOBS, OptionError, Settings, Stats
+from errors import OptionError, SweepError
 from generate import measure_batch, warm_up
-from loading import Models, T5Error
-
-
-class SweepError(T5Error):
-    """A sweep that cannot run or be plotted; printed as one line."""
+from loading import Models
+from options import AUTO, KNOBS, Settings, Stats
 
 
 def parse_list(text: str, name: str, label: str) -> list:

@@ -11,8 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 import main
-from decoder import OptionError
-from generate import Detokenizer, batch_generate, generate, stream_generate
+from errors import OptionError
+from generate import batch_generate, generate, stream_generate
+from text import Detokenizer
 from loading import load, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def test_streamed_pieces_join_to_generate_text_and_the_cli_json_text(demo_pair, 
     prompt = demo_prompts[2]
     responses = list(stream_generate(demo_pair, prompt, **options))
     *steps, last = responses
-    assert all(r.token is not None for r in steps) and last.token is None and last.finish_reason == "eos"
+    assert all(r.token is not None for r in steps) and last.token is None and last.finish_reason == "stop"
     assert (last.stats.draft_calls == 0) == (options.get("speculative") is False)
     assert [r.stats.generated for r in steps] == list(range(1, len(steps) + 1))  # each its own snapshot
     text = "".join(r.text for r in responses)

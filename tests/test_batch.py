@@ -6,15 +6,15 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 from checkpoints import PROMPTS, exact_first_token_distribution
+from support import chi_square_passes, decode, decode_batch, regular
 
 import main
 import mlx.core as mx
-from decoder import (Stats, accept_mask, regular_batch, regular_generate, speculative_batch,
-                     speculative_generate)
+from decoder import Request
 from generate import batch_generate, generate, stream_generate
-from sampling import Sampling
 from loading import Models, load_tokenizer
 from model import KVCache
+from options import Settings, Stats
 from test_model import append
 
 # Nine prompts from 3 to ~90 tokens: padding matters in the encoder and in cross-attention.
@@ -29,25 +29,17 @@ def prompts(pair, tokenizer):
     return ids
 
 
-def run_batch(generator) -> tuple[dict[int, list[int]], list[int]]:
-    """Each prompt's tokens, and the prompts in the order their rows finished."""
-    tokens, finished = {}, []
-    for index, token, done in generator:
-        tokens.setdefault(index, [])
-        if token is not None:
-            tokens[index].append(token)
-        if done:
-            finished.append(index)
-    return tokens, finished
-
-
 def counts(stats: Stats) -> dict:
     return {name: value for name, value in asdict(stats).items() if not name.endswith("seconds")}  # all but timings
 
 
-def alone(target, draft, prompt, max_tokens, num_draft, delta=0.0, sampling=Sampling()):
+def alone(models: Models, prompt: list[int], settings: Settings) -> tuple[list[int], Stats]:
     stats = Stats()
-    return list(speculative_generate(target, draft, prompt, max_tokens, sampling, num_draft, delta, stats)), stats
+    return decode(models, prompt, settings, stats), stats
+
+
+def requests_for(prompts: list[list[int]], settings: Settings) -> list[Request]:
+    return [Request(prompt, settings) for prompt in prompts]
 
 
 @pytest.mark.parametrize("batch_size", range(1, 9))
@@ -55,25 +47,25 @@ def test_batched_greedy_rows_equal_each_prompt_decoded_alone(pair, prompts, batc
     """Nine prompts of 3 to 90 tokens, more than a batch holds: rows join, accept different
     numbers of drafts and finish at different rounds, and each row's tokens and counts are
     exactly those of its prompt decoded alone (which equal transformers' greedy: test_speculative)."""
-    target, draft = pair["target"], pair["drafts"]["close"]
-    expected = [alone(target, draft, p, 24, 3) for p in prompts]
-    stats = [Stats() for _ in prompts]
-    tokens, finished = run_batch(speculative_batch(target, draft, prompts, 24, Sampling(), 3, 0.0, stats, batch_size))
+    models, settings = Models(pair["target"], pair["drafts"]["close"]), Settings(max_tokens=24, num_draft=3)
+    expected = [alone(models, p, settings) for p in prompts]
+    requests = requests_for(prompts, settings)
+    tokens, finished = decode_batch(models, requests, batch_size)
     for i, (want, want_stats) in enumerate(expected):
         assert tokens[i] == want, f"prompt {i}"
-        assert counts(stats[i]) == counts(want_stats), f"prompt {i}"
+        assert counts(requests[i].stats) == counts(want_stats), f"prompt {i}"
     assert sorted(finished) == list(range(len(prompts)))
-    assert len({s.target_calls for s in stats}) > 1, "rows must finish after different numbers of rounds"
+    assert len({r.stats.target_calls for r in requests}) > 1, "rows must finish after different numbers of rounds"
 
 
 @pytest.mark.parametrize("num_draft", range(1, 9))
 def test_batched_greedy_equals_alone_at_every_num_draft(pair, prompts, num_draft):
     target, draft = pair["target"], pair["drafts"]["close"]
-    stats = [Stats() for _ in prompts]
-    tokens, _ = run_batch(speculative_batch(target, draft, prompts, 20, Sampling(), num_draft, 0.0, stats, 4))
+    requests = requests_for(prompts, Settings(max_tokens=20, num_draft=num_draft))
+    tokens, _ = decode_batch(Models(target, draft), requests, 4)
     for i, prompt in enumerate(prompts):
-        assert tokens[i] == list(regular_generate(target, prompt, 20, Sampling())), f"prompt {i}"
-    assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats), "needs acceptances and rejections"
+        assert tokens[i] == regular(target, prompt, 20), f"prompt {i}"
+    assert 0 < sum(r.stats.accepted for r in requests) < sum(r.stats.drafted for r in requests), "needs acceptances and rejections"
 
 
 @pytest.mark.parametrize("batch_size", [3, 8])
@@ -81,53 +73,38 @@ def test_rows_stopping_at_eos_in_different_rounds_leave_and_the_rest_stay_exact(
     """Each row reaches EOS (position 7) in a round of its own, since rows accept
     different numbers of drafts; the remaining rows and the joining ones are unaffected."""
     target, draft = eos_at(pair["target"], 7), pair["drafts"]["close"]
-    stats = [Stats() for _ in prompts]
-    tokens, finished = run_batch(speculative_batch(target, draft, prompts, 40, Sampling(), 4, 0.0, stats, batch_size))
+    requests = requests_for(prompts, Settings(max_tokens=40, num_draft=4))
+    tokens, finished = decode_batch(Models(target, draft), requests, batch_size)
     for i, prompt in enumerate(prompts):
-        assert tokens[i] == list(regular_generate(target, prompt, 40, Sampling())), f"prompt {i}"
+        assert tokens[i] == regular(target, prompt, 40), f"prompt {i}"
         assert len(tokens[i]) == 7
-    assert len({s.target_calls for s in stats}) > 1
+    assert len({r.stats.target_calls for r in requests}) > 1
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_regular_batch_rows_equal_each_prompt_alone(pair, prompts, batch_size, eos_at):
     target = eos_at(pair["target"], 9)  # some rows stop at EOS, the others at max_tokens
     short = [p if i % 2 else p[:1] for i, p in enumerate(prompts)]  # a 1-token prompt: EOS alone
-    stats = [Stats() for _ in short]
-    tokens, finished = run_batch(regular_batch(target, short, 12, Sampling(), stats, batch_size))
+    requests = requests_for(short, Settings(max_tokens=12, speculative=False))
+    tokens, finished = decode_batch(Models(target), requests, batch_size)
     for i, prompt in enumerate(short):
         single = Stats()
-        assert tokens[i] == list(regular_generate(target, prompt, 12, Sampling(), single)), f"prompt {i}"
-        assert counts(stats[i]) == counts(single)
+        assert tokens[i] == regular(target, prompt, 12, single), f"prompt {i}"
+        assert counts(requests[i].stats) == counts(single)
     assert sorted(finished) == list(range(len(short)))
 
 
 @pytest.mark.parametrize("delta", [0.3, 1.0])
 def test_each_row_follows_the_single_prompt_acceptance_rule_at_delta(unit_scale_pair, tokenizer, delta):
     """Greedy with delta > 0 is deterministic: each row accepts exactly what its prompt accepts alone."""
-    target, draft = unit_scale_pair
+    models, settings = Models(*unit_scale_pair), Settings(max_tokens=32, num_draft=4, delta=delta)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    stats = [Stats() for _ in prompts]
-    tokens, _ = run_batch(speculative_batch(target, draft, prompts, 32, Sampling(), 4, delta, stats, 4))
+    requests = requests_for(prompts, settings)
+    tokens, _ = decode_batch(models, requests, 4)
     for i, prompt in enumerate(prompts):
-        want, want_stats = alone(target, draft, prompt, 32, 4, delta)
-        assert tokens[i] == want and counts(stats[i]) == counts(want_stats), f"prompt {i}"
-    assert sum(s.accepted for s in stats) > 0
-
-
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-def test_the_acceptance_rule_on_a_batch_is_the_rule_row_by_row(temp):
-    rng = np.random.default_rng(1)
-    batch, k, vocab = 5, 6, 12
-    target_logits = mx.array(rng.normal(size=(batch, k + 1, vocab)) * 2, mx.float32)
-    draft_logits = mx.array(rng.normal(size=(batch, k, vocab)) * 2, mx.float32)
-    drafts = mx.array(rng.integers(0, vocab, size=(batch, k)))
-    u = mx.array(rng.uniform(size=(batch, k)), mx.float32)
-    for delta in (0.0, 0.4):
-        together = np.array(accept_mask(target_logits, draft_logits, drafts, Sampling(temp=temp), delta, u=u))
-        for row in range(batch):
-            single = accept_mask(target_logits[row], draft_logits[row], drafts[row], Sampling(temp=temp), delta, u=u[row])
-            np.testing.assert_array_equal(together[row], np.array(single))
+        want, want_stats = alone(models, prompt, settings)
+        assert tokens[i] == want and counts(requests[i].stats) == counts(want_stats), f"prompt {i}"
+    assert sum(r.stats.accepted for r in requests) > 0
 
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
@@ -139,22 +116,18 @@ def test_batched_sampling_gives_each_row_the_target_distribution(tiny_vocab_pair
     batch = [prompts[i % 2] for i in range(8)]
     mx.random.seed(99)
     counts_ = np.zeros((2, 8))
-    totals = [Stats() for _ in batch]
+    models, settings = Models(target, draft), Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft=3)
+    pooled = Stats()
     for _ in range(400):
-        stats = [Stats() for _ in batch]
-        tokens, _ = run_batch(speculative_batch(target, draft, batch, 4, Sampling(temp=temp, top_p=top_p), 3, 0.0, stats, 8))
+        requests = requests_for(batch, settings)
+        tokens, _ = decode_batch(models, requests, 8)
         for i in range(len(batch)):
             counts_[i % 2, tokens[i][0] if tokens[i] else 1] += 1
-        totals = [t + s for t, s in zip(totals, stats)]
-    pooled = sum(totals, Stats())
+        pooled = sum((r.stats for r in requests), pooled)
     assert 0.1 < pooled.acceptance_rate < 0.9, "the draft must be rejected sometimes for this to test anything"
     for which, prompt in enumerate(prompts):
         expected = exact_first_token_distribution(hf_target, prompt, temp, top_p)
-        support, samples = expected > 0, counts_[which].sum()
-        assert counts_[which][~support].sum() == 0
-        chi2 = (((counts_[which] - samples * expected) ** 2)[support] / (samples * expected[support])).sum()
-        critical = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]
-        assert chi2 < critical, (which, chi2, counts_[which] / samples, expected)
+        assert chi_square_passes(counts_[which], expected), (which, counts_[which] / counts_[which].sum(), expected)
 
 
 def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, prompts):
@@ -171,11 +144,11 @@ def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, p
 
     target.decode = recording
     try:
-        stats = [Stats() for _ in prompts]
-        run_batch(speculative_batch(target, draft, prompts, 300, Sampling(), 8, 0.0, stats, 4))
+        requests = requests_for(prompts, Settings(max_tokens=300, num_draft=8))
+        decode_batch(Models(target, draft), requests, 4)
     finally:
         del target.decode
-    assert sum(s.drafted for s in stats) > 5 * sum(s.accepted for s in stats), "the drafts must be mostly rejected"
+    assert sum(r.stats.drafted for r in requests) > 5 * sum(r.stats.accepted for r in requests), "the drafts must be mostly rejected"
     for rows, capacity, longest, offsets in seen:
         assert rows == offsets <= 4
         assert capacity == -(-longest // KVCache.block) * KVCache.block
@@ -298,27 +271,18 @@ def test_rows_with_their_own_settings_each_decode_as_they_would_alone(pair, prom
     top-k, top-p and seed (as the server's requests have): each row's tokens
     and counts are those of its request decoded alone; greedy rows at delta 0
     are regular greedy decoding's."""
-    from decoder import Request, SpeculativeBatch, drive
-    from drafting import DraftModel
-
     target, draft = pair["target"], pair["drafts"]["close"]
-    settings = [dict(max_tokens=20, num_draft=3), dict(max_tokens=12, num_draft=1, delta=0.6),
-                dict(max_tokens=25, num_draft=4, sampling=Sampling(temp=1.0), seed=5),
-                dict(max_tokens=18, num_draft=2, sampling=Sampling(temp=0.7, top_k=5, top_p=0.9), seed=9, delta=0.2),
-                dict(max_tokens=9, num_draft=5)]
+    settings = [Settings(max_tokens=20, num_draft=3), Settings(max_tokens=12, num_draft=1, delta=0.6),
+                Settings(max_tokens=25, num_draft=4, temp=1.0, seed=5),
+                Settings(max_tokens=18, num_draft=2, temp=0.7, top_k=5, top_p=0.9, seed=9, delta=0.2),
+                Settings(max_tokens=9, num_draft=5)]
     chosen = [prompts[i] for i in (0, 3, 5, 6, 8)]
-
-    def decode(requests):
-        tokens = {}
-        for request, token, _ in drive(SpeculativeBatch(target, DraftModel(draft), 8), requests):
-            tokens.setdefault(id(request), []).extend([] if token is None else [token])
-        return [tokens.get(id(r), []) for r in requests]
-
-    together_requests = [Request(p, **s) for p, s in zip(chosen, settings)]
-    together = decode(together_requests)
+    models = Models(target, draft)
+    together_requests = [Request(p, s) for p, s in zip(chosen, settings)]
+    together, _ = decode_batch(models, together_requests, 8)
     for i, (prompt, options) in enumerate(zip(chosen, settings)):
-        alone_request = Request(prompt, **options)
-        assert decode([alone_request]) == [together[i]], f"row {i}"
+        alone_request = Request(prompt, options)
+        assert decode_batch(models, [alone_request], 8)[0] == [together[i]], f"row {i}"
         assert counts(alone_request.stats) == counts(together_requests[i].stats), f"row {i}"
     for i in (0, 4):
-        assert together[i] == list(regular_generate(target, chosen[i], settings[i]["max_tokens"], Sampling()))
+        assert together[i] == regular(target, chosen[i], settings[i].max_tokens)

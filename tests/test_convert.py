@@ -239,7 +239,8 @@ def make_untied_config_without_head(path: Path, tokenizer_dir) -> Path:
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("not/a/valid id!", "neither a folder nor a Hugging Face hub id"),
+        ("not/a/valid id!", "there is no folder not/a/valid id! here (and it is not a Hugging Face hub id"),
+        ("mlx_models/t5-11b", "there is no folder mlx_models/t5-11b here"),  # never tried as a download
         ("empty folder", "holds no T5 checkpoint"),
         ("bert folder", "'bert' model, not T5"),
         ("truncated", "truncated or corrupt"),
@@ -252,6 +253,7 @@ def test_bad_sources_give_one_line_errors(case, message, tmp_path, tokenizer_dir
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     model = {
         "not/a/valid id!": lambda: "not/a/valid id!",
+        "mlx_models/t5-11b": lambda: "mlx_models/t5-11b",
         "empty folder": lambda: str((tmp_path / "empty").mkdir() or tmp_path / "empty"),
         "bert folder": lambda: str(make_bert_folder(tmp_path / "bert")),
         "truncated": lambda: str(make_truncated_checkpoint(tmp_path / "trunc", tokenizer_dir)),

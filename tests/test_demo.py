@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import reference_greedy
+from support import decode, regular
 from mlx.utils import tree_flatten
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
 import convert
 import main
 import train
-from decoder import Stats, regular_generate, speculative_generate
-from sampling import Sampling
-from loading import load_model, load_tokenizer
+from loading import Models, load_model, load_tokenizer
+from options import Settings, Stats
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
@@ -35,7 +35,7 @@ def mean_acceptance(target, draft, prompts, num_draft, delta) -> float:
     rates = []
     for prompt in prompts:
         stats = Stats()
-        list(speculative_generate(target, draft, prompt, 100, Sampling(), num_draft, delta, stats))
+        decode(Models(target, draft), prompt, Settings(num_draft=num_draft, delta=delta), stats)
         rates.append(stats.acceptance_rate)
     return float(np.mean(rates))
 
@@ -53,7 +53,7 @@ def test_target_fills_each_masked_span_and_most_fillings_are_varied_text(demo):
     target, _, tokenizer, prompts = demo
     outputs, varied = [], 0
     for prompt in prompts:
-        tokens = list(regular_generate(target, prompt, 100, Sampling()))
+        tokens = regular(target, prompt, 100)
         assert len(tokens) < 100, "no EOS: the output should end after the last span"
         text = tokenizer.decode(tokens)
         masked = [int(n) for n in SENTINEL.findall(tokenizer.decode(prompt))]
@@ -76,8 +76,8 @@ def test_the_demo_opens_with_the_prompt_of_median_acceptance(demo):
     rates = []
     for prompt in prompts:
         stats = Stats()
-        settings = main.DEMO_DEFAULTS
-        list(speculative_generate(target, draft, prompt, 100, Sampling(), settings["num_draft"], settings["delta"], stats))
+        defaults = main.DEMO_DEFAULTS
+        decode(Models(target, draft), prompt, Settings(num_draft=defaults["num_draft"], delta=defaults["delta"]), stats)
         rates.append(stats.acceptance_rate)
     assert rates[main.DEMO_PROMPT - 1] == pytest.approx(np.median(rates), abs=0.05), rates
 
@@ -93,8 +93,7 @@ def test_acceptance_rises_with_delta(demo):
 def test_greedy_speculative_equals_regular_greedy_for_every_num_draft(demo, num_draft):
     target, draft, _, prompts = demo
     for prompt in prompts[:8]:
-        regular = list(regular_generate(target, prompt, 100, Sampling()))
-        assert list(speculative_generate(target, draft, prompt, 100, Sampling(), num_draft, 0.0)) == regular
+        assert decode(Models(target, draft), prompt, Settings(num_draft=num_draft)) == regular(target, prompt, 100)
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])
@@ -111,7 +110,7 @@ def test_demo_model_round_trips_through_a_hugging_face_checkpoint(demo, name, tm
     hf_model = T5ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
     for prompt in demo[3][:2]:
         with torch.no_grad():
-            assert list(regular_generate(shipped, prompt, 60, Sampling())) == reference_greedy(hf_model, prompt, 60)
+            assert regular(shipped, prompt, 60) == reference_greedy(hf_model, prompt, 60)
 
 
 def test_cli_demo_shows_the_prompt_output_acceptance_speedup_and_filled_in_text():

@@ -11,15 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import PROMPTS, exact_first_token_distribution, reference_greedy
+from support import chi_square_passes, decode, decode_batch, regular
 
 import main
 import mlx.core as mx
-from decoder import (OptionError, Request, Row, Settings, Stats, encode_prompts, regular_generate, speculative_batch,
-                     speculative_generate)
-from drafting import AutoDraft, DraftModel, PromptLookup
+from decoder import Request, Row, encode_for
+from drafting import AutoDraft, DraftCost, DraftModel, PromptLookup
+from errors import OptionError
 from generate import generate
 from interactive import Session
-from loading import Models, load, load_tokenizer
+from loading import Models, load, load_model, load_tokenizer
+from options import Settings, Stats
 from sampling import RowSampling, Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,8 +41,8 @@ def prompt_ids(pair):
 def test_greedy_auto_equals_regular_and_transformers_greedy(pair, draft):
     target, checkpoint = pair["target"], pair["checkpoint"]
     prompt, stats = checkpoint.prompt_ids, Stats()
-    out = list(speculative_generate(target, pair["drafts"][draft], prompt, 64, Sampling(), "auto", 0.0, stats))
-    assert out == list(regular_generate(target, prompt, 64, Sampling()))
+    out = decode(Models(target, pair["drafts"][draft]), prompt, Settings(max_tokens=64, num_draft="auto"), stats)
+    assert out == regular(target, prompt, 64)
     assert out == reference_greedy(checkpoint.hf_model, prompt, 64)
     assert stats.drafted > 0
 
@@ -49,8 +51,8 @@ def test_greedy_auto_equals_regular_and_transformers_greedy(pair, draft):
 def test_greedy_prompt_lookup_equals_regular_and_transformers_greedy(pair, num_draft):
     target, checkpoint = pair["target"], pair["checkpoint"]
     prompt = checkpoint.prompt_ids
-    out = list(speculative_generate(target, None, prompt, 64, Sampling(), num_draft, 0.0))
-    assert out == list(regular_generate(target, prompt, 64, Sampling()))
+    out = decode(Models(target), prompt, Settings(max_tokens=64, num_draft=num_draft, prompt_lookup=True))
+    assert out == regular(target, prompt, 64)
     assert out == reference_greedy(checkpoint.hf_model, prompt, 64)
 
 
@@ -58,23 +60,11 @@ def test_greedy_prompt_lookup_equals_regular_and_transformers_greedy(pair, num_d
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_batched_auto_and_lookup_rows_equal_each_prompt_alone(pair, prompt_ids, draft, num_draft, batch_size):
     target = pair["target"]
-    alone = [list(regular_generate(target, prompt, 40, Sampling())) for prompt in prompt_ids]
-    stats = [Stats() for _ in prompt_ids]
-    tokens = {i: [] for i in range(len(prompt_ids))}
-    draft_model = pair["drafts"][draft] if draft else None
-    for index, token, _ in speculative_batch(target, draft_model, prompt_ids, 40, Sampling(), num_draft, 0.0, stats,
-                                             batch_size):
-        tokens[index] += [] if token is None else [token]
-    assert [tokens[i] for i in range(len(prompt_ids))] == alone
-
-
-def chi_square_passes(counts: np.ndarray, expected: np.ndarray) -> bool:
-    """Goodness of fit at a false-alarm rate of 0.1%; no count outside the support."""
-    support, samples = expected > 0, counts.sum()
-    assert counts[~support].sum() == 0, "sampled a token the target cannot produce"
-    chi2 = (((counts - samples * expected) ** 2)[support] / (samples * expected[support])).sum()
-    critical = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]
-    return chi2 < critical
+    alone = [regular(target, prompt, 40) for prompt in prompt_ids]
+    settings = Settings(max_tokens=40, num_draft=num_draft, prompt_lookup=draft is None)
+    tokens, _ = decode_batch(Models(target, pair["drafts"][draft] if draft else None),
+                             [Request(prompt, settings) for prompt in prompt_ids], batch_size)
+    assert tokens == alone
 
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
@@ -86,11 +76,11 @@ def test_sampling_with_looked_up_drafts_follows_the_target_distribution(tiny_voc
     test against the target's, and so does the first token's."""
     target, hf_target = tiny_vocab_pair["target"]
     prompt = [0, 3, 5, 4, 3, 4, 0, 7, 1]
-    sampling = Sampling(temp=temp, top_p=top_p)
+    models, settings = Models(target), Settings(max_tokens=3, temp=temp, top_p=top_p, num_draft=1, prompt_lookup=True)
     mx.random.seed(4321)
     outputs, totals = [], Stats()
     for _ in range(3000):
-        outputs.append(list(speculative_generate(target, None, prompt, 3, sampling, 1, 0.0, totals)))
+        outputs.append(decode(models, prompt, settings, totals))
     assert 0.05 < totals.acceptance_rate < 0.9, "looked-up drafts must be both accepted and rejected for this to test anything"
     firsts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)
     assert chi_square_passes(firsts, exact_first_token_distribution(hf_target, prompt, temp, top_p))
@@ -106,11 +96,11 @@ def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, tem
     first, are still the target's."""
     (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
     prompt = [5, 3, 6, 1]
-    sampling = Sampling(temp=temp, top_p=top_p)
+    models, settings = Models(target, draft), Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft="auto")
     mx.random.seed(1234)
-    outputs, totals, auto = [], Stats(), AutoDraft()
+    outputs, totals = [], Stats()
     for _ in range(3000):
-        outputs.append(list(speculative_generate(target, draft, prompt, 4, sampling, auto, 0.0, totals)))
+        outputs.append(decode(models, prompt, settings, totals))
     assert 0.1 < totals.acceptance_rate < 0.9
     firsts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)
     assert chi_square_passes(firsts, exact_first_token_distribution(hf_target, prompt, temp, top_p))
@@ -122,7 +112,7 @@ def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, tem
 class DropsTheSecond(AutoDraft):
     """Decides against the second draft every round, once it is made."""
 
-    def decide(self, reach, limits, made):
+    def decide(self, reach, rates, limits, made, cost):
         return False, False
 
 
@@ -132,32 +122,48 @@ def test_a_dropped_draft_leaves_the_draft_cache_as_one_draft_would(pair):
     change the draft's next proposals, and so the counts)."""
     target, draft, prompt = pair["target"], pair["drafts"]["close"], pair["checkpoint"].prompt_ids
     dropped, one = Stats(), Stats()
-    out = list(speculative_generate(target, draft, prompt, 40, Sampling(), DropsTheSecond(), 0.0, dropped))
-    assert out == list(speculative_generate(target, draft, prompt, 40, Sampling(), 1, 0.0, one))
+    out = decode(Models(target, draft, drafting=DropsTheSecond()), prompt, Settings(max_tokens=40, num_draft="auto"), dropped)
+    assert out == decode(Models(target, draft), prompt, Settings(max_tokens=40, num_draft=1), one)
     assert (dropped.drafted, dropped.accepted, dropped.target_calls) == (one.drafted, one.accepted, one.target_calls)
 
 
 # ---------------------------------------------------------------- auto's rule
 
 
+class Ticking:
+    """A clock for auto's cost: each reading is `step` seconds after the last."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+AUTO = Settings(num_draft="auto")
+
+
 def drafts_taken(auto: AutoDraft, draft, prompt: list[int]) -> int:
     """How many tokens auto drafts in one round from a fresh cache: the same confidences every time."""
-    cache, drafter = encode_prompts(draft, [prompt]), DraftModel(draft, auto)
-    row = Row(Request(prompt), 0.0, (0, 0))
+    (cache,) = encode_for([draft], [prompt])
+    drafter = DraftModel(draft, auto)
+    row = Row(Request(prompt, AUTO), 0.0, (0, 0))
     drafter.start(row)
-    proposal = drafter.propose([row], [AutoDraft.cap], RowSampling([Sampling()]), mx.array([0]), cache)
-    return proposal.drafts.shape[1]
+    return drafter.propose([row], [AutoDraft.cap], RowSampling([Sampling()]), None, cache).drafts.shape[1]
 
 
-def learnt(rounds: list[tuple[int, int]]) -> AutoDraft:
+def learnt(rounds: list[tuple[int, int]], step: float = 0.001) -> AutoDraft:
     """An AutoDraft after rounds of (drafts, accepted), each at confidence 0.5
-    and at the same speed (seconds in proportion to tokens), with a draft step
-    that costs a tenth of a token's time: the same clock for every test."""
-    auto = AutoDraft()
-    auto.timed = lambda seconds: None  # the test's clock, not the machine's
-    auto.draft_seconds = 0.001
+    and at the same speed (seconds in proportion to tokens: 100 a second),
+    on a clock whose draft steps take `step` (a tenth of a token's time by
+    default), as the rounds' steps did."""
+    auto = AutoDraft(clock=Ticking(step))
+    calibration, cost = auto.calibration(AUTO), auto.cost(1)
+    cost.draft_step(step)
     for drafted, accepted in rounds:
-        auto.learn([[0.5] * drafted], [accepted], 0.01 * (accepted + 1))
+        calibration.learn([([0.5] * drafted, accepted)])
+        cost.round(1, drafted, accepted + 1, 0.01 * (accepted + 1))
     return auto
 
 
@@ -173,8 +179,7 @@ def test_auto_drafts_more_after_full_acceptance_and_less_after_rejections(pair):
 
 def test_auto_drafts_less_when_a_draft_step_costs_more(pair):
     draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
-    cheap, dear = learnt([(4, 3)] * 10), learnt([(4, 3)] * 10)
-    dear.draft_seconds = 0.005
+    cheap, dear = learnt([(4, 3)] * 10), learnt([(4, 3)] * 10, step=0.005)
     assert drafts_taken(dear, draft, prompt) < drafts_taken(cheap, draft, prompt)
 
 
@@ -183,8 +188,7 @@ def test_auto_can_draft_a_single_token_a_round(pair):
     tenth of a token's time a draft, auto drafts it; at three tenths, it
     decides so before running the second draft's step: one draft a round."""
     draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
-    cheap, dear = learnt([(4, 1)] * 20), learnt([(4, 1)] * 20)
-    dear.draft_seconds = 0.003
+    cheap, dear = learnt([(4, 1)] * 20), learnt([(4, 1)] * 20, step=0.003)
     assert drafts_taken(cheap, draft, prompt) >= 2
     assert drafts_taken(dear, draft, prompt) == 1
 
@@ -195,10 +199,13 @@ def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
     where it otherwise drafts several."""
     draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
     confident = learnt([(4, 4)] * 20)
-    confident.floors = {(1, 1): [0.014, 20], (1, 4): [0.026, 20]}  # a draft: its step and as much again in the target's pass
-    confident.fit_slope()
+    cost = confident.cost(1)
+    for _ in range(20):  # a draft: its step and as much again in the target's pass
+        cost.round(1, 1, 1.4, 0.014)
+        cost.round(1, 4, 2.6, 0.026)
+    assert cost.per_draft == pytest.approx(0.004)
     assert drafts_taken(confident, draft, prompt) >= 3
-    cache = encode_prompts(draft, [prompt])
+    (cache,) = encode_for([draft], [prompt])
     first = draft.decode(mx.array([[draft.args.decoder_start_token_id]]), cache)[0, -1].argmax().item()
     eos = draft.args.eos_token_id
     try:
@@ -212,16 +219,14 @@ def test_auto_keeps_a_measured_draft_cost_through_rounds_of_one_length():
     """The cost of a draft is the slope of round time against round length;
     rounds of one length measure no slope, and the lengths seen before keep
     theirs (the draft step alone would make the next draft look cheap)."""
-    auto = AutoDraft()
-    auto.draft_seconds = 0.001
+    cost = DraftCost()
+    cost.draft_step(0.001)
     for steps in [1, 4] * 10:
-        auto.steps = steps
-        auto.learn([[0.5] * steps], [steps], 0.01 + 0.004 * steps)
-    assert auto.draft_cost == pytest.approx(0.004)
+        cost.round(1, steps, steps + 1, 0.01 + 0.004 * steps)
+    assert cost.per_draft == pytest.approx(0.004)
     for _ in range(300):
-        auto.steps = 1
-        auto.learn([[0.5]], [1], 0.014)
-    assert auto.draft_cost == pytest.approx(0.004)
+        cost.round(1, 1, 2, 0.014)
+    assert cost.per_draft == pytest.approx(0.004)
 
 
 def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
@@ -230,36 +235,54 @@ def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
     of a draft stays where the quiet rounds put it (a slope through every
     round's seconds grows with the slowdowns)."""
     rng = random.Random(0)
-    auto = AutoDraft()
-    auto.draft_seconds = 0.001
+    cost = DraftCost()
+    cost.draft_step(0.001)
     for i in range(200):
-        auto.steps = 1 + i % 4
+        steps = 1 + i % 4
         slowdown = 1 + 2 * rng.random() if rng.random() < 1 / 3 else 1
-        auto.learn([[0.5] * auto.steps], [auto.steps], (0.01 + 0.002 * auto.steps) * slowdown)
-    assert auto.draft_cost == pytest.approx(0.002, rel=0.05)
+        cost.round(1, steps, steps + 1, (0.01 + 0.002 * steps) * slowdown)
+    assert cost.per_draft == pytest.approx(0.002, rel=0.05)
 
 
 def test_auto_does_not_price_drafts_by_one_slow_round():
-    """A round length seen once may have traced a graph (a new cache size):
-    its time does not set the cost of a draft until AutoDraft.trusted rounds
-    of it were seen, or auto, finding a second draft dear, would never draft
-    two again to learn otherwise."""
-    auto = AutoDraft()
-    auto.draft_seconds = 0.0005
-    auto.shapes = {(1, 1): 2, (1, 2): 2}  # past the rounds that run plainly and trace
+    """A round length seen once may have met a new cache size (the model's
+    steps then run plainly or trace): its time does not set the cost of a
+    draft until DraftCost.trusted rounds of it were seen, or auto, finding a
+    second draft dear, would never draft two again to learn otherwise."""
+    cost = DraftCost()
+    cost.draft_step(0.0005)
     for steps, seconds in [(1, 0.004)] * 20 + [(2, 0.009)]:
-        auto.steps = steps
-        auto.learn([[0.5] * steps], [steps], seconds)
-    assert auto.draft_cost == pytest.approx(0.0005)
-    for _ in range(AutoDraft.trusted - 1):
-        auto.learn([[0.5] * 2], [2], 0.0046)
-    assert auto.draft_cost == pytest.approx(0.0006, rel=0.05)
+        cost.round(1, steps, steps + 1, seconds)
+    assert cost.per_draft == pytest.approx(0.0005)
+    for _ in range(DraftCost.trusted - 1):
+        cost.round(1, 2, 3, 0.0046)
+    assert cost.per_draft == pytest.approx(0.0006, rel=0.05)
+
+
+def rounds_timed(auto: AutoDraft) -> int:
+    return sum(count for _, count in auto.cost(1).floors.values())
+
+
+def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_not_timed(pair):
+    """The model says which steps ran plainly or traced (T5.cold_steps): a
+    fresh pair's first two rounds do, and auto does not time them; steps
+    built op by op never replay a graph, and every round is timed."""
+    checkpoint = pair["checkpoint"]
+    fresh = Models(load_model(checkpoint.mlx_dir), load_model(checkpoint.mlx_dir))
+    stats = Stats()
+    decode(fresh, checkpoint.prompt_ids, Settings(max_tokens=30, num_draft="auto"), stats)
+    assert stats.target_calls > 2 and rounds_timed(fresh.drafting) <= stats.target_calls - 2
+    for model in (fresh.target, fresh.draft):
+        model.compiled = False
+    plain, stats = Models(fresh.target, fresh.draft), Stats()
+    decode(plain, checkpoint.prompt_ids, Settings(max_tokens=30, num_draft="auto"), stats)
+    assert rounds_timed(plain.drafting) == stats.target_calls
 
 
 def test_auto_reports_its_mean_drafts_per_round(pair):
     stats = Stats()
-    list(speculative_generate(pair["target"], pair["drafts"]["close"], pair["checkpoint"].prompt_ids, 30, Sampling(),
-                              "auto", 0.0, stats))
+    decode(Models(pair["target"], pair["drafts"]["close"]), pair["checkpoint"].prompt_ids,
+           Settings(max_tokens=30, num_draft="auto"), stats)
     assert stats.drafts_per_round == stats.drafted / stats.target_calls > 0
     assert "drafts_per_round" in stats.to_dict()
 
@@ -298,8 +321,8 @@ def test_lookup_drafts_from_the_encoder_input_are_accepted_on_a_copying_prompt()
               "if os.path.isfile(<extra_id_0>): yield path")
     ids = models.tokenizer.encode(prompt)
     stats = Stats()
-    out = list(speculative_generate(models.target, None, ids, 20, Sampling(), 8, 0.0, stats))
-    assert out == list(regular_generate(models.target, ids, 20, Sampling()))
+    out = decode(models, ids, Settings(max_tokens=20, num_draft=8, prompt_lookup=True), stats)
+    assert out == regular(models.target, ids, 20)
     assert stats.accepted >= 3 and stats.draft_calls == 0
 
 
@@ -371,9 +394,24 @@ def test_compare_runs_prompt_lookup_against_regular(capsys):
 
 def test_models_keep_what_auto_learnt_between_generations():
     models = load(DEMO / "target", draft=DEMO / "draft")
-    assert isinstance(models, Models) and not models.drafting
+    assert isinstance(models.drafting, AutoDraft) and not models.drafting.calibrations
     generate(models, "x = 1", num_draft="auto", max_tokens=10)
-    (auto,) = models.drafting.values()
-    judged = sum(auto.judged)
+    (calibration,) = models.drafting.calibrations.values()
+    judged = sum(calibration.judged)
     generate(models, "y = 2", num_draft="auto", max_tokens=10)
-    assert list(models.drafting.values()) == [auto] and sum(auto.judged) != judged
+    assert list(models.drafting.calibrations.values()) == [calibration] and sum(calibration.judged) != judged
+
+
+def test_auto_keeps_each_settings_record_whatever_batch_its_rows_shared(pair, prompt_ids):
+    """Rows at delta 0 and at delta 0.5 in one batch: each setting's
+    calibration learns from its own rows' drafts only."""
+    models = Models(pair["target"], pair["drafts"]["close"])
+    exact, lenient = Settings(max_tokens=20, num_draft="auto"), Settings(max_tokens=20, num_draft="auto", delta=0.5)
+    requests = [Request(prompt, exact if i % 2 else lenient) for i, prompt in enumerate(prompt_ids)]
+    decode_batch(models, requests, 4)
+    calibrations = models.drafting.calibrations
+    assert set(calibrations) == {(0.0, exact.sampling), (0.5, lenient.sampling)}
+    for settings in (exact, lenient):
+        rows = [r for r in requests if r.settings is settings]
+        # each counts its rows' judged drafts (decayed): up to each row's first rejection
+        assert 0 < sum(calibrations[(settings.delta, settings.sampling)].judged) <= sum(r.stats.drafted for r in rows)

@@ -11,7 +11,8 @@ from mlx.utils import tree_flatten
 import cpu
 import loading
 import main
-from loading import LoadError, ModelNotFound, T5Error, load
+from errors import LoadError, ModelNotFound, T5Error
+from loading import load
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"

@@ -13,6 +13,7 @@ import generate
 import main
 from conftest import ROOT
 from loading import load_model, load_tokenizer
+from options import Settings
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +82,14 @@ def test_the_demo_does_not_encode_a_long_prompt_again_for_its_speedup_line(long_
 
 def test_the_demos_speedup_takes_fewer_runs_when_they_cost_more(capsys, monkeypatch):
     """A run of each mode costing 2 s: two runs of each fit the 5 s the line may take, and it says so."""
-    from decoder import Stats
+    from options import Stats
     from interactive import show_speedup
     from loading import load
 
     models = load(main.DEMO_DIR / "target", draft=main.DEMO_DIR / "draft")
     runs = []
     monkeypatch.setattr("interactive.measure", lambda *args: runs.append(1) or Stats(generated=10, seconds=1.0))
-    show_speedup(models, "x", decoder.Settings(), answer=Stats(generated=10, seconds=1.0))
+    show_speedup(models, "x", Settings(), answer=Stats(generated=10, seconds=1.0))
     assert len(runs) == 4 and "medians of 2 runs each: a run of each takes about 2.0 s" in capsys.readouterr().out
 
 
@@ -106,7 +107,7 @@ def test_the_encoding_estimate_grows_with_the_square_of_the_length():
 MEMORY_PROBE = r"""
 import re, resource, sys
 from pathlib import Path
-from decoder import start_decoding  # before mlx.core, through cpu.py: the fast BLAS
+from decoder import encode_for  # before mlx.core, through cpu.py: the fast BLAS
 from loading import load_model
 
 def peak():  # bytes. Linux's ru_maxrss counts the parent's memory from before the exec: VmHWM does not
@@ -115,9 +116,9 @@ def peak():  # bytes. Linux's ru_maxrss counts the parent's memory from before t
     return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
 
 model = load_model("demo/target")
-start_decoding(model, list(range(3, 67)))  # warm-up: buffers, kernels
+encode_for([model], [list(range(3, 67))])  # warm-up: buffers, kernels
 before = peak()
-start_decoding(model, [(i * 7919) % 1000 + 3 for i in range(8191)] + [1])
+encode_for([model], [[(i * 7919) % 1000 + 3 for i in range(8191)] + [1]])
 print(before, peak())
 """
 

@@ -189,9 +189,9 @@ def test_a_long_session_keeps_a_bounded_number_of_compiled_steps(checkpoint):
         tokens = mx.array([[0, 5, 9, 13, 17, 21][:length]])
         first = model.decode(tokens, model.make_cache(model.encode(prompt)))
         traced_before = (length - 2) % model.most_traces + 1 if length > 1 else 0  # a first run traces nothing
-        assert len(model._traced) == traced_before
+        assert model.traced_shapes == traced_before
         compiled = model.decode(tokens, model.make_cache(model.encode(prompt)))
-        assert len(model._traced) == (length - 1) % model.most_traces + 1
+        assert model.traced_shapes == (length - 1) % model.most_traces + 1
         plain = model.decode_step(tokens, *model_inputs(model, prompt, length))[0]
         for logits in (first, compiled):
             np.testing.assert_allclose(np.array(logits), np.array(plain), rtol=0, atol=1e-5 * float(mx.abs(plain).max()))
@@ -209,7 +209,7 @@ def test_prompts_of_about_one_length_share_compiled_steps(checkpoint):
         assert cache.cross_keys_values[0][0].shape[2] == (block if length <= block else 2 * block)
         model.decode(mx.array([[0, 5]]), model.make_cache(model.encode(prompt)))  # runs plainly if its shape is new
         padded = model.decode(mx.array([[0, 5]]), cache)
-        assert len(model._traced) == (1 if length <= block else 2)
+        assert model.traced_shapes == (1 if length <= block else 2)
         encoded = model.encode(prompt)
         own_keys = [layer.cross_attention.project_keys_values(encoded) for layer in model.decoder.layers]
         unpadded = DecoderCache(own_keys, None)

@@ -10,12 +10,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from checkpoints import make_checkpoint, t5_config
+from support import decode, regular
 
 import convert
 import main
-from decoder import Stats, regular_generate, speculative_generate
-from sampling import Sampling
-from loading import load_model, load_tokenizer
+from loading import Models, load_model, load_tokenizer
+from options import Settings, Stats
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
@@ -114,8 +114,7 @@ def test_greedy_speculative_with_a_quantized_target_is_that_targets_own_output(d
     regular step one; on the CPU each row is computed alike, so no token flips."""
     targets, draft, prompts = demo_quantized
     for prompt in prompts[:4]:
-        regular = list(regular_generate(targets[bits], prompt, 100, Sampling()))
-        assert list(speculative_generate(targets[bits], draft, prompt, 100, Sampling(), num_draft, 0.0)) == regular
+        assert decode(Models(targets[bits], draft), prompt, Settings(num_draft=num_draft)) == regular(targets[bits], prompt)
 
 
 def test_quantized_products_give_each_row_the_same_result_alone_or_together():
@@ -130,8 +129,7 @@ def test_quantized_products_give_each_row_the_same_result_alone_or_together():
 def test_the_8_bit_demo_target_fills_the_held_out_prompts_as_the_float_one_does(demo_quantized):
     targets, _, prompts = demo_quantized
     full = load_model(DEMO / "target")
-    same = sum(list(regular_generate(targets[8], p, 100, Sampling())) == list(regular_generate(full, p, 100, Sampling()))
-               for p in prompts)
+    same = sum(regular(targets[8], p) == regular(full, p) for p in prompts)
     assert same >= 18, same
 
 
@@ -140,7 +138,7 @@ def test_the_float_draft_still_drafts_for_a_quantized_target(demo_quantized):
     for bits in (8, 4):
         stats = Stats()
         for prompt in prompts[:10]:
-            list(speculative_generate(targets[bits], draft, prompt, 100, Sampling(), 3, 0.0, stats))
+            decode(Models(targets[bits], draft), prompt, Settings(num_draft=3), stats)
         assert 0.5 < stats.acceptance_rate < 0.95, (bits, stats)
 
 
@@ -207,8 +205,8 @@ def test_a_quantized_target_and_a_float_draft_of_other_bits_run_as_a_pair(tmp_pa
     assert main.main(["--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--delta", "0",
                       "--prompt", prompt, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    regular = list(regular_generate(load_model(tmp_path / "target"), load_tokenizer(DEMO / "target").encode(prompt), 100, Sampling()))
-    assert result["tokens"] == regular and result["stats"]["drafted"] > 0
+    alone = regular(load_model(tmp_path / "target"), load_tokenizer(DEMO / "target").encode(prompt))
+    assert result["tokens"] == alone and result["stats"]["drafted"] > 0
 
 
 def test_held_out_loss_evaluation_reproduces_training_and_reads_quantized_models(demo_quantized, tmp_path):

@@ -8,12 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import PROMPTS, exact_first_token_distribution, reference_greedy
+from support import chi_square_passes, decode, regular
 
 import main
 import mlx.core as mx
 import sweep
-from decoder import Settings, Stats, accept_mask, regular_generate, speculative_generate, start_decoding
-from sampling import Sampling
+from decoder import encode_for, verify
+from loading import Models
+from options import Settings, Stats
+from sampling import RowSampling, Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +27,8 @@ def test_greedy_speculative_equals_regular_and_transformers_greedy(pair, draft, 
     checkpoint, target = pair["checkpoint"], pair["target"]
     prompt = checkpoint.prompt_ids
     stats = Stats()
-    speculative = list(speculative_generate(target, pair["drafts"][draft], prompt, 64, Sampling(), num_draft, 0.0, stats))
-    assert speculative == list(regular_generate(target, prompt, 64, Sampling()))
+    speculative = decode(Models(target, pair["drafts"][draft]), prompt, Settings(max_tokens=64, num_draft=num_draft), stats)
+    assert speculative == regular(target, prompt, 64)
     assert speculative == reference_greedy(checkpoint.hf_model, prompt, 64)
     expected_acceptance = {"same": (1.0, 1.0), "close": (0.4, 0.99), "unrelated": (0.0, 0.2)}[draft]
     assert expected_acceptance[0] <= stats.acceptance_rate <= expected_acceptance[1], stats
@@ -35,26 +38,38 @@ def test_greedy_speculative_equals_regular_and_transformers_greedy(pair, draft, 
 def test_delta_one_accepts_every_draft(pair, temp):
     stats = Stats()
     mx.random.seed(0)
-    out = list(speculative_generate(pair["target"], pair["drafts"]["unrelated"], pair["checkpoint"].prompt_ids, 40,
-                                    Sampling(temp=temp), 4, 1.0, stats))
+    out = decode(Models(pair["target"], pair["drafts"]["unrelated"]), pair["checkpoint"].prompt_ids,
+                 Settings(max_tokens=40, temp=temp, num_draft=4, delta=1.0), stats)
     assert stats.drafted > 0 and stats.acceptance_rate == 1.0
     assert stats.target_calls == -(-len(out) // 5)  # every verify step yields num_draft + 1 tokens
 
 
+def rule_inputs(seed: int, rows: int, k: int = 6, vocab: int = 12):
+    """Random target and draft logits and drafts for verify: (B, k + 1, V), (B, k, V), (B, k)."""
+    rng = np.random.default_rng(seed)
+    target_logits = mx.array(rng.normal(size=(rows, k + 1, vocab)) * 2, mx.float32)
+    draft_logits = mx.array(rng.normal(size=(rows, k, vocab)) * 2, mx.float32)
+    return target_logits, draft_logits, mx.array(rng.integers(0, vocab, size=(rows, k)))
+
+
+def keys(rows: int, seed: int = 0) -> list[tuple[int, int]]:
+    rng = np.random.default_rng(seed)
+    return [tuple(int(v) for v in rng.integers(0, 2**31, 2)) for _ in range(rows)]
+
+
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_accepted_drafts_only_grow_with_delta(temp):
-    """The rule itself, with p, q and u fixed: a larger delta never rejects what a smaller one accepted."""
-    rng = np.random.default_rng(0)
-    k, vocab = 64, 12
-    target_logits = mx.array(rng.normal(size=(k + 1, vocab)) * 2, mx.float32)
-    draft_logits = mx.array(rng.normal(size=(k, vocab)) * 2, mx.float32)
-    drafts = mx.array(rng.integers(0, vocab, size=k))
-    u = mx.array(rng.uniform(size=k), mx.float32)
-    masks = [np.array(accept_mask(target_logits, draft_logits, drafts, Sampling(temp=temp), delta, u=u))
-             for delta in np.linspace(0, 1, 21)]
-    for smaller, larger in zip(masks, masks[1:]):
-        assert not (smaller & ~larger).any()
-    assert 0 < masks[0].sum() < k and masks[-1].all()
+    """verify itself, with p, q and each row's random stream fixed: a larger
+    delta never accepts fewer drafts, and delta 1 accepts them all."""
+    rows, k = 64, 6
+    target_logits, draft_logits, drafts = rule_inputs(0, rows, k)
+    sampling = RowSampling([Sampling(temp=temp)] * rows, keys(rows))
+    positions = None if temp == 0 else mx.zeros((rows,), mx.int32)
+    accepted = [np.array(verify(target_logits, draft_logits, drafts, sampling, delta, mx.full((rows,), k), positions)[0])
+                for delta in np.linspace(0, 1, 21)]
+    for smaller, larger in zip(accepted, accepted[1:]):
+        assert (smaller <= larger).all()
+    assert 0 < accepted[0].sum() < rows * k and (accepted[-1] == k).all()
 
 
 def test_mean_acceptance_rises_with_delta_over_prompts(unit_scale_pair, tokenizer):
@@ -64,7 +79,7 @@ def test_mean_acceptance_rises_with_delta_over_prompts(unit_scale_pair, tokenize
         rates = []
         for prompt in PROMPTS:
             stats = Stats()
-            list(speculative_generate(target, draft, tokenizer.encode(prompt), 48, Sampling(), 4, delta, stats))
+            decode(Models(target, draft), tokenizer.encode(prompt), Settings(max_tokens=48, num_draft=4, delta=delta), stats)
             rates.append(stats.acceptance_rate)
         means.append(float(np.mean(rates)))
     assert all(a <= b for a, b in zip(means, means[1:])), means
@@ -81,17 +96,14 @@ def test_speculative_sampling_first_token_follows_the_target_distribution(tiny_v
     prompt = [5, 3, 6, 1]
     expected = exact_first_token_distribution(hf_target, prompt, temp, top_p)
     mx.random.seed(1234)
-    samples, totals = 3000, Stats()
+    samples, totals, models = 3000, Stats(), Models(target, draft)
+    settings = Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft=3)
     counts = np.zeros(8)
     for _ in range(samples):
-        out = list(speculative_generate(target, draft, prompt, 4, Sampling(temp=temp, top_p=top_p), 3, 0.0, totals))
+        out = decode(models, prompt, settings, totals)
         counts[out[0] if out else 1] += 1  # nothing generated: EOS (id 1) came first
     assert 0.1 < totals.acceptance_rate < 0.9, "the draft must be rejected sometimes for this to test anything"
-    support = expected > 0
-    assert counts[~support].sum() == 0, "sampled a token outside the target's top-p set"
-    chi2 = (((counts - samples * expected) ** 2)[support] / (samples * expected[support])).sum()
-    critical = {7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]  # chi2 0.999
-    assert chi2 < critical, (chi2, counts / samples, expected)
+    assert chi_square_passes(counts, expected), (counts / samples, expected)
 
 
 def test_every_verify_pass_sees_the_cache_of_a_fresh_run(pair):
@@ -109,14 +121,14 @@ def test_every_verify_pass_sees_the_cache_of_a_fresh_run(pair):
     target.decode = recording_decode
     try:
         stats = Stats()
-        out = list(speculative_generate(target, draft, prompt, 40, Sampling(), 4, 0.0, stats))
+        out = decode(Models(target, draft), prompt, Settings(max_tokens=40, num_draft=4), stats)
     finally:
         del target.decode
     assert 0 < stats.accepted < stats.drafted, "needs both acceptances and rejections"
     sequence = [0] + out
     for offset, tokens, logits in calls:
         assert tokens[0] == sequence[offset]  # the step starts right after the accepted prefix
-        fresh_cache, _ = start_decoding(target, prompt)  # encoded as decoding encodes, bit for bit
+        (fresh_cache,) = encode_for([target], [prompt])  # encoded as decoding encodes, bit for bit
         fresh = original(mx.array([sequence[:offset] + tokens]), fresh_cache)
         np.testing.assert_allclose(logits, np.array(fresh[0, offset:]), rtol=0, atol=1e-4 * np.abs(logits).max())
 
@@ -125,12 +137,12 @@ def test_every_verify_pass_sees_the_cache_of_a_fresh_run(pair):
 def test_eos_inside_the_drafts_stops_generation_at_eos(pair, num_draft, eos_at):
     target = eos_at(pair["target"], position=7)
     prompt = pair["checkpoint"].prompt_ids
-    regular = list(regular_generate(target, prompt, 40, Sampling()))
-    assert len(regular) == 7
+    alone = regular(target, prompt, 40)
+    assert len(alone) == 7
     stats = Stats()
-    assert list(speculative_generate(target, target, prompt, 40, Sampling(), num_draft, 0.0, stats)) == regular
+    assert decode(Models(target, target), prompt, Settings(max_tokens=40, num_draft=num_draft), stats) == alone
     # Drafts after an accepted EOS are not counted: each counted draft is an output token or the EOS.
-    assert stats.accepted == stats.drafted <= len(regular) + 1
+    assert stats.accepted == stats.drafted <= len(alone) + 1
 
 
 @pytest.mark.parametrize("num_draft", [1, 3, 8])
@@ -138,7 +150,8 @@ def test_max_tokens_is_never_exceeded(pair, num_draft):
     target, prompt = pair["target"], pair["checkpoint"].prompt_ids
     for max_tokens in range(1, 12):
         for delta, temp in ((1.0, 0.0), (0.0, 1.0)):
-            out = list(speculative_generate(target, target, prompt, max_tokens, Sampling(temp=temp), num_draft, delta))
+            out = decode(Models(target, target), prompt, Settings(max_tokens=max_tokens, temp=temp, num_draft=num_draft,
+                                                                   delta=delta))
             assert len(out) == max_tokens
 
 
@@ -276,7 +289,45 @@ def test_bad_speculative_input_gives_one_line_error(pair, capsys, argv, message)
 
 def test_greedy_delta_zero_matches_argmax_ties_included():
     """On an exact tie regular greedy takes the lowest index; so must acceptance at delta 0."""
-    target_logits = mx.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    drafts = mx.array([2])
-    assert not accept_mask(target_logits, None, drafts, Sampling(), 0.0).item()
-    assert accept_mask(target_logits, None, mx.array([1]), Sampling(), 0.0).item()
+    target_logits = mx.array([[[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    greedy = RowSampling([Sampling()])
+    for draft, accepted in ((2, 0), (1, 1)):
+        count, _ = verify(target_logits, None, mx.array([[draft]]), greedy, 0.0, mx.array([1]), None)
+        assert count.item() == accepted
+
+
+def greedy_rule(target_logits: np.ndarray, drafts: np.ndarray, delta: float, limit: int) -> tuple[int, int]:
+    """The greedy rule by hand, one row: drafts pass left to right while
+    p(x) >= (1 - delta) max p, that is log p(x) - log max p >= log(1 - delta);
+    then the target's argmax."""
+    accepted = 0
+    for scores, draft in zip(target_logits[:limit], drafts[:limit]):
+        exact = draft == scores.argmax()
+        if not (exact if delta == 0 else delta == 1 or scores[draft] - scores.max() >= np.log1p(-delta)):
+            break
+        accepted += 1
+    return accepted, int(target_logits[accepted].argmax())
+
+
+def test_verify_decides_each_row_of_a_mixed_batch_as_that_row_alone():
+    """Greedy and sampled rows in one batch, each with its own delta, limit,
+    temperature, top-k, top-p, random stream and output position: each row's
+    count and next token are what verify gives that row alone, and a greedy
+    row's are the greedy rule's, computed by hand."""
+    rows, k = 8, 5
+    target_logits, draft_logits, drafts = rule_inputs(3, rows, k)
+    samplings = [Sampling(), Sampling(temp=1.0), Sampling(), Sampling(temp=0.7, top_k=4),
+                 Sampling(temp=1.3, top_p=0.8), Sampling(), Sampling(temp=1.0, top_k=3, top_p=0.9), Sampling()]
+    deltas = [0.0, 0.0, 0.5, 0.3, 0.0, 1.0, 0.6, 0.2]
+    limits, positions, streams = [5, 3, 5, 0, 4, 2, 5, 1], [0, 7, 3, 12, 1, 0, 40, 9], keys(rows, seed=1)
+    together = verify(target_logits, draft_logits, drafts, RowSampling(samplings, streams), mx.array(deltas),
+                      mx.array(limits), mx.array(positions))
+    together = [np.array(a).tolist() for a in together]
+    for b in range(rows):
+        alone = verify(target_logits[b : b + 1], draft_logits[b : b + 1], drafts[b : b + 1],
+                       RowSampling([samplings[b]], [streams[b]]), deltas[b], mx.array([limits[b]]), mx.array([positions[b]]))
+        assert (together[0][b], together[1][b]) == (alone[0].item(), alone[1].item()), f"row {b}"
+        if samplings[b].temp == 0:
+            assert (together[0][b], together[1][b]) == greedy_rule(np.array(target_logits[b]), np.array(drafts[b]),
+                                                                   deltas[b], limits[b]), f"row {b}"
+    assert together[0][5] == 2 and together[0][3] == 0  # delta 1 takes every draft weighed; limit 0 weighs none

@@ -1,0 +1,189 @@
+"""What a generation is asked to do, and what it reports: the knobs, `Settings` and `Stats`.
+
+Every front end takes its options from the one table of knobs, `KNOBS`:
+`--num-draft` on the command line, `:num-draft` in the interactive loop,
+`num_draft=` in the Python API, `"num_draft"` in a server request, a list of
+values in a sweep. A `Settings` is every option of one generation, checked
+when it is made; it goes whole from the front end to the round that decodes
+its row (decoder.py), which reports in the row's `Stats`.
+"""
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Callable
+
+from errors import OptionError
+from sampling import Sampling
+
+AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth it (drafting.AutoDraft)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One generation option: its keyword here, `--name-with-dashes` on the
+    command line, `:name-with-dashes` in the interactive loop, and a list of
+    values in a sweep. Errors name it as the caller's `label` does."""
+
+    name: str
+    type: type  # int or float
+    valid: Callable
+    expected: str  # what `valid` accepts, for messages
+    help: str
+    optional: bool = False  # None (or "none") allowed
+    words: tuple = ()  # values other than numbers, e.g. "auto"
+
+    @property
+    def flag(self) -> str:
+        return self.name.replace("_", "-")
+
+    def check(self, value, label: str | None = None):
+        """value, if this knob takes it; OptionError otherwise."""
+        if (value is None and self.optional) or value in self.words:
+            return value
+        kind = numbers.Real if self.type is float else numbers.Integral
+        if not isinstance(value, kind) or isinstance(value, bool) or not self.valid(value):
+            raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})")
+        return value
+
+    def parse(self, text: str, label: str | None = None):
+        """A value from text, checked; errors quote the text."""
+        if self.optional and text.strip().lower() == "none":
+            return None
+        if text.strip().lower() in self.words:
+            return text.strip().lower()
+        try:
+            return self.check(self.type(text), label)
+        except (ValueError, OptionError):
+            raise OptionError(f"{label or self.name} must be {self.expected} (got '{text}')")
+
+
+KNOBS = {knob.name: knob for knob in [
+    Knob("num_draft", int, lambda v: v >= 1, "an integer >= 1 or auto",
+         "draft tokens per verify step; auto: as many as the draft's confidence makes worth it", words=(AUTO,)),
+    Knob("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+         "acceptance lenience in [0, 1]: 0 exact, 1 accepts every draft"),
+    Knob("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0", "sampling temperature; 0 is greedy"),
+    Knob("top_k", int, lambda v: v >= 0, "an integer >= 0", "sample from the k most likely tokens (0: all)"),
+    Knob("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", "nucleus sampling mass (1: off)"),
+    Knob("max_tokens", int, lambda v: v >= 1, "an integer >= 1", "most tokens to generate"),
+    Knob("seed", int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)",
+         "random seed for sampling (default: random)", optional=True),
+]}
+
+BATCH_SIZE = Knob("batch_size", int, lambda v: v >= 1, "an integer >= 1", "prompts decoded together")
+
+# How rows decode (Settings.kind); rows of one kind share a batch.
+REGULAR = "regular"  # the target alone
+LOOKUP = "lookup"  # drafts copied from the prompt and the output (drafting.LookupDrafter)
+DRAFT = "draft"  # the draft model's drafts, num_draft at a time
+AUTO_DRAFT = "auto"  # the draft model's drafts, as many as num-draft auto finds worth it
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every option of one generation, each checked against its knob."""
+
+    max_tokens: int = 100
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    num_draft: int | str = 5  # or "auto"
+    delta: float = 0.0
+    speculative: bool = True  # with a draft loaded or prompt_lookup; False: the target alone
+    prompt_lookup: bool = False  # drafts copied from the prompt and the output, not from the draft model
+    stop: tuple[str, ...] = ()  # the text ends before the first of these it would contain
+    ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
+
+    def __post_init__(self):
+        for name, knob in KNOBS.items():
+            knob.check(getattr(self, name))
+        for name in ("speculative", "prompt_lookup", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{name} must be True or False (got {getattr(self, name)!r})")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise OptionError(f"stop must be a string or a list of non-empty strings (got {self.stop!r})")
+        object.__setattr__(self, "stop", tuple(stop))
+        if self.prompt_lookup and self.num_draft == AUTO:
+            raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
+                              "the longest draft")
+
+    @classmethod
+    def of(cls, options: dict, base: "Settings | None" = None) -> "Settings":
+        """From keyword options (over `base`'s, if given); an unknown one is
+        named with those there are."""
+        unknown = set(options) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown option {sorted(unknown)[0]!r} (options: {', '.join(f.name for f in fields(cls))})")
+        if base is not None and not isinstance(base, Settings):
+            raise TypeError(f"settings must be an options.Settings (got {type(base).__name__})")
+        return cls(**options) if base is None else replace(base, **options)
+
+    def kind(self, models) -> str:
+        """How rows at these settings decode with these models (a target, and
+        a draft model or None): REGULAR, LOOKUP, DRAFT or AUTO_DRAFT."""
+        if not self.speculative or (not self.prompt_lookup and models.draft is None):
+            return REGULAR
+        if self.prompt_lookup:
+            return LOOKUP
+        return AUTO_DRAFT if self.num_draft == AUTO else DRAFT
+
+    def drafts(self, models) -> bool:
+        """Whether decoding drafts and verifies (else the target decodes alone)."""
+        return self.kind(models) != REGULAR
+
+    def check_models(self, models) -> "Settings":
+        """These settings, if the models can run them; OptionError otherwise."""
+        if self.num_draft == AUTO and models.draft is None:
+            raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
+        return self
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temp, self.top_k, self.top_p)
+
+
+@dataclass
+class Stats:
+    """What one generation did: tokens, the target's and the draft's calls,
+    drafts proposed and accepted, and its time."""
+
+    prompt_tokens: int = 0
+    generated: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0  # from when the prompt joined its batch: encoding, then decoding
+    encoding_seconds: float = 0.0  # the encoding its row waited for (of the prompts that joined with it too)
+
+    def __add__(self, other: "Stats") -> "Stats":
+        return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def decoding_seconds(self) -> float:
+        return max(self.seconds - self.encoding_seconds, 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decoding speed: the prompt's encoding is not counted."""
+        return self.generated / self.decoding_seconds if self.decoding_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.generated / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def drafts_per_round(self) -> float:
+        return self.drafted / self.target_calls if self.target_calls else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "decoding_seconds": self.decoding_seconds, "tokens_per_second": self.tokens_per_second,
+                "acceptance_rate": self.acceptance_rate, "tokens_per_target_call": self.tokens_per_target_call,
+                "drafts_per_round": self.drafts_per_round}

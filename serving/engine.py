@@ -1,0 +1,194 @@
+"""The thread that owns MLX: requests wait in a bounded queue, join free rows between rounds, and leave when done.
+
+Each prompt of a request is a `Job`: the engine's `Request` (its ids and
+Settings), the `TextStream` that turns its tokens into text, and the queue of
+pieces it sends back to the request's event loop. Rows of one drafting kind
+(Settings.kind) share a batch made by decoder.batch_for, and batches of
+different kinds take rounds in turn.
+"""
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from decoder import Request, batch_for, warm_up
+from loading import Models
+from options import Settings
+from text import TextStream
+
+log = logging.getLogger("t5-server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt of one HTTP request: what the engine decodes for it, and
+    the pieces of text it sends back to the request's event loop:
+    (text, finish reason) a round, then None."""
+
+    request: Request
+    stream: TextStream
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancelled: bool = False  # the client left, or a stop string ended the text
+    sent_end: bool = False
+    error: str | None = None
+
+    def send(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+    def publish(self) -> None:
+        """After a round: the text that can go out (one piece a round,
+        however many tokens it took), and the end once it has come."""
+        if self.sent_end:
+            return
+        ready, finish = self.stream.take(), self.stream.finish_reason
+        if ready or finish:
+            self.send((ready, finish))
+        if finish:
+            self.end()
+
+    def end(self) -> None:
+        """Whoever still waits on the job stops waiting."""
+        if not self.sent_end:
+            self.sent_end = True
+            self.send(None)
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.end()
+
+
+class Engine:
+    """What the thread that owns MLX (the main thread) runs. Jobs wait in a
+    bounded queue; between rounds they join free rows (encoded together, by
+    drafting kind), and finished or cancelled rows leave. An exception in a
+    round fails that batch's jobs only. `draining` turns new jobs away while
+    the ones taken finish."""
+
+    def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int):
+        self.models, self.defaults, self.max_batch, self.max_queue = models, defaults, max_batch, max_queue
+        self.ready = False  # warmed up
+        self.waiting: list[Job] = []
+        self.lock = threading.Condition()
+        self.batches: dict[str, object] = {}  # drafting kind -> its batch
+        self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
+        self.draining = False
+        self.tokens = 0  # generated, for /metrics
+        self.cancelled = 0  # rows dropped before their end (a client gone, a stop string)
+        self.seconds = collections.Counter()  # where the engine's time went: encoding, decoding, idle
+        self.recent = collections.deque()  # (time, tokens) of the last minute's rounds
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self.lock:
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull()
+            self.waiting += jobs
+            self.lock.notify()
+
+    @property
+    def active(self) -> int:
+        return sum(len(batch.rows) for batch in self.batches.values())
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        return sum(n for t, n in self.recent if now - t <= window) / window
+
+    def run(self, stopping: Callable[[], bool]) -> None:
+        """Serve until stopping() says so, between rounds; what is left then fails."""
+        warm_up(self.models, self.models.tokenizer.encode("warm up"), self.defaults)  # kernels and traces, before any request
+        self.ready = True
+        while not stopping():
+            self.step()
+        with self.lock:
+            left, self.waiting = list(self.jobs.values()) + self.waiting, []
+        for job in left:
+            job.fail("the server stopped before this request finished")
+
+    def step(self) -> None:
+        """Admit waiting jobs, then a round of each batch."""
+        self.admit()
+        for kind, batch in list(self.batches.items()):
+            self.drop_cancelled(batch)
+            if batch.rows:
+                self.round(kind, batch)
+
+    def admit(self) -> None:
+        """Waiting jobs join rows while there are rows free; cancelled ones leave."""
+        with self.lock:
+            if not self.waiting and not self.active:
+                started = time.perf_counter()
+                self.lock.wait(timeout=0.1)  # wakes for a job, and for the signals the main thread handles
+                self.seconds["idle"] += time.perf_counter() - started
+            taken = []
+            while self.waiting and self.active + len(taken) < self.max_batch:
+                job = self.waiting.pop(0)
+                if not job.cancelled:
+                    taken.append(job)
+        by_kind = {}
+        for job in taken:
+            by_kind.setdefault(job.request.settings.kind(self.models), []).append(job)
+        for kind, jobs in by_kind.items():
+            batch = self.batches.get(kind)
+            if batch is None:
+                batch = self.batches[kind] = batch_for(self.models, jobs[0].request.settings, self.max_batch)
+            started = time.perf_counter()
+            try:
+                batch.join([job.request for job in jobs])
+            except Exception as e:  # encoding failed: these jobs only
+                log.exception("encoding failed")
+                for job in jobs:
+                    job.fail(f"encoding failed: {e}")
+                continue
+            finally:
+                self.seconds["encoding"] += time.perf_counter() - started
+            self.jobs.update({id(job.request): job for job in jobs})
+
+    def drop_cancelled(self, batch) -> None:
+        gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
+        if gone:
+            batch.cancel(gone)
+            self.cancelled += len(gone)
+            for request in gone:
+                self.jobs.pop(id(request)).end()
+
+    def round(self, kind: str, batch) -> None:
+        """A round of one batch: each event's token to its job's text, and
+        each job that moved publishes once."""
+        tokens, touched, started = 0, {}, time.perf_counter()
+        try:
+            for request, token, finish in batch.round():
+                job = touched[id(request)] = self.jobs[id(request)]
+                job.stream.add(token, finish)
+                tokens += token is not None
+                if finish:
+                    self.jobs.pop(id(request))
+                elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
+                    job.cancelled = True
+        except Exception as e:  # fail this batch's jobs, and start it afresh
+            log.exception("a decoding round failed")
+            for row in batch.rows:
+                job = self.jobs.pop(id(row.request), None)
+                if job is not None:
+                    job.fail(f"decoding failed: {e}")
+            del self.batches[kind]
+        for job in touched.values():
+            if job.error is None:
+                job.publish()
+        self.seconds["decoding"] += time.perf_counter() - started
+        self.tokens += tokens
+        now = time.perf_counter()
+        self.recent.append((now, tokens))
+        while now - self.recent[0][0] > 60:
+            self.recent.popleft()

@@ -1,0 +1,61 @@
+"""OpenAI's response shapes, as plain functions of what a request got: a whole
+completion, a streamed chunk, usage, an error. The completions endpoint
+answers with `text_completion` objects, the chat endpoint with
+`chat.completion` (and `chat.completion.chunk`) ones; each answer carries our
+`speculative` statistics beside OpenAI's fields."""
+
+from options import Stats
+
+
+def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculative_stats(stats: Stats) -> dict:
+    """What drafting did for a request (its choices' statistics summed)."""
+    return {"drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": round(stats.acceptance_rate, 4),
+            "drafts_per_round": round(stats.drafts_per_round, 3), "target_calls": stats.target_calls,
+            "tokens_per_second": round(stats.tokens_per_second, 2), "encoding_seconds": round(stats.encoding_seconds, 4)}
+
+
+def object_name(chat: bool, chunk: bool = False) -> str:
+    if not chat:
+        return "text_completion"
+    return "chat.completion.chunk" if chunk else "chat.completion"
+
+
+def completion(request_id: str, created: int, model: str, chat: bool, choices: list[tuple[str, str]],
+               used: dict, stats: Stats) -> dict:
+    """A whole answer: each choice's (text, finish reason), in order."""
+    listed = [{"index": i, "finish_reason": finish,
+               **({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})}
+              for i, (text, finish) in enumerate(choices)]
+    return {"id": request_id, "object": object_name(chat), "created": created, "model": model, "choices": listed,
+            "usage": used, "speculative": speculative_stats(stats)}
+
+
+def chunk(request_id: str, created: int, model: str, chat: bool, index: int, text: str | None,
+          finish: str | None, first: bool = False, stats: Stats | None = None) -> dict:
+    """A streamed piece of choice `index`: its new text (a chat's first chunk
+    names the role), and with the last, its finish reason and statistics."""
+    if chat:
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    data = {"id": request_id, "object": object_name(chat, chunk=True), "created": created, "model": model,
+            "choices": [choice]}
+    if stats is not None:
+        data["speculative"] = speculative_stats(stats)
+    return data
+
+
+def usage_chunk(request_id: str, created: int, model: str, chat: bool, used: dict) -> dict:
+    """The chunk after the last choice's, when stream_options.include_usage asks for it."""
+    return {"id": request_id, "object": object_name(chat, chunk=True), "created": created, "model": model,
+            "choices": [], "usage": used}

@@ -1,0 +1,109 @@
+"""From decided tokens to the text a caller receives: one `TextStream` per prompt, for the API and the server alike.
+
+    stream = TextStream(tokenizer, stop=settings.stop)
+    for request, token, finish in drive(batch, [request]):
+        stream.add(token, finish)
+        send(stream.take())               # the text that can go out now
+        if stream.finish_reason: break    # "stop" (end of text, or a stop string) or "length"
+    stream.received                       # the tokens whose text the caller received (usage)
+"""
+
+import bisect
+
+
+class Detokenizer:
+    """Text from token ids as they come, equal to decoding them all at once.
+
+    Each token decodes a short window: the tokens since the last piece of
+    text was settled, twice (with and without the new ones). The difference
+    is the new text, held back while it ends in an incomplete character. The
+    window restarts after every emitted piece, so the work per token follows
+    the new piece, not the length of the output. Decoding never "cleans up"
+    spaces before punctuation (an old transformers default, off since v5):
+    that would take back a space already shown."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens = []
+        self.start = 0  # first token of the window
+        self.settled = 0  # tokens already turned into emitted text
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> str:
+        """The text this token adds; "" while it is held back."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.start : self.settled])
+        after = self.decode(self.tokens[self.start :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.start, self.settled = self.settled, len(self.tokens)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end (an incomplete character decodes as \ufffd)."""
+        before = self.decode(self.tokens[self.start : self.settled])
+        after = self.decode(self.tokens[self.start :])
+        self.start = self.settled = len(self.tokens)
+        return after[len(before) :]
+
+
+class TextStream:
+    """One prompt's text as the engine decides its tokens (decoder.Event's
+    token and finish reason, through `add`).
+
+    `take` gives the text that can go out now: all of it but a tail that may
+    be the start of a stop string, held back until it cannot be. The first
+    stop string to appear ends the text before it, with finish_reason "stop";
+    later tokens change nothing (the caller drops the row). Otherwise the
+    engine's reason ends it: "stop" at the end of text, "length" at
+    max_tokens. `received` counts the tokens whose text the caller gets: all
+    of them, or, after a stop string, those whose text began before it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.detokenizer = Detokenizer(tokenizer)
+        self.stop = tuple(stop)
+        self.tokens: list[int] = []
+        self.starts: list[int] = []  # where each token's text begins in the whole text
+        self.pending = ""  # decided text not taken yet
+        self.taken = 0  # characters taken so far
+        self.cut: int | None = None  # the whole text's length, once a stop string ended it
+        self.finish_reason: str | None = None
+
+    def add(self, token: int | None, finish: str | None = None) -> None:
+        if self.finish_reason is not None:
+            return
+        if token is not None:
+            self.tokens.append(token)
+            self.starts.append(self.taken + len(self.pending))
+            self.pending += self.detokenizer.add(token)
+        if finish is not None:
+            self.pending += self.detokenizer.flush()
+        found = [at for at in (self.pending.find(stop) for stop in self.stop) if at >= 0]
+        if found:  # the earliest stop string: it begins in the pending text, as a stop's start is never taken
+            self.pending = self.pending[: min(found)]
+            self.cut, self.finish_reason = self.taken + len(self.pending), "stop"
+        elif finish is not None:
+            self.finish_reason = finish
+
+    def take(self) -> str:
+        """The text that can go out now: after the end, all that is left."""
+        held = 0
+        if self.finish_reason is None:
+            held = max((n for stop in self.stop for n in range(len(stop) - 1, 0, -1) if self.pending.endswith(stop[:n])),
+                       default=0)
+        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
+        self.taken += len(ready)
+        return ready
+
+    @property
+    def received(self) -> int:
+        if self.cut is None:
+            return len(self.tokens)
+        return bisect.bisect_left(self.starts, self.cut)
+
+    @property
+    def text_tokens(self) -> list[int]:
+        """The tokens the caller receives (`received` of them)."""
+        return self.tokens[: self.received]
