@@ -179,7 +179,7 @@ class FeedForward(nn.Module):
         return self.wo(hidden)
 
 
-def _clamp_float16(x: mx.array) -> mx.array:
+def clamp_float16(x: mx.array) -> mx.array:
     """Large v1.0 models overflow float16 in the residual stream; clamp as Hugging Face does."""
     if x.dtype != mx.float16:
         return x
@@ -212,8 +212,8 @@ class EncoderLayer(nn.Module):
                 chunk_bias = lambda a, b, first=first: bias_of(first + a, first + b)  # noqa: E731
                 y = x[:, first:last] + self.attention.over_prompt(h[:, first:last], (keys, values), chunk_bias,
                                                                   cpu.from_lane(lanes, i))
-                y = _clamp_float16(y)
-                out.append(_clamp_float16(y + self.ffn(self.ffn_norm(y))))
+                y = clamp_float16(y)
+                out.append(clamp_float16(y + self.ffn(self.ffn_norm(y))))
         return mx.concatenate(out, axis=1)
 
 
@@ -234,10 +234,10 @@ class DecoderLayer(nn.Module):
         h = self.self_attention_norm(x)
         new_keys_values = self.self_attention.project_keys_values(h, positions.shape[0])
         keys, values = (write(storage, positions, new) for storage, new in zip((keys, values), new_keys_values))
-        x = _clamp_float16(x + self.self_attention(h, (keys, values), self_bias, "self"))
+        x = clamp_float16(x + self.self_attention(h, (keys, values), self_bias, "self"))
         h = self.cross_attention(self.cross_attention_norm(x), cross_keys_values, cross_bias, "cross")
-        x = _clamp_float16(x + h)
-        return _clamp_float16(x + self.ffn(self.ffn_norm(x))), keys, values
+        x = clamp_float16(x + h)
+        return clamp_float16(x + self.ffn(self.ffn_norm(x))), keys, values
 
 
 def write(storage: mx.array, positions: mx.array, new: mx.array) -> mx.array:

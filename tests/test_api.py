@@ -15,6 +15,7 @@ from errors import OptionError
 from generate import batch_generate, generate, stream_generate
 from text import Detokenizer
 from loading import load, load_tokenizer
+from options import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
@@ -63,6 +64,32 @@ def test_without_a_draft_generation_is_the_targets_own(demo_prompts):
     responses = list(stream_generate(alone, demo_prompts[1]))
     assert responses[-1].stats.drafted == 0
     assert "".join(r.text for r in responses) == generate(load(DEMO / "target", draft=DEMO / "draft"), demo_prompts[1])
+
+
+def test_stop_strings_end_the_text_before_them_in_every_api(demo_pair, demo_prompts):
+    """generate, stream_generate and batch_generate share the server's text
+    stream: the text ends before the first stop string, finish_reason
+    "stop", and a batch's tokens are those whose text was given."""
+    prompt = demo_prompts[0]
+    full = generate(demo_pair, prompt, max_tokens=30)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    responses = list(stream_generate(demo_pair, prompt, max_tokens=30, stop=[stop]))
+    assert "".join(r.text for r in responses) == full[: full.index(stop)] == generate(demo_pair, prompt, max_tokens=30, stop=stop)
+    assert responses[-1].finish_reason == "stop"
+    (generation,) = batch_generate(demo_pair, [prompt], max_tokens=30, stop=[stop])
+    assert generation.text == full[: full.index(stop)] and generation.finish_reason == "stop"
+    assert generation.tokens == [r.token for r in responses if r.token is not None]
+    assert demo_pair.tokenizer.decode(generation.tokens).startswith(generation.text)
+
+
+def test_settings_pass_whole_with_keywords_over_them(demo_pair, demo_prompts):
+    settings = Settings(max_tokens=7, num_draft=2, delta=0.3)
+    assert generate(demo_pair, demo_prompts[1], settings=settings) == generate(demo_pair, demo_prompts[1], max_tokens=7,
+                                                                              num_draft=2, delta=0.3)
+    responses = list(stream_generate(demo_pair, demo_prompts[1], settings=settings, max_tokens=3))
+    assert responses[-1].stats.generated == 3 and responses[-1].finish_reason == "length"
+    with pytest.raises(TypeError, match="settings must be an options.Settings"):
+        generate(demo_pair, "x", settings={"max_tokens": 3})
 
 
 @pytest.mark.parametrize("clean_up_spaces", [False, True])

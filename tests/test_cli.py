@@ -49,6 +49,8 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
         (["--top-p", "1.5"], "--top-p must be a number in (0, 1]"),
         (["--top-k", "-1"], "--top-k must be an integer >= 0"),
         (["--model", "no-such-model"], "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
+        (["--model", "t5-11b-4bit"], "run `python convert.py --model t5-11b -q` first"),  # what convert.py names t5-11b at 4 bits
+        (["--model", "mlx_models/t5-11b-8bit"], "run `python convert.py --model t5-11b -q --q-bits 8` first"),
         (["--model", __file__], "is a file: give a folder written by convert.py"),
         (["--model", ""], "no target named"),  # not the default t5-11b
         (["--seed", "-1"], "--seed must be an integer in [0, 2**64)"),

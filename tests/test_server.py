@@ -13,7 +13,7 @@ import pytest
 from checkpoints import PROMPT
 
 import main
-from generate import generate, stream_generate
+from generate import batch_generate, generate, stream_generate
 from loading import load
 from serving.process import ServerProcess
 
@@ -108,6 +108,20 @@ def test_a_stop_string_ends_the_text_before_it_and_says_stop(server, models, pro
         chunks = list(reply) if stream else [reply]
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert text == full[: full.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_usage_counts_the_tokens_whose_text_the_client_received(server, models):
+    """Stop " import" on "import <extra_id_0>": the answer is "<extra_id_0>",
+    one token, where the round that found the stop string decoded four."""
+    (expected,) = batch_generate(models, ["import <extra_id_0>"], max_tokens=30, stop=[" import"], **EXACT)
+    assert (expected.text, len(expected.tokens), expected.finish_reason) == ("<extra_id_0>", 1, "stop")
+    assert expected.stats.generated > 1
+    for stream in (False, True):
+        reply = server.client().completions.create(model="t5-demo", prompt="import <extra_id_0>", max_tokens=30,
+                                                   stop=[" import"], stream=stream, extra_body=EXACT,
+                                                   stream_options={"include_usage": True} if stream else None)
+        usage = list(reply)[-1].usage if stream else reply.usage
+        assert usage.completion_tokens == 1
 
 
 def test_32_requests_from_16_threads_each_get_what_generate_gives_alone(server, models, prompts):
