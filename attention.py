@@ -11,7 +11,7 @@ path (cpu.in_use() False), MLX's fused kernel. On the CPU path, where MLX's
 fused attention is built of plain operations anyway, our own: the bias added
 in the scores' product (mx.addmm), no scaling by 1, and, where a query has
 many keys, an exponential of our own (~6 ns a score for a whole block where
-MLX's fused attention costs ~13 on x86: bench.py attention).
+MLX's fused attention costs ~13 on x86: python -m bench attention).
 
 A prompt's self-attention goes in blocks of queries and heads on both paths,
 so that its memory grows with the input's length, not with its square: each
@@ -119,7 +119,7 @@ _EXP2_TERMS = [math.log(2) ** k / math.factorial(k) for k in range(7)]
 # one C++ loop, but cuts the graph at a bit cast (view) and 11 operations
 # deep, and every cut is another pass over memory; a scalar at a cut also
 # turns the loop into an indexing one. So the work is two compiled halves,
-# each at most 10 operations deep, with the bit cast between (bench.py
+# each at most 10 operations deep, with the bit cast between (python -m bench
 # attention times it against MLX's exp). No floor: built without SSE4.1 it is
 # a library call per element; a cast to integer truncates, toward 0. Not
 # shapeless: MLX's shapeless tracing adds broadcasts that cut the graph again.

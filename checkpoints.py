@@ -1,4 +1,4 @@
-"""Hugging Face T5 checkpoints built locally, for the tests and bench.py (needs PyTorch).
+"""Hugging Face T5 checkpoints built locally, for the tests and the benchmarks (needs PyTorch).
 
 Nothing here downloads: the tokenizer is a SentencePiece model trained on the
 Python standard library's sources, the checkpoints are random

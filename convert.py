@@ -50,7 +50,7 @@ def default_dtype() -> str:
     TPUs, so it keeps float32's range (v1.0 models overflow float16 without
     clamping) at half the memory and bandwidth. MLX's CPU backend has no fast
     half-precision products (bfloat16 decodes several times slower than
-    float32 there: bench.py quantized), so float32 on the CPU path."""
+    float32 there: python -m bench quantized), so float32 on the CPU path."""
     return "float32" if cpu.in_use() else "bfloat16"
 
 
@@ -63,7 +63,8 @@ TORCH_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin
 
 # Hugging Face name -> our name: the one mapping table.
 RENAMES = [
-    (r"^(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.", r"\1.relative_attention_bias.embeddings."),
+    (r"^(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.",
+     r"\1.relative_attention_bias.embeddings."),
     (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"encoder.layers.\1.attention."),
     (r"^encoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"encoder.layers.\1.attention_norm."),
     (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.", r"encoder.layers.\1.ffn."),
@@ -122,7 +123,8 @@ def download(repo_id: str) -> Path:
     except RepositoryNotFoundError:
         raise ConversionError(f"{repo_id} is neither a local folder nor a model on the Hugging Face hub")
     except LocalEntryNotFoundError:
-        raise ConversionError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (no network?) and no copy is cached")
+        raise ConversionError(f"cannot download {repo_id}: the Hugging Face hub is unreachable (no network?) "
+                              "and no copy is cached")
     except (HfHubHTTPError, OSError) as e:
         raise ConversionError(f"cannot download {repo_id}: {str(e).splitlines()[0]}")
     return folder
@@ -314,7 +316,8 @@ def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
     untied = config.get("tie_word_embeddings") is False or config.get("scale_decoder_outputs") is False
     has_lm_head = untied and "lm_head.weight" in names
     if config.get("tie_word_embeddings") is False and not has_lm_head:
-        raise ConversionError("the config says the output head is untied (tie_word_embeddings false), but the checkpoint has no lm_head.weight")
+        raise ConversionError("the config says the output head is untied (tie_word_embeddings false), "
+                              "but the checkpoint has no lm_head.weight")
     mapping = {}
     embedding = next((n for n in EMBEDDING_ALIASES if n in names), None)
     if embedding is None:
@@ -429,7 +432,8 @@ def check_output(out: Path, force: bool) -> None:
     if not force:
         raise ConversionError(f"{out} already exists (use --force to replace it)")
     if out.is_symlink() or out.resolve() in (Path.cwd(), *Path.cwd().parents):
-        raise ConversionError(f"--force does not replace {out} (a link, or the current folder or one holding it): choose another --out")
+        raise ConversionError(f"--force does not replace {out} (a link, or the current folder or one holding it): "
+                              "choose another --out")
     if not out.is_dir() or (any(out.iterdir()) and not is_earlier_conversion(out)):
         raise ConversionError(f"{out} exists and is not a converted model: --force only replaces those; choose another --out")
 
@@ -473,7 +477,8 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
     mapping, args = plan(reader, config)
     dtype = DTYPES[dtype_name]
     if quantization is not None:
-        kept = [name for name in mapping if QUANTIZED.search(name) and not quantization.applies(name, reader.shape(mapping[name]))]
+        kept = [name for name in mapping
+                if QUANTIZED.search(name) and not quantization.applies(name, reader.shape(mapping[name]))]
         if kept:
             print(f"note: {len(kept)} weight(s) stay in {dtype_name}, their input dimension not a multiple of "
                   f"{quantization.group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}", file=sys.stderr)
@@ -568,7 +573,8 @@ def quantization_of(args) -> Quantization | None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder")
     parser.add_argument("--out", type=Path, help="output folder (default: mlx_models/<name>)")
     parser.add_argument("--dtype", choices=DTYPES, default=default_dtype(),
                         help="dtype of the weights kept in float (default: bfloat16 on a Mac's GPU, T5's training dtype; "

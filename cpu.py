@@ -22,7 +22,7 @@ BLIS (`libblis4-serial`) runs one thread: with it, `use_cores` splits each
 large decoding product over several MLX CPU streams (threads) instead, and
 every split product is a hand-off between threads. Which is faster depends on
 the CPU (`default_order`): MKL's threads on an Intel Xeon, BLIS on a Zen 4
-(docs/PERFORMANCE.md, "The BLAS on Linux").
+(docs/DECISIONS.md).
 On a CPU newer than its build (BLIS 0.9 on a Zen 5) BLIS falls back to its
 portable "generic" kernels; the order skips such a BLIS.
 
@@ -82,7 +82,7 @@ def default_order() -> list[str]:
     """MKL first on Intel's CPUs, BLIS first on AMD's: MKL's products of a
     few rows, decoding's, ran slower than BLIS's split over the cores on a
     Zen 4, where MKL's threads were the faster on an Intel Xeon
-    (docs/PERFORMANCE.md, "The BLAS on Linux")."""
+    (docs/DECISIONS.md)."""
     return ["blis", "mkl", "openblas"] if cpu_vendor() == "AuthenticAMD" else ["mkl", "blis", "openblas"]
 
 MLX_FIRST = "bundled reference BLAS (mlx.core was imported before cpu.py)"
@@ -233,7 +233,7 @@ from mlx.utils import tree_map_with_path  # noqa: E402
 # With a single-threaded BLAS, splitting costs a hand-off between threads:
 # worth it from ~1 MB of float32 weights (T5-small's 512 x 512 attention and
 # every larger product); the pair's target's 256 x 256 attention (256 KB)
-# ran slower split (docs/PERFORMANCE.md, "On AMD's CPUs").
+# ran slower split (docs/DECISIONS.md).
 SPLIT_MIN_ELEMENTS = 250_000
 
 
@@ -280,7 +280,7 @@ def from_lane(streams: tuple, i: int) -> tuple:
 # A one-row product by a (out, in) weight stored row by row runs BLIS's dot
 # product kernel along `in`: with the short rows of a d_model -> d_ff weight
 # (256-1024 numbers) it ran 1.04-1.8x slower than by the same weight stored
-# transposed, whose long rows BLIS streams (`python bench.py blas`, Zen 4).
+# transposed, whose long rows BLIS streams (`python -m bench blas`, Zen 4).
 # With several rows (a verify pass, a batch) the transposed layout was the
 # slower by up to 30%, so only a model that decodes one row a step
 # (use_cores's one_row) takes it.

@@ -25,7 +25,7 @@ import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
 from model import T5, DecoderCache
-from sampling import DRAFT, RowSampling, logits_to_probs, sample
+from sampling import DRAFT, RowSampling, Sampling, logits_to_probs, sample
 
 
 @dataclass
@@ -205,6 +205,7 @@ class AutoDraft:
     num-draft (docs/PERFORMANCE.md)."""
 
     cap = 8
+    settings_kept = 64  # calibrations kept, the least recently used dropped (a server's clients choose any delta)
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -212,8 +213,14 @@ class AutoDraft:
         self.costs: dict[int, DraftCost] = {}
 
     def calibration(self, settings) -> Calibration:
-        """The record of rows at this setting (its delta and sampling)."""
-        return self.calibrations.setdefault((settings.delta, settings.sampling), Calibration())
+        """The record of rows at this setting: its delta and sampling (all
+        greedy rows alike: top-k and top-p change nothing there)."""
+        key = (settings.delta, settings.sampling if settings.temp > 0 else Sampling())
+        calibration = self.calibrations.pop(key, None) or Calibration()
+        self.calibrations[key] = calibration  # the most recently used last
+        if len(self.calibrations) > self.settings_kept:
+            del self.calibrations[next(iter(self.calibrations))]
+        return calibration
 
     def cost(self, batch_size: int) -> DraftCost:
         return self.costs.setdefault(batch_size, DraftCost(self.clock))

@@ -73,11 +73,12 @@ def learn_encoding_rate(models: Models, settings: Settings, stats: Stats) -> Non
 
 @dataclass
 class Response:
-    """One step of `stream_generate`: the new piece of text, the token that
-    made it, and the statistics so far. The last response has token None,
-    carries any text held back until the end, and says why generation
-    stopped: finish_reason "stop" (the end of the text, or a stop string)
-    or "length" (max_tokens)."""
+    """One step of `stream_generate`: the new piece of text, a token it
+    gave out (once no stop string can cut it), and the statistics so far
+    (the engine's: a round may decode past a stop string). The last response
+    has token None, carries any text held back until the end, and says why
+    generation stopped: finish_reason "stop" (the end of the text, or a stop
+    string) or "length" (max_tokens)."""
 
     text: str
     token: int | None
@@ -88,8 +89,9 @@ class Response:
 @dataclass
 class Generation:
     """One prompt's whole generation: its text and the token ids that made
-    it, its own statistics (seconds count from when its row joined the
-    batch), and why it stopped, "stop" or "length"."""
+    it, its own statistics (the engine's, as stream_generate's; seconds
+    count from when its row joined the batch), and why it stopped, "stop"
+    or "length"."""
 
     text: str
     tokens: list[int]
@@ -163,16 +165,17 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     stream = TextStream(models.tokenizer, settings.stop)
 
     def responses():
-        sent = 0  # tokens given out
+        given, text = 0, ""  # tokens given out (each once no stop string can cut it), text not yet with one
         for _, token, finish in drive(batch_for(models, settings, 1), [request]):
             stream.add(token, finish)
-            if token is not None and stream.received > sent:
-                sent += 1
-                yield Response(stream.take(), token, replace(request.stats))  # stats as they are now
+            text += stream.take()
+            for settled in stream.tokens[given : stream.settled]:
+                yield Response(text, settled, replace(request.stats))  # stats as they are now
+                text, given = "", given + 1
             if stream.finish_reason:
                 break
         learn_encoding_rate(models, settings, request.stats)
-        yield Response(stream.take(), None, replace(request.stats), stream.finish_reason)
+        yield Response(text + stream.take(), None, replace(request.stats), stream.finish_reason)
 
     return responses()
 
@@ -180,6 +183,21 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
 def generate(models: Models, prompt: str, **options) -> str:
     """The generated text; options as for stream_generate."""
     return "".join(response.text for response in stream_generate(models, prompt, **options))
+
+
+def texts(batch, requests: list[Request], streams: dict) -> Iterator[Request]:
+    """Decode requests through a batch, each token into its request's text
+    stream (streams: by id(request)); yield each request as its text ends.
+    A row whose text ended at a stop string leaves at the next round."""
+    stopped = set()
+    for request, token, finish in drive(batch, requests, stopped):
+        stream = streams[id(request)]
+        if stream.finish_reason is None:
+            stream.add(token, finish)
+            if stream.finish_reason:
+                if finish is None:
+                    stopped.add(request)
+                yield request
 
 
 def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int = 8, **options) -> Iterator[Generation]:
@@ -193,19 +211,15 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
     BATCH_SIZE.check(batch_size)
     requests = [Request(ids, settings) for ids in tokenize(models, prompts)]
     streams = {id(request): TextStream(models.tokenizer, settings.stop) for request in requests}
-    texts = {id(request): [] for request in requests}
 
     def generations():
-        stopped, next_out = set(), 0
-        for request, token, finish in drive(batch_for(models, settings, batch_size), requests, stopped):
+        done, next_out = {}, 0
+        for request in texts(batch_for(models, settings, batch_size), requests, streams):
             stream = streams[id(request)]
-            stream.add(token, finish)
-            texts[id(request)].append(stream.take())
-            if stream.finish_reason and not finish:  # a stop string: the row leaves at the next round
-                stopped.add(request)
-            while next_out < len(requests) and streams[id(requests[next_out])].finish_reason:
-                done, stream = requests[next_out], streams[id(requests[next_out])]
-                yield Generation("".join(texts[id(done)]), stream.text_tokens, done.stats, stream.finish_reason)
+            # stats as they are now: a row stopped by a stop string decodes on to the next round
+            done[id(request)] = Generation(stream.take(), stream.text_tokens, replace(request.stats), stream.finish_reason)
+            while next_out < len(requests) and id(requests[next_out]) in done:
+                yield done.pop(id(requests[next_out]))
                 next_out += 1
 
     return generations()
@@ -218,22 +232,24 @@ def batch_generate(models: Models, prompts: list[str], *, batch_size: int = 8, *
 
 
 def measure(models: Models, prompt: str, settings: Settings) -> Stats:
-    """The statistics of one generation, its text unused (for timings)."""
-    request = Request(one_prompt(models, prompt), settings)
-    for _ in drive(batch_for(models, settings, 1), [request]):
-        pass
-    return request.stats
+    """The statistics of one generation, ended as its text is (at a stop
+    string too), its text unused (for timings)."""
+    return measure_batch(models, [prompt], settings, 1, wall_clock=False)
 
 
-def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_size: int) -> Stats:
-    """Every prompt's statistics summed, with seconds the wall-clock time of
-    the whole batch run and encoding_seconds its encoding (for timings)."""
+def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_size: int, wall_clock: bool = True) -> Stats:
+    """Every prompt's statistics summed, ended as their texts are (for
+    timings); with wall_clock, seconds is the whole batch run's and
+    encoding_seconds its encoding."""
     requests = [Request(ids, settings) for ids in tokenize(models, prompts)]
+    streams = {id(request): TextStream(models.tokenizer, settings.stop) for request in requests}
     batch = batch_for(models, settings, batch_size)
     started = time.perf_counter()
-    for _ in drive(batch, requests):
+    for _ in texts(batch, requests, streams):
         pass
     total = sum((request.stats for request in requests), Stats())
+    if not wall_clock:
+        return total
     return replace(total, seconds=time.perf_counter() - started, encoding_seconds=batch.encoding_seconds)
 
 

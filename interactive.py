@@ -70,10 +70,12 @@ def show_batch(generations, count: int, speculative: bool, out=None) -> Stats:
     then the whole run's throughput; the summed statistics."""
     started, total = time.perf_counter(), Stats()
     for number, generation in enumerate(generations, 1):
-        print(f"--- prompt {number} of {count}\n{generation.text}\n{stats_line(generation.stats, speculative)}", file=out, flush=True)
+        print(f"--- prompt {number} of {count}\n{generation.text}\n{stats_line(generation.stats, speculative)}",
+              file=out, flush=True)
         total += generation.stats
     seconds = time.perf_counter() - started
-    print(f"--- {count} prompts: {total.generated} tokens in {seconds:.2f} s ({total.generated / seconds:.1f} tokens/s)", file=out)
+    print(f"--- {count} prompts: {total.generated} tokens in {seconds:.2f} s ({total.generated / seconds:.1f} tokens/s)",
+          file=out)
     return total
 
 
@@ -88,7 +90,8 @@ def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
     regular, spec = results["regular"], results["speculative"]
     speedup = spec.tokens_per_second / regular.tokens_per_second if regular.tokens_per_second else 0.0
     lookup = ", prompt lookup" if settings.prompt_lookup else ""
-    print(f"decoding: regular {regular.decoding_seconds:.2f} s, speculative {spec.decoding_seconds:.2f} s, speedup {speedup:.2f}x "
+    print(f"decoding: regular {regular.decoding_seconds:.2f} s, speculative {spec.decoding_seconds:.2f} s, "
+          f"speedup {speedup:.2f}x "
           f"(num-draft {settings.num_draft}, delta {settings.delta}{lookup})", file=out)
 
 
@@ -166,7 +169,8 @@ class Session:
                  "  :show                     current settings",
                  "  :help   :quit             (Ctrl-C stops a generation, Ctrl-D exits)"]
         if self.examples:
-            lines.append(f"  :demo N                   run held-out demo prompt N (1-{len(self.examples)}): code with masked spans")
+            lines.append(f"  :demo N                   run held-out demo prompt N (1-{len(self.examples)}): "
+                         "code with masked spans")
         return "\n".join(lines)
 
     def describe(self) -> str:

@@ -45,7 +45,8 @@ def read_config(folder: str | Path, converted: bool = True) -> dict:
     if not isinstance(config, dict):
         raise LoadError(f"{config_file} is damaged (not a JSON object)")
     if converted and FORMAT_KEY not in config:
-        raise LoadError(f"{folder} is not a converted MLX model (a Hugging Face checkpoint? run: python convert.py --model {folder})")
+        raise LoadError(f"{folder} is not a converted MLX model "
+                        f"(a Hugging Face checkpoint? run: python convert.py --model {folder})")
     return config
 
 

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from errors import ModelNotFound, T5Error, UsageError
@@ -56,7 +56,8 @@ def demo_prompts() -> list[str]:
     try:
         return prompt_lines(path)
     except OSError:
-        raise UsageError(f"{path} is missing: restore demo/ with git checkout demo, or rebuild it with python demo/train.py (about 50 minutes on 2 cores)")
+        raise UsageError(f"{path} is missing: restore demo/ with git checkout demo, or rebuild it with "
+                         "python demo/train.py (about 50 minutes on 2 cores)")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -96,22 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeat their input (summaries, edits, code); --num-draft caps a draft")
     p.add_argument("--prompt", help="input text (default: a translation prompt; with --demo, held-out code with masked spans)")
     p.add_argument("--demo", action="store_true",
-                   help="use the small trained pair in demo/ (built by demo/train.py; no download): it fills in masked spans of Python code")
+                   help="use the small trained pair in demo/ (built by demo/train.py; no download): "
+                        "it fills in masked spans of Python code")
     for name, knob in KNOBS.items():  # default None: --demo has defaults of its own
         default = "" if DEFAULTS[name] is None else f" (default: {DEFAULTS[name]}"
         default += "" if DEFAULTS[name] == DEMO_DEFAULTS[name] else f"; {DEMO_DEFAULTS[name]} with --demo"
         p.add_argument(f"--{knob.flag}", type=str if knob.words else knob.type, help=knob.help + default + ")" * bool(default))
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the text before this string (repeat the option for several)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming; "
                    "with --prompts-file, one per prompt and line (JSON Lines)")
     modes = p.add_mutually_exclusive_group()
     modes.add_argument("--compare", action="store_true", help="run regular and speculative decoding and print the speedup")
-    modes.add_argument("--interactive", action="store_true", help="load the models once, then a prompt loop (:help for commands); --prompt, if given, runs first")
+    modes.add_argument("--interactive", action="store_true",
+                       help="load the models once, then a prompt loop (:help for commands); --prompt, if given, runs first")
     modes.add_argument("--sweep", action="store_true", help="speculative decoding over --num-drafts x --deltas")
     p.add_argument("--num-drafts", help=f"sweep: num-draft values (default: {SWEEP_OPTIONS['num_drafts']}; "
                    f"{LOOKUP_NUM_DRAFTS} with --prompt-lookup)")
     p.add_argument("--deltas", help=f"sweep: delta values (default: {SWEEP_OPTIONS['deltas']})")
-    p.add_argument("--prompts-file", help="prompts, one a line: generate for each, in order (with --json, one JSON object a line), "
+    p.add_argument("--prompts-file", help="prompts, one a line: generate for each, in order "
+                   "(with --json, one JSON object a line), "
                    "or sweep over them (the sweep's default: --prompt; with --demo, demo/prompts.txt)")
     p.add_argument("--batch-size", type=int, help=f"prompts decoded together, with --prompts-file or --sweep "
                    f"(default: {BATCH_SIZE_DEFAULT}; {SWEEP_BATCH_SIZE_DEFAULT} in a sweep)")
@@ -154,8 +160,10 @@ def knob_settings(args, defaults: dict) -> Settings:
     if args.prompt_lookup and values["num_draft"] == AUTO:
         raise UsageError("--num-draft auto follows a draft model's confidence: with --prompt-lookup give a number, "
                          "the longest draft")
+    if args.stop is not None and not all(args.stop):
+        raise UsageError("--stop takes a non-empty string")
     return Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()},
-                    speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup)
+                    speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup, stop=tuple(args.stop or ()))
 
 
 def sweep_grid(args) -> dict:

@@ -384,8 +384,9 @@ class DecoderCache:
         if self.cross_bias is not None or other.cross_bias is not None or \
                 self.cross_keys_values[0][0].shape[2] != other.cross_keys_values[0][0].shape[2]:
             self.cross_bias = mx.concatenate([self.cross_bias_over(length), other.cross_bias_over(length)])
-        self.cross_keys_values = [tuple(mx.concatenate([pad_length(a, length), pad_length(b, length)]) for a, b in zip(mine, theirs))
-                                  for mine, theirs in zip(self.cross_keys_values, other.cross_keys_values)]
+        self.cross_keys_values = [
+            tuple(mx.concatenate([pad_length(a, length), pad_length(b, length)]) for a, b in zip(mine, theirs))
+            for mine, theirs in zip(self.cross_keys_values, other.cross_keys_values)]
         for mine, theirs in zip(self.self_attention, other.self_attention):
             mine.extend(theirs)
 
@@ -473,7 +474,8 @@ class T5(nn.Module):
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self._compiled_step = None  # compile_decoding sets it
         self._paused = None  # the compiled step while `compiled` is switched off
-        self.cold_steps = 0  # decode steps of compiled decoding that did not replay a traced graph
+        self.cold_steps = 0  # decode steps that ran a shape for the first time, or traced it (compile_decoding)
+        self._run = set()  # the shapes run op by op so far
 
     def encode(self, tokens: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> mx.array:
         """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model).
@@ -505,20 +507,23 @@ class T5(nn.Module):
         length = tokens.shape[1]
         keys, values = cache.reserve(length)
         step = self.decode_step
-        if self._compiled_step is not None:
-            shapes = (tokens.shape, keys[0].shape, cache.cross_keys_values[0][0].shape, cache.cross_bias is None)
-            if shapes in self._traced:
+        shapes = (tokens.shape, keys[0].shape, cache.cross_keys_values[0][0].shape, cache.cross_bias is None)
+        if self._compiled_step is None:
+            if shapes not in self._run:  # its first run: kernels may compile
+                self._run.add(shapes)
+                self.cold_steps += 1
+        elif shapes in self._traced:
+            step = self._compiled_step
+        else:
+            self.cold_steps += 1
+            if shapes in self._seen:
+                if len(self._traced) >= self.most_traces:
+                    self.compile_decoding()  # a fresh start: MLX frees the old traces
+                self._seen.discard(shapes)
+                self._traced.add(shapes)
                 step = self._compiled_step
             else:
-                self.cold_steps += 1
-                if shapes in self._seen:
-                    if len(self._traced) >= self.most_traces:
-                        self.compile_decoding()  # a fresh start: MLX frees the old traces
-                    self._seen.discard(shapes)
-                    self._traced.add(shapes)
-                    step = self._compiled_step
-                else:
-                    self._seen.add(shapes)
+                self._seen.add(shapes)
         logits, keys, values = step(tokens, mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias)
         cache.advance(length, keys, values)
         return logits
@@ -544,7 +549,8 @@ class T5(nn.Module):
         (`python -m bench steps`). A trace costs about a step, and a shape's
         first step runs plainly, a little slower than a replayed one: many
         shapes of a one-shot run, where num-draft auto tries lengths, never
-        recur. `cold_steps` counts the steps that did not replay a graph.
+        recur. `cold_steps` counts the steps that did not replay a graph (op
+        by op: the first step of each shape).
         After `most_traces` shapes (half a megabyte each for the demo target)
         a long session starts over with none. The weights become constants
         of those graphs, so compile once they are final: changing them with

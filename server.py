@@ -81,8 +81,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="target model: converted folder, a name under mlx_models/, or a hub id it was converted from")
-    p.add_argument("--draft-model", help="draft model for speculative decoding (without it: prompt lookup if asked, else the target alone)")
+    p.add_argument("--model", required=True,
+                   help="target model: converted folder, a name under mlx_models/, or a hub id it was converted from")
+    p.add_argument("--draft-model",
+                   help="draft model for speculative decoding (without it: prompt lookup if asked, else the target alone)")
     p.add_argument("--prompt-lookup", action="store_true", help="draft by prompt lookup unless a request says otherwise")
     p.add_argument("--name", help="the model name clients give (default: the target folder's name; 'default' is always accepted)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -103,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_settings(args) -> Settings:
     """The requests' default settings, from the knob flags."""
-    values = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}
-    values = {name: KNOBS[name].parse(v, f"--{KNOBS[name].flag}") if isinstance(v, str) else KNOBS[name].check(v, f"--{KNOBS[name].flag}")
-              for name, v in values.items()}
+    values = {}
+    for name, knob in KNOBS.items():
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = knob.parse(given, f"--{knob.flag}") if isinstance(given, str) else knob.check(given, f"--{knob.flag}")
     return Settings(**values, speculative=True, prompt_lookup=args.prompt_lookup)
 
 

@@ -6,6 +6,10 @@
         send(stream.take())               # the text that can go out now
         if stream.finish_reason: break    # "stop" (end of text, or a stop string) or "length"
     stream.received                       # the tokens whose text the caller received (usage)
+
+The engine's statistics (options.Stats) count what it decoded, which may run
+past a stop string to the end of that round; `received` counts what the
+caller got.
 """
 
 import bisect
@@ -102,6 +106,15 @@ class TextStream:
         if self.cut is None:
             return len(self.tokens)
         return bisect.bisect_left(self.starts, self.cut)
+
+    @property
+    def settled(self) -> int:
+        """Tokens no stop string can cut any more: all of them without stop
+        strings; else those whose text began in the text taken (a stop
+        string never begins there), and after the end every token received."""
+        if not self.stop or self.finish_reason is not None:
+            return self.received
+        return bisect.bisect_left(self.starts, self.taken)
 
     @property
     def text_tokens(self) -> list[int]:

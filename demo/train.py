@@ -278,7 +278,8 @@ def train(model: T5, data, heldout: list, steps: int, log, teacher: T5 | None = 
         if number % 200 == 0 or number == steps:
             # With a teacher, train_loss is against the teacher's distribution
             # (its entropy included); heldout_loss is always against the text.
-            history.append({"step": number, "train_loss": sum(recent) / len(recent), "heldout_loss": heldout_loss(model, heldout)})
+            history.append({"step": number, "train_loss": sum(recent) / len(recent),
+                            "heldout_loss": heldout_loss(model, heldout)})
             against = "train loss" if teacher is None else "loss against the target"
             line = (f"  step {number:5d}/{steps}  {against} {history[-1]['train_loss']:.3f}  "
                     f"held-out loss {history[-1]['heldout_loss']:.3f}")
@@ -349,7 +350,8 @@ def heldout_split(tokenizer, heldout: np.ndarray, seed: int) -> tuple[np.ndarray
     or three files); the prompts come from the pieces after them."""
     sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(NUM_SENTINELS)])
     shuffled = heldout[np.random.default_rng(seed + 3).permutation(len(heldout))]
-    data = batches(shuffled[: 8 * BATCH], word_starts(tokenizer), np.random.default_rng(seed + 1), sentinels, tokenizer.eos_token_id)
+    data = batches(shuffled[: 8 * BATCH], word_starts(tokenizer), np.random.default_rng(seed + 1), sentinels,
+                   tokenizer.eos_token_id)
     return shuffled, list(itertools.islice(data, 8))
 
 
@@ -446,7 +448,8 @@ def main(argv=None) -> int:
     target = build("target", 0, teacher=None)
     build("draft", 1, teacher=target)
 
-    write_prompts(args.out / "prompts.txt", tokenizer, shuffled[8 * BATCH :], starts, 20, np.random.default_rng(args.seed + 2), sentinels, eos)
+    write_prompts(args.out / "prompts.txt", tokenizer, shuffled[8 * BATCH :], starts, 20, np.random.default_rng(args.seed + 2),
+                  sentinels, eos)
     summary["minutes"] = round((time.perf_counter() - began) / 60, 1)
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"Done in {summary['minutes']} min: {args.out / 'target'}, {args.out / 'draft'}, {args.out / 'prompts.txt'}")

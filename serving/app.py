@@ -148,7 +148,8 @@ class Completions:
             if len(ids) > self.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's {self.max_prompt_tokens:,}",
                                code="context_length_exceeded", param="prompt")
-            jobs.append(Job(decoder.Request(ids, settings), TextStream(self.models.tokenizer, settings.stop), loop, asyncio.Queue()))
+            stream = TextStream(self.models.tokenizer, settings.stop)
+            jobs.append(Job(decoder.Request(ids, settings), stream, loop, asyncio.Queue()))
         try:
             self.engine.submit(jobs)
         except QueueFull:

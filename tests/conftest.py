@@ -30,7 +30,7 @@ FLAVOURS = {
 # The second pass, T5_MLX_PATH=accelerator, runs every test whose subject the
 # path changes: parity with transformers, speculative and batched exactness,
 # quantized models, long prompts, compiled steps, attention, the API and the
-# CLI. These it leaves to the first: bench.py's harness, conversion, the BLAS and the split
+# CLI. These it leaves to the first: the benchmarks' harness, conversion, the BLAS and the split
 # products, the demo's training and quality, float16's clamp, and the
 # statistical tests of the sampling rule (minutes; its arithmetic runs after
 # the model's, the same on both paths).

@@ -72,14 +72,16 @@ def test_stop_strings_end_the_text_before_them_in_every_api(demo_pair, demo_prom
     "stop", and a batch's tokens are those whose text was given."""
     prompt = demo_prompts[0]
     full = generate(demo_pair, prompt, max_tokens=30)
-    stop = full[len(full) // 2 : len(full) // 2 + 3]
-    responses = list(stream_generate(demo_pair, prompt, max_tokens=30, stop=[stop]))
-    assert "".join(r.text for r in responses) == full[: full.index(stop)] == generate(demo_pair, prompt, max_tokens=30, stop=stop)
-    assert responses[-1].finish_reason == "stop"
-    (generation,) = batch_generate(demo_pair, [prompt], max_tokens=30, stop=[stop])
-    assert generation.text == full[: full.index(stop)] and generation.finish_reason == "stop"
-    assert generation.tokens == [r.token for r in responses if r.token is not None]
-    assert demo_pair.tokenizer.decode(generation.tokens).startswith(generation.text)
+    # a stop string at a token's start ("Gre", after "self.assert") and inside tokens
+    for stop in ["Gre"] + [full[i : i + 3] for i in range(14, len(full) - 3, 5)]:
+        responses = list(stream_generate(demo_pair, prompt, max_tokens=30, stop=[stop]))
+        text = full[: full.index(stop)]
+        assert "".join(r.text for r in responses) == text == generate(demo_pair, prompt, max_tokens=30, stop=stop)
+        assert responses[-1].finish_reason == "stop"
+        (generation,) = batch_generate(demo_pair, [prompt], max_tokens=30, stop=[stop])
+        assert generation.text == text and generation.finish_reason == "stop"
+        assert generation.tokens == [r.token for r in responses if r.token is not None], stop
+        assert demo_pair.tokenizer.decode(generation.tokens).startswith(text)
 
 
 def test_settings_pass_whole_with_keywords_over_them(demo_pair, demo_prompts):
@@ -104,7 +106,8 @@ def test_detokenizer_equals_decoding_everything_at_once_for_any_token_sequence(c
     punctuation = [i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i) in (".", "▁", ",", "?", "'", "n", "s")]
     rng = random.Random(0)
     for _ in range(300):
-        ids = [rng.choice(punctuation) if rng.random() < 0.4 else rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        ids = [rng.choice(punctuation) if rng.random() < 0.4 else rng.randrange(len(tokenizer))
+               for _ in range(rng.randrange(1, 40))]
         detokenizer = Detokenizer(tokenizer)
         text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
         assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False), ids
@@ -207,9 +210,10 @@ def readme_api_example() -> str:
 
 
 def test_the_readme_api_example_runs_from_a_script_outside_the_repository(tmp_path):
+    """As the README says to run it from another folder: this one on PYTHONPATH."""
     script = tmp_path / "example.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + readme_api_example())
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script.write_text(readme_api_example())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "<extra_id_0>" in done.stdout and "warning" not in done.stderr.lower(), done.stderr

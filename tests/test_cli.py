@@ -48,7 +48,8 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
         (["--top-p", "0"], "--top-p must be a number in (0, 1]"),
         (["--top-p", "1.5"], "--top-p must be a number in (0, 1]"),
         (["--top-k", "-1"], "--top-k must be an integer >= 0"),
-        (["--model", "no-such-model"], "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
+        (["--model", "no-such-model"],
+         "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
         (["--model", "t5-11b-4bit"], "run `python convert.py --model t5-11b -q` first"),  # what convert.py names t5-11b at 4 bits
         (["--model", "mlx_models/t5-11b-8bit"], "run `python convert.py --model t5-11b -q --q-bits 8` first"),
         (["--model", __file__], "is a file: give a folder written by convert.py"),
@@ -64,6 +65,16 @@ def test_bad_input_gives_one_line_error(v1_1_checkpoint, capsys, argv, message):
     assert main.main(base + argv) != 0
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_stop_strings_end_the_one_shot_and_json_text_before_them(capsys):
+    """--stop, once or more: the API's stop strings, through the same text stream."""
+    assert main.main(["--demo", "--json", "--max-tokens", "30"]) == 0
+    full = json.loads(capsys.readouterr().out)["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert main.main(["--demo", "--json", "--max-tokens", "30", "--stop", "zzz", "--stop", stop]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == full[: full.index(stop)]
+    assert main.main(["--demo", "--stop", ""]) == 2 and "--stop takes a non-empty string" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("plot, message", [("missing/sweep.png", "cannot write there"), (".", "cannot write there"),

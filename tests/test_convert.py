@@ -321,7 +321,8 @@ def test_sigterm_during_a_conversion_leaves_nothing_behind(tmp_path, tokenizer_d
 
     config = t5_config(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=8, initializer_factor=1.0)
     make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir)
-    process = subprocess.Popen([sys.executable, "convert.py", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "models" / "out")],
+    process = subprocess.Popen([sys.executable, "convert.py", "--model", str(tmp_path / "hf"),
+                                "--out", str(tmp_path / "models" / "out")],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list((tmp_path / "models").glob(".out.partial-*/model.safetensors")) and time.time() < deadline:

@@ -117,8 +117,9 @@ def test_mkl_runs_its_openmp_threads_unless_asked_for_its_sequential_layer():
 @needs_mkl
 def test_mkl_spins_5_ms_unless_told_otherwise_and_heeds_a_thread_count_given():
     """cpu.py's defaults fill in what the environment leaves unset, and say
-    which they set (bench.py's reference engines run without them)."""
-    unset = "import os; [os.environ.pop(key, None) for key in ('KMP_BLOCKTIME', 'MKL_THREADING_LAYER')]; "  # this process set them
+    which they set (the benchmarks' reference engines run without them)."""
+    # this process set them
+    unset = "import os; [os.environ.pop(key, None) for key in ('KMP_BLOCKTIME', 'MKL_THREADING_LAYER')]; "
     report = "import cpu; print(os.environ['KMP_BLOCKTIME'], sorted(cpu.SET_HERE), cpu.ACTIVE)"
     assert python(unset + report, "mkl").stdout.split()[:3] == ["5", "['KMP_BLOCKTIME',", "'MKL_THREADING_LAYER']"]
     given = python(unset + "os.environ['KMP_BLOCKTIME'] = '50'; os.environ['MKL_NUM_THREADS'] = '1'; " + report, "mkl")
@@ -316,7 +317,8 @@ def test_one_row_stores_the_wide_d_model_to_d_ff_weights_transposed_with_the_sam
     monkeypatch.setattr(cpu, "THREADED", threaded)
     converted(tokenizer_dir, tmp_path, d_model=64, d_ff=512, num_decoder_layers=2)
     one_row, default = loading.load_model(tmp_path / "mlx", one_row=True), loading.load_model(tmp_path / "mlx")
-    transposed = {name for name, module in one_row.named_modules() if isinstance(module, cpu.DecodingProduct) and module.plan.transposed}
+    transposed = {name for name, module in one_row.named_modules()
+                  if isinstance(module, cpu.DecodingProduct) and module.plan.transposed}
     assert transposed == (set() if threaded else {"decoder.layers.0.ffn.wi", "decoder.layers.1.ffn.wi"})
     mine, theirs = tree_flatten(one_row.parameters()), tree_flatten(default.parameters())
     assert [name for name, _ in mine] == [name for name, _ in theirs]

@@ -1,4 +1,5 @@
-"""The README and docs: every file they name exists, every command they give parses, and the README stays short."""
+"""The README and docs: every file they name exists, every command they give parses, every figure of
+docs/PERFORMANCE.md and the README's tables is what bench/results/ renders, and the README stays short."""
 
 import re
 import shlex
@@ -17,7 +18,7 @@ def commands(program: str) -> list[list[str]]:
     found = []
     for text in TEXTS:
         for line in text.read_text().splitlines():
-            for match in re.finditer(rf"python3? {program} ?([^`#\n]*)", line):
+            for match in re.finditer(rf"python3? {re.escape(program)} ?([^`#\n]*)", line):
                 found.append(shlex.split(match.group(1).replace("\\", "")))
     return found
 
@@ -48,14 +49,26 @@ def test_every_server_py_command_in_the_texts_parses():
         parser.parse_args(argv)
 
 
-def test_every_bench_py_command_in_the_texts_parses():
-    import bench
+def test_every_bench_command_in_the_texts_and_the_results_parses():
+    from bench import __main__ as bench_main
+    from bench import render
 
-    parser = bench.build_parser()
-    given = commands("bench.py")
+    parser = bench_main.build_parser()
+    given = commands("-m bench") + [shlex.split(r["command"].removeprefix("python -m bench")) for r in render.results().values()]
     assert len(given) > 10
     for argv in given:
         parser.parse_args(argv)
+    assert not commands("bench.py"), "bench is a folder: python -m bench"
+
+
+def test_performance_and_the_readmes_tables_are_what_the_results_render():
+    """Every figure there comes from a JSON result a bench command wrote:
+    `python -m bench render` writes them, and nothing else may."""
+    from bench import render
+
+    found = render.results()
+    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == render.performance(found)
+    assert (ROOT / "README.md").read_text() == render.readme_with(render.readme_tables(found))
 
 
 def test_the_readme_is_at_most_200_lines():

@@ -264,19 +264,29 @@ def rounds_timed(auto: AutoDraft) -> int:
 
 
 def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_not_timed(pair):
-    """The model says which steps ran plainly or traced (T5.cold_steps): a
-    fresh pair's first two rounds do, and auto does not time them; steps
-    built op by op never replay a graph, and every round is timed."""
+    """The model says which steps ran a shape for the first time or traced
+    it (T5.cold_steps): a fresh pair's first two rounds do, and auto does
+    not time them."""
     checkpoint = pair["checkpoint"]
     fresh = Models(load_model(checkpoint.mlx_dir), load_model(checkpoint.mlx_dir))
     stats = Stats()
     decode(fresh, checkpoint.prompt_ids, Settings(max_tokens=30, num_draft="auto"), stats)
     assert stats.target_calls > 2 and rounds_timed(fresh.drafting) <= stats.target_calls - 2
-    for model in (fresh.target, fresh.draft):
-        model.compiled = False
-    plain, stats = Models(fresh.target, fresh.draft), Stats()
-    decode(plain, checkpoint.prompt_ids, Settings(max_tokens=30, num_draft="auto"), stats)
-    assert rounds_timed(plain.drafting) == stats.target_calls
+
+
+@pytest.mark.parametrize("compiled, cold", [(True, [1, 1, 0, 0]), (False, [1, 0, 0, 0])])
+def test_a_shape_is_cold_on_its_first_run_and_compiled_on_its_trace(pair, compiled, cold):
+    """Op by op a shape's first step may compile kernels; compiled, its first
+    runs plainly and its second traces: those are cold, the rest replay."""
+    model = load_model(pair["checkpoint"].mlx_dir)
+    model.compiled = compiled
+    seen = []
+    for _ in range(4):
+        (cache,) = encode_for([model], [pair["checkpoint"].prompt_ids])
+        before = model.cold_steps
+        model.decode(mx.array([[0, 5]]), cache)
+        seen.append(model.cold_steps - before)
+    assert seen == cold
 
 
 def test_auto_reports_its_mean_drafts_per_round(pair):

@@ -1,4 +1,5 @@
-"""Long prompts: announced before a long wait, timed apart from decoding, bounded in memory, and never encoded more than needed."""
+"""Long prompts: announced before a long wait, timed apart from decoding, bounded in memory, and never encoded
+more than needed."""
 
 import json
 import re

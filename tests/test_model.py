@@ -108,7 +108,8 @@ def test_padded_batch_matches_single_prompts(checkpoint):
         single_encoded = model.encode(mx.array([ids]))
         single = model.decode(mx.array([[0, 7, 9]]), model.make_cache(single_encoded))
         scale = np.abs(np.array(single)).max()
-        np.testing.assert_allclose(np.array(encoded[row, : len(ids)]), np.array(single_encoded[0]), atol=1e-4 * np.abs(np.array(single_encoded)).max())
+        np.testing.assert_allclose(np.array(encoded[row, : len(ids)]), np.array(single_encoded[0]),
+                                   atol=1e-4 * np.abs(np.array(single_encoded)).max())
         np.testing.assert_allclose(np.array(logits[row]), np.array(single[0]), atol=1e-4 * scale)
 
 
@@ -256,7 +257,8 @@ def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_sca
     mask[1, max(1, length - 3):] = 0  # the second prompt is shorter, padded on the right
     ours = ours_model.encode(mx.array(ids), mx.array(mask), lanes=streams)
     with torch.no_grad():
-        ref = unit_scale_v1_0.hf_model.get_encoder()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+        encoder = unit_scale_v1_0.hf_model.get_encoder()
+        ref = encoder(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
     for row in range(2):
         valid = mask[row].astype(bool)
         assert_within(ours[row][mx.array(np.flatnonzero(valid))], ref[row][valid])

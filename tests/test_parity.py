@@ -35,7 +35,8 @@ def test_greedy_ids_equal_transformers_generate(checkpoint):
         pytest.skip("transformers' generate() breaks when the decoder is deeper than the encoder")
     ids, _ = greedy(load(checkpoint.mlx_dir), PROMPT, 64)
     with torch.no_grad():
-        generated = checkpoint.hf_model.generate(torch.tensor([checkpoint.prompt_ids]), max_new_tokens=64, do_sample=False, num_beams=1)
+        generated = checkpoint.hf_model.generate(torch.tensor([checkpoint.prompt_ids]), max_new_tokens=64, do_sample=False,
+                                                 num_beams=1)
     assert ids == [t for t in generated[0, 1:].tolist() if t != checkpoint.hf_model.config.eos_token_id]
 
 

@@ -48,7 +48,8 @@ def test_layout_and_config_follow_mlx_lm(unit_scale_hf, tmp_path):
     assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     weights = mx.load(str(tmp_path / "q" / "model.safetensors"))
     quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
-    assert {"shared", "lm_head", "encoder.layers.0.attention.q", "decoder.layers.1.ffn.wi_0", "decoder.layers.1.ffn.wo"} <= quantized
+    expected = {"shared", "lm_head", "encoder.layers.0.attention.q", "decoder.layers.1.ffn.wi_0", "decoder.layers.1.ffn.wo"}
+    assert expected <= quantized
     for name in quantized:
         d_in = 64 * weights[f"{name}.scales"].shape[1]
         assert weights[f"{name}.weight"].dtype == mx.uint32 and weights[f"{name}.weight"].shape[1] == d_in * 4 // 32
@@ -87,7 +88,8 @@ def test_quantizing_a_converted_folder_equals_quantizing_the_checkpoint(unit_sca
 def test_weights_whose_input_is_not_a_multiple_of_the_group_stay_float_and_are_named(tmp_path, tokenizer_dir):
     """d_model 64 with groups of 128: only wo (input d_ff 128) is quantized."""
     make_checkpoint(tmp_path / "hf", t5_config(initializer_factor=1.0), 0, tokenizer_dir)
-    done = run_convert("--model", str(tmp_path / "hf"), "--out", str(tmp_path / "q"), "-q", "--q-group-size", "128", "--dtype", "float32")
+    done = run_convert("--model", str(tmp_path / "hf"), "--out", str(tmp_path / "q"), "-q", "--q-group-size", "128",
+                       "--dtype", "float32")
     assert done.returncode == 0, done.stderr
     assert "stay in float32, their input dimension not a multiple of 128" in done.stderr
     weights = mx.load(str(tmp_path / "q" / "model.safetensors"))
@@ -122,7 +124,8 @@ def test_quantized_products_give_each_row_the_same_result_alone_or_together():
     for bits in (8, 4):
         packed, scales, biases = mx.quantize(weight, 64, bits)
         together = mx.quantized_matmul(x, packed, scales, biases, group_size=64, bits=bits)
-        alone = mx.concatenate([mx.quantized_matmul(x[i : i + 1], packed, scales, biases, group_size=64, bits=bits) for i in range(9)])
+        alone = mx.concatenate([mx.quantized_matmul(x[i : i + 1], packed, scales, biases, group_size=64, bits=bits)
+                                for i in range(9)])
         assert mx.array_equal(together, alone).item()
 
 

@@ -50,7 +50,8 @@ def prompts():
 def test_a_completion_is_generate_on_that_prompt_alone(server, models, prompts):
     reply = server.client().completions.create(model="t5-demo", prompt=prompts[0], max_tokens=30, extra_body=EXACT)
     assert reply.choices[0].text == generate(models, prompts[0], max_tokens=30, **EXACT)
-    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens == len(models.tokenizer.encode(prompts[0]))
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens == len(models.tokenizer.encode(prompts[0]))
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens > reply.usage.prompt_tokens
     stats = reply.model_extra["speculative"]
     assert stats["drafted"] > 0 and 0 < stats["acceptance_rate"] <= 1 and stats["drafts_per_round"] > 0
@@ -96,7 +97,8 @@ def test_a_conversation_maps_to_role_lines_ending_with_the_assistants_turn():
 
     messages = [serving.Message(role=r, content=c) for r, c in
                 [("user", "Hello"), ("assistant", "Hi."), ("user", "translate English to German: Good morning.")]]
-    assert serving.chat_prompt(messages) == "User: Hello\nAssistant: Hi.\nUser: translate English to German: Good morning.\nAssistant:"
+    assert serving.chat_prompt(messages) == \
+        "User: Hello\nAssistant: Hi.\nUser: translate English to German: Good morning.\nAssistant:"
 
 
 def test_a_stop_string_ends_the_text_before_it_and_says_stop(server, models, prompts):
@@ -271,7 +273,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_round(st
         assert httpx.get(strict_server.url + "/metrics").json()["active_rows"] == 1
     metrics = wait_for(strict_server, lambda m: m["active_rows"] == 0, seconds=10)
     assert metrics["rows_cancelled"] == before + 1
-    assert strict_server.client(api_key="sesame").completions.create(model="strict", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+    reply = strict_server.client(api_key="sesame").completions.create(model="strict", prompt=PROMPT, max_tokens=3)
+    assert reply.usage.completion_tokens == 3
 
 
 def test_a_prompt_too_long_and_a_body_too_big_are_refused(strict_server):

@@ -15,7 +15,8 @@ def test_a_completion_parses_as_openais_completion_and_chat_completion():
     parsed = types.Completion.model_validate(text)
     assert [(c.index, c.text, c.finish_reason) for c in parsed.choices] == [(0, "Hallo", "stop"), (1, "Welt", "length")]
     assert parsed.object == "text_completion" and parsed.usage.total_tokens == 12
-    chat = types.chat.ChatCompletion.model_validate(shapes.completion("chatcmpl-1", 10, "t5", True, [("Hi", "stop")], used, STATS))
+    chat = types.chat.ChatCompletion.model_validate(
+        shapes.completion("chatcmpl-1", 10, "t5", True, [("Hi", "stop")], used, STATS))
     assert chat.choices[0].message.content == "Hi" and chat.choices[0].message.role == "assistant"
     assert text["speculative"] == {"drafted": 8, "accepted": 6, "acceptance_rate": 0.75, "drafts_per_round": 2.667,
                                    "target_calls": 3, "tokens_per_second": 17.5, "encoding_seconds": 0.1}

@@ -1,4 +1,5 @@
-"""The text stream the API and the server share: stop strings held back and cut, the finish reason, and the tokens the caller received."""
+"""The text stream the API and the server share: stop strings held back and cut, the finish reason, and the
+tokens the caller received."""
 
 import random
 
@@ -72,8 +73,15 @@ def test_the_text_taken_is_the_whole_text_cut_at_its_first_stop_string(seed):
     pieces = ["".join(rng.choice("ab c") for _ in range(rng.randrange(0, 4))) for _ in range(12)]
     stops = tuple({"".join(rng.choice("ab c") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(0, 4))})
     tokens = [rng.randrange(len(pieces)) for _ in range(rng.randrange(1, 30))]
-    stream = TextStream(Pieces(pieces), stops)
-    taken = "".join(run(stream, tokens, finish="length"))
+    stream, settled = TextStream(Pieces(pieces), stops), []
+    taken = ""
+    for i, token in enumerate(tokens):
+        stream.add(token, "length" if i == len(tokens) - 1 else None)
+        taken += stream.take()
+        settled.append(stream.settled)
+        if stream.finish_reason:
+            break
+    assert settled == sorted(settled) and settled[-1] == stream.received  # no token given out is cut later
     whole = "".join(pieces[t] for t in tokens)
     found = [whole.find(stop) for stop in stops if stop in whole]
     cut = min(found) if found else len(whole)

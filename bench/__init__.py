@@ -1,0 +1,34 @@
+"""Measurements against Hugging Face transformers and CTranslate2, written as data.
+
+    python -m bench regular      # T5-large-shaped random fp32 checkpoint, 100 tokens
+    python -m bench speculative  # the benchmark pair, on held-out demo prompts
+    python -m bench render       # docs/PERFORMANCE.md and the README's table, from bench/results/
+
+Each command is a `run` that measures and returns plain data, and a `render`
+that makes its table from that data (harness.py). Runs of ours and of the
+references alternate, the references in processes of their own, and every
+result names the machine it ran on. Modules by family of measurement:
+decoding.py (regular, steps, speculative), batching.py (batch, serve),
+drafts.py (drafting, fresh, lookup), memory.py (quantized, sizes),
+long_inputs.py (encode, attention), blas.py; the checkpoints they run on are
+fixtures.py's, the references references.py's.
+"""
+
+from bench import batching, blas, decoding, drafts, long_inputs, memory
+
+# name -> (what it measures, run(args) -> data, render(data) -> Markdown), in the order docs/PERFORMANCE.md shows them
+COMMANDS = {
+    "regular": ("Regular decoding", decoding.run_regular, decoding.render_regular),
+    "steps": ("Decode steps", decoding.run_steps, decoding.render_steps),
+    "speculative": ("Speculative decoding", decoding.run_speculative, decoding.render_speculative),
+    "drafting": ("num-draft auto", drafts.run_drafting, drafts.render_drafting),
+    "fresh": ("In a fresh process", drafts.run_fresh, drafts.render_fresh),
+    "lookup": ("Prompt lookup", drafts.run_lookup, drafts.render_lookup),
+    "batch": ("Batches", batching.run_batch, batching.render_batch),
+    "serve": ("The server under load", batching.run_serve, batching.render_serve),
+    "encode": ("Long prompts", long_inputs.run_encode, long_inputs.render_encode),
+    "attention": ("A block of a long prompt's attention", long_inputs.run_attention, long_inputs.render_attention),
+    "quantized": ("Quantized models", memory.run_quantized, memory.render_quantized),
+    "sizes": ("Model sizes", memory.run_sizes, memory.render_sizes),
+    "blas": ("The BLAS", blas.run_blas, blas.render_blas),
+}

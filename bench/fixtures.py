@@ -1,0 +1,159 @@
+"""The checkpoints and prompts the benchmarks run on, built once under bench_models/.
+
+- T5-large and T5-small shapes with random weights (`build_large`);
+- the benchmark pair (`build_pair`): the draft is the demo target (demo/,
+  8.4 M parameters), and the target embeds it exactly and adds 18+18 random
+  layers whose output projections are scaled down, with FFNs widened to d_ff
+  8192 (about 220 M parameters). The draft agrees with it on any prompt, as
+  far as the extra layers let it; random weights never agree;
+- the demo's held-out prompts, and copy-heavy ones for prompt lookup.
+
+Checkpoints are Hugging Face's, converted by convert.py (and CTranslate2's
+converter, references.py).
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.harness import DEMO, ROOT
+
+T5_LARGE = dict(vocab_size=32128, d_model=1024, d_ff=4096, num_heads=16, d_kv=64, num_layers=24, initializer_factor=1.0)
+T5_SMALL = dict(vocab_size=32128, d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, initializer_factor=1.0)
+PROMPT_IDS = [13, 52, 999, 81, 7, 402, 33, 91, 18, 640, 22, 5, 77, 301, 9, 1]
+# The target grown from the demo target. The scale sets the agreement: at 0.2 the
+# table shows acceptance near 0.8, and greedy outputs that still differ from the draft's.
+PAIR = dict(extra_layers=18, d_ff=8192, scale=0.2, seed=1)
+
+
+def build_large(folder: Path, shapes: dict = T5_LARGE) -> Path:
+    from checkpoints import make_checkpoint, t5_config
+
+    if not (folder / "config.json").exists():
+        print(f"building a random checkpoint of d_model {shapes['d_model']} in {folder} ...", file=sys.stderr)
+        make_checkpoint(folder, t5_config(**shapes), 0, DEMO / "target")
+    return folder
+
+
+def build_pair(root: Path) -> tuple[Path, Path]:
+    """(target, draft) Hugging Face checkpoints; see the module docstring."""
+    import train
+    from checkpoints import grow_target
+
+    from loading import load_model
+
+    draft, target = root / "pair-draft", root / "pair-target"
+    if not (draft / "config.json").exists():
+        train.save_hugging_face(load_model(DEMO / "target"), DEMO / "target", draft)
+    if not (target / "config.json").exists():
+        print(f"building the benchmark pair's target in {target} ...", file=sys.stderr)
+        grow_target(draft, target, **PAIR)
+    return target, draft
+
+
+def convert_measuring_memory(source: Path, out: Path, *options: str) -> int:
+    """Run convert.py in a fresh process; return its peak resident memory in bytes."""
+    script = (
+        "import atexit, re, runpy, sys;"
+        "atexit.register(lambda: print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1],"
+        " file=sys.stderr));"
+        "sys.argv = ['convert.py', *sys.argv[1:]]; runpy.run_path('convert.py', run_name='__main__')"
+    )
+    argv = ["--model", str(source), "--out", str(out), "--dtype", "float32", "--force", *options]
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"conversion failed: {done.stderr.strip().splitlines()[-1]}")
+    return int(done.stderr.split("VmHWM")[-1].split()[0]) * 1024
+
+
+def memory_read_bandwidth() -> float:
+    """Bytes/s summing a 1 GiB array with one thread per core (the machine's read limit)."""
+    import numpy as np
+
+    data = np.ones(1 << 28, dtype=np.float32)
+    parts = np.array_split(data, os.cpu_count() or 1)
+    with ThreadPoolExecutor(len(parts)) as pool:
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            times.append(time.perf_counter() - start)
+    return data.nbytes / statistics.median(times)
+
+
+def converted(checkpoint: Path, folder: Path) -> Path:
+    """folder, converted from the Hugging Face checkpoint by convert.py (float32) the first time."""
+    if not (folder / "config.json").exists():
+        convert_measuring_memory(checkpoint, folder)
+    return folder
+
+
+def held_out_prompts(count: int | None = None) -> list[str]:
+    """The demo's held-out prompts (demo/prompts.txt), the first `count`."""
+    lines = [line.decode("utf-8").strip() for line in (DEMO / "prompts.txt").read_bytes().splitlines()]
+    return [line for line in lines if line][:count]
+
+
+def weight_bytes_per_token(model) -> int:
+    """Weights one decode step reads: the decoder (cross-attention keys/values
+    are computed once per prompt) and the output head."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for name, array in tree_flatten(model.parameters()):
+        if name.startswith("encoder.") or ".cross_attention.k." in name or ".cross_attention.v." in name:
+            continue
+        if name == "shared.weight" and not model.args.tie_word_embeddings:
+            continue  # only one embedding row is read
+        total += array.nbytes
+    return total
+
+
+def copy_prompts(target, count: int = 20, run: int = 5) -> list[list[int]]:
+    """A copy-heavy task for the demo target: held-out code (pieces of 64
+    tokens, as the pair was trained on) whose masked 13-token span occurs,
+    word for word, earlier in the same piece, kept when the target's own
+    greedy filling repeats at least `run` tokens of the prompt in a row (a
+    model this small often fills the span otherwise). Pieces are taken in a
+    fixed shuffled order of all held-out files."""
+    import random
+
+    import train
+    from loading import Models
+    from options import Settings
+    from transformers import AutoTokenizer
+
+    from bench.harness import decode
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO / "target"))  # train.py's helpers take transformers' tokenizers
+    sentinel, eos = tokenizer.convert_tokens_to_ids("<extra_id_0>"), tokenizer.eos_token_id
+    is_word_start = train.word_starts(tokenizer)
+    span, candidates = 13, []
+    for piece in train.chunks(tokenizer, train.corpus_files()[1]).tolist():
+        for start in range(len(piece) - span - 1, span - 1, -1):  # the last span with an earlier copy
+            masked = piece[start : start + span]
+            if is_word_start[masked[0]] and any(piece[j : j + span] == masked for j in range(start - span + 1)):
+                candidates.append(piece[:start] + [sentinel] + piece[start + span :] + [eos])
+                break
+    random.Random(0).shuffle(candidates)
+    chosen = []
+    for prompt in candidates:
+        (output,), _, _ = decode(Models(target), [prompt], Settings(max_tokens=30, speculative=False))
+        runs = {tuple(prompt[i : i + run]) for i in range(len(prompt) - run + 1)}
+        if any(tuple(output[i : i + run]) in runs for i in range(len(output) - run + 1)):
+            chosen.append(prompt)
+            if len(chosen) == count:
+                break
+    return chosen
+
+
+def benchmark_pair(root: Path) -> dict[str, Path]:
+    """The benchmark pair's folders: Hugging Face checkpoints (target_hf,
+    draft_hf) and what ours loads (target, converted once; draft, the demo target)."""
+    target_hf, draft_hf = build_pair(root)
+    return {"target_hf": target_hf, "draft_hf": draft_hf, "target": converted(target_hf, root / "pair-target-mlx"),
+            "draft": DEMO / "target"}

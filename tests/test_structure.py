@@ -1,0 +1,74 @@
+"""The code's shape, checked: the engine below the front ends, nothing leaning on the benchmarks, units a reader can hold."""
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted(p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+PROJECT = {p.stem for p in ROOT.glob("*.py")} | {"serving", "bench"}  # what `import X` may name of ours
+
+ENGINE = {"decoder", "drafting", "model", "attention", "sampling", "options", "errors", "cpu"}
+
+
+def imports(path: Path) -> set[str]:
+    """The project's modules a file imports (anywhere in it), by top-level name."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & PROJECT
+
+
+def test_the_engine_imports_neither_the_loader_nor_any_front_end():
+    """decoder.py and all it imports stay within the engine: no loading,
+    generate, text, main, interactive, sweep, server or bench."""
+    reached, todo = set(), ["decoder"]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += sorted(imports(ROOT / f"{name}.py"))
+    assert reached <= ENGINE, sorted(reached - ENGINE)
+
+
+def test_nothing_but_the_benchmarks_and_their_own_tests_imports_bench():
+    """bench/'s harness and its commands are tested (test_bench.py, and
+    test_docs.py parses the commands the docs give); nothing else leans on it."""
+    leaning = [p.relative_to(ROOT) for p in SOURCES
+               if "bench" in imports(p) and p.parent.name != "bench" and p.name not in ("test_bench.py", "test_docs.py")]
+    assert leaning == []
+
+
+def test_no_function_is_over_80_lines():
+    """Long functions hide the steps a reader follows."""
+    long = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
+
+
+def test_no_test_sets_a_private_attribute():
+    """Tests go through public entry points (T5.compiled, T5.traced_shapes, DraftCost's methods ...)."""
+    setting = re.compile(r"\.\_[a-zA-Z]\w*\s*=[^=]|setattr\([^,]+,\s*[\"']_[a-zA-Z]")
+    found = [f"{p.name}:{i}" for p in (ROOT / "tests").glob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if setting.search(line)]
+    assert found == []
+
+
+def test_pip_install_makes_every_module_importable():
+    """pyproject.toml lists every top-level module (and serving/) for `pip install -e .`."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(listed["py-modules"]) == {p.stem for p in ROOT.glob("*.py")} and listed["packages"] == ["serving"]
+
+
+def test_no_tracked_file_is_ignored():
+    done = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "", done.stdout
