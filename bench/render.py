@@ -51,8 +51,9 @@ def headline(found: dict) -> str:
     def row(command: str, what: str, against: str, value: float | None, unit: str = "x") -> None:
         if value is not None:
             machine = found[command]["machine"]
+            detail = f" ({machine['detail']})" if machine["detail"] else ""
             rows.append([f"{what} (`{found[command]['command']}`)", against, f"{value:.2f}{unit}",
-                         f"{machine['cpu']}, {machine['cores']} cores"])
+                         f"{machine['cpu']}{detail}, {machine['cores']} cores, {machine['blas']}"])
 
     if "regular" in found:
         rate = found["regular"]["data"]["tokens_per_second"]
@@ -64,8 +65,9 @@ def headline(found: dict) -> str:
         auto = c["ours num-draft auto"]
         what = "speculative decoding, num-draft auto, the benchmark pair"
         row("speculative", what, "ours, regular decoding", auto / c["ours regular"])
-        fixed = c["transformers assisted, cache fixed"]
-        row("speculative", what, "transformers' assisted generation (its cache fixed)", auto / fixed)
+        assisted = max(c["transformers assisted"], c["transformers assisted, cache fixed"])
+        row("speculative", what, "transformers' assisted generation (as installed or its cache fixed: the faster)",
+            auto / assisted)
         if "CTranslate2 int8" in c:
             row("speculative", what, "CTranslate2 int8", auto / c["CTranslate2 int8"])
     if "batch" in found and "benchmark pair" in found["batch"]["data"]["pairs"]:

@@ -27,7 +27,8 @@ def commands(program: str) -> list[list[str]]:
 def test_every_python_file_a_text_names_exists(text):
     """requirements.txt once named a blas.py there never was."""
     named = set(re.findall(r"(?<![\w/.])([a-z][a-z0-9_]*\.py)\b", text.read_text()))
-    files = {path.name for path in (*ROOT.glob("*.py"), *ROOT.glob("demo/*.py"), *ROOT.glob("tests/*.py"))}
+    folders = [ROOT] + [ROOT / name for name in ("demo", "tests", "serving", "bench")]
+    files = {path.name for folder in folders for path in folder.glob("*.py")}
     assert named <= files, sorted(named - files)
 
 
@@ -64,9 +65,10 @@ def test_every_bench_command_in_the_texts_and_the_results_parses():
 def test_performance_and_the_readmes_tables_are_what_the_results_render():
     """Every figure there comes from a JSON result a bench command wrote:
     `python -m bench render` writes them, and nothing else may."""
-    from bench import render
+    from bench import COMMANDS, render
 
     found = render.results()
+    assert set(found) == set(COMMANDS), "every command's result is in PERFORMANCE.md"
     assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == render.performance(found)
     assert (ROOT / "README.md").read_text() == render.readme_with(render.readme_tables(found))
 
