@@ -267,7 +267,7 @@ class DraftModel:
 
     def longest(self, settings) -> int:
         """The most drafts a row at these settings asks for in a round."""
-        return AutoDraft.cap if self.auto else settings.num_draft
+        return AutoDraft.cap if self.auto else settings.draft_length
 
     def start(self, row) -> None:
         calibration = self.auto.calibration(row.settings) if self.auto else None

@@ -151,7 +151,7 @@ class Tokenizer:
     """A converted model's tokenizer, read from its tokenizer.json with the
     `tokenizers` library: starting up imports neither transformers nor PyTorch.
     It encodes as transformers' T5 tokenizer does (EOS appended) and decodes
-    special tokens as text, without "cleaning up" spaces."""
+    special tokens as text unless asked to skip them, without "cleaning up" spaces."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as Rust
@@ -161,8 +161,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text).ids
 
-    def decode(self, ids: list[int], **_) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)

@@ -477,6 +477,14 @@ class T5(nn.Module):
         self.cold_steps = 0  # decode steps that ran a shape for the first time, or traced it (compile_decoding)
         self._run = set()  # the shapes run op by op so far
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """What a row's cache holds for each of its tokens in every decoder
+        layer: a prompt token's cross-attention keys and values, or an output
+        token's own (the same size)."""
+        activations = getattr(self.shared, "scales", self.shared.weight).dtype  # a quantized embedding's: its scales'
+        return self.args.num_decoder_layers * 2 * self.args.num_heads * self.args.d_kv * activations.size
+
     def encode(self, tokens: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> mx.array:
         """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model).
         Independent blocks of the work take the lanes (streams) in turn:

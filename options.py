@@ -17,6 +17,11 @@ from errors import OptionError
 from sampling import Sampling
 
 AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth it (drafting.AutoDraft)
+# Drafts a round for a seeded request with num_draft auto whose answer depends on its draft length (sampling, or
+# delta > 0): what auto learnt would change which draws decide each token, so such a request drafts this many.
+SEEDED_AUTO_DRAFTS = 5
+# Temperatures below this decode greedily (as vLLM's do): dividing logits by less overflows float32.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ KNOBS = {knob.name: knob for knob in [
          "draft tokens per verify step; auto: as many as the draft's confidence makes worth it", words=(AUTO,)),
     Knob("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
          "acceptance lenience in [0, 1]: 0 exact, 1 accepts every draft"),
-    Knob("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0", "sampling temperature; 0 is greedy"),
+    Knob("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0",
+         f"sampling temperature; 0 (or below {MIN_TEMPERATURE:g}) is greedy"),
     Knob("top_k", int, lambda v: v >= 0, "an integer >= 0", "sample from the k most likely tokens (0: all)"),
     Knob("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", "nucleus sampling mass (1: off)"),
     Knob("max_tokens", int, lambda v: v >= 1, "an integer >= 1", "most tokens to generate"),
@@ -95,17 +101,20 @@ class Settings:
     prompt_lookup: bool = False  # drafts copied from the prompt and the output, not from the draft model
     stop: tuple[str, ...] = ()  # the text ends before the first of these it would contain
     ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
+    skip_special_tokens: bool = False  # leave special tokens (<extra_id_0>, </s>, <pad>) out of the text
 
     def __post_init__(self):
         for name, knob in KNOBS.items():
             knob.check(getattr(self, name))
-        for name in ("speculative", "prompt_lookup", "ignore_eos"):
+        for name in ("speculative", "prompt_lookup", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be True or False (got {getattr(self, name)!r})")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise OptionError(f"stop must be a string or a list of non-empty strings (got {self.stop!r})")
         object.__setattr__(self, "stop", tuple(stop))
+        if self.temp < MIN_TEMPERATURE:
+            object.__setattr__(self, "temp", 0.0)
         if self.prompt_lookup and self.num_draft == AUTO:
             raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
                               "the longest draft")
@@ -128,7 +137,17 @@ class Settings:
             return REGULAR
         if self.prompt_lookup:
             return LOOKUP
-        return AUTO_DRAFT if self.num_draft == AUTO else DRAFT
+        return AUTO_DRAFT if self.draft_length == AUTO else DRAFT
+
+    @property
+    def draft_length(self) -> int | str:
+        """num_draft as decoding runs it: AUTO, or a number. A seeded request
+        whose answer depends on how far it drafts (sampling, or delta > 0)
+        drafts SEEDED_AUTO_DRAFTS under auto, so that its seed gives one
+        answer whatever auto has learnt and whatever shares its batch."""
+        if self.num_draft == AUTO and self.seed is not None and (self.temp > 0 or self.delta > 0):
+            return SEEDED_AUTO_DRAFTS
+        return self.num_draft
 
     def drafts(self, models) -> bool:
         """Whether decoding drafts and verifies (else the target decodes alone)."""

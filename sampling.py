@@ -84,7 +84,9 @@ def logits_to_probs(logits: mx.array, sampling: "Sampling | RowSampling") -> mx.
         order = mx.argsort(-probs, axis=-1)
         sorted_probs = mx.take_along_axis(probs, order, axis=-1)
         mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = (mass_before < per_row(rows.top_p, probs)) | per_row(rows.top_p >= 1, probs)
+        # The most likely token always stays: a top_p that float32 rounds to 0 would otherwise keep nothing.
+        most_likely = mx.arange(vocab) == 0
+        keep_sorted = (mass_before < per_row(rows.top_p, probs)) | per_row(rows.top_p >= 1, probs) | most_likely
         keep = mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
         probs = mx.where(keep, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)

@@ -2,7 +2,7 @@
 
     python server.py --model demo/target --draft-model demo/draft --port 8080
     curl localhost:8080/v1/completions -H 'Content-Type: application/json' \\
-        -d '{"model": "target", "prompt": "def area(self): return self.<extra_id_0>", "max_tokens": 20}'
+        -d '{"model": "demo/target", "prompt": "def area(self): return self.<extra_id_0>", "max_tokens": 20}'
 
 One thread owns MLX (serving/engine.py): requests wait in a bounded queue,
 and between rounds waiting requests join free rows and finished rows leave.
@@ -16,9 +16,11 @@ is serving/app.py; docs/SERVING.md has the depth.
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,14 +30,16 @@ import cpu  # noqa: F401  (before mlx.core)
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from errors import OptionError, T5Error
 from loading import load
 from options import KNOBS, Settings
-from serving.app import create_app
+from serving.app import Access, Limits, create_app
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
+CACHE_BUDGET = 2 * 2**30  # bytes of cache one request may hold, unless --max-request-tokens says otherwise
 
 
 class Server(uvicorn.Server):
@@ -47,12 +51,56 @@ class Server(uvicorn.Server):
         yield
 
 
-def serve(engine: Engine, app: FastAPI, host: str, port: int, grace: float) -> None:
+def with_header_timeout(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers take
+    longer than `seconds` to arrive (from its opening, or from the last
+    answer): uvicorn has no such limit, and a client that sends a byte now
+    and then would hold its connection for ever."""
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.header_deadline = self.loop.call_later(seconds, self.headers_late)
+
+        def on_response_complete(self):
+            self.header_deadline.cancel()
+            self.header_deadline = self.loop.call_later(seconds, self.headers_late)
+            super().on_response_complete()
+
+        def connection_lost(self, exc):
+            self.header_deadline.cancel()
+            super().connection_lost(exc)
+
+        def headers_late(self):
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port already taken fails here
+    (OSError), before the models load, not in uvicorn's thread."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_timeout: float,
+          max_connections: int) -> int:
     """Run the engine here and the HTTP server beside it. SIGTERM or SIGINT
     turns new requests away (503) while the requests taken finish, for up to
-    `grace` seconds; a second signal stops at once."""
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, name="http", daemon=True)
+    `grace` seconds; a second signal stops at once. If the HTTP server stops
+    by itself, the engine stops too, and this returns 1."""
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=with_header_timeout(read_timeout),
+                            limit_concurrency=max_connections)
+    server = Server(config)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
     deadline = [math.inf]
 
     def stop(sig, frame):
@@ -65,9 +113,13 @@ def serve(engine: Engine, app: FastAPI, host: str, port: int, grace: float) -> N
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     http.start()
-    engine.run(lambda: engine.draining and (not engine.busy or time.perf_counter() > deadline[0]))
+    engine.run(lambda: not http.is_alive() or engine.draining and (not engine.busy or time.perf_counter() > deadline[0]))
+    if not http.is_alive():
+        log.error("the HTTP server stopped")
+        return 1
     server.should_exit = True
     http.join(timeout=10)
+    return 0
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -86,14 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model",
                    help="draft model for speculative decoding (without it: prompt lookup if asked, else the target alone)")
     p.add_argument("--prompt-lookup", action="store_true", help="draft by prompt lookup unless a request says otherwise")
-    p.add_argument("--name", help="the model name clients give (default: the target folder's name; 'default' is always accepted)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model names clients may give, the first in answers (default: --model as given; "
+                        "'default' is always accepted)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                   help="Host headers answered besides the address listened on ('*': any; default: any on 0.0.0.0)")
+    p.add_argument("--api-key", help="require this bearer token on every request but /health")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoding at once")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; beyond, 429")
+    p.add_argument("--max-queue", type=int, default=64, help="prompts waiting for a row; beyond, 429")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
+    p.add_argument("--max-request-tokens", type=int,
+                   help="most tokens one request may hold in its rows' caches, each prompt's tokens plus max_tokens "
+                        f"(default: what {CACHE_BUDGET / 2**30:g} GiB of cache holds for these models)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
-    p.add_argument("--api-key", help="require this bearer token on /v1/ requests")
+    p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request's headers, and then its body, may take")
+    p.add_argument("--max-connections", type=int, default=256, help="open connections; beyond, 503")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     library = Settings()
     for name, knob in KNOBS.items():  # the requests' defaults
@@ -113,29 +175,87 @@ def server_settings(args) -> Settings:
     return Settings(**values, speculative=True, prompt_lookup=args.prompt_lookup)
 
 
+def allowed_hosts(host: str, given: list[str] | None) -> frozenset | None:
+    """The Host headers answered: the address listened on (with "localhost"
+    on a loopback address) and those given; None (any) for "*", or on every
+    interface unless hosts are given."""
+    if given and "*" in given:
+        return None
+    everywhere = host in ("0.0.0.0", "::", "")
+    if everywhere and not given:
+        return None
+    names = {name.lower() for name in given or ()}
+    if not everywhere:
+        names.add(host.lower())
+        if loopback(host):
+            names |= {"localhost", "127.0.0.1", "::1"}
+    return frozenset(names)
+
+
+def loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
+
+
+def check(args) -> Settings:
+    """The options a server cannot start with, as OptionErrors; the requests' default settings otherwise."""
+    for option in ("max_batch", "max_queue", "max_prompt_tokens", "max_tokens_limit", "max_body_bytes", "max_connections"):
+        if getattr(args, option) < 1:
+            raise OptionError(f"--{option.replace('_', '-')} must be at least 1")
+    if args.max_request_tokens is not None and args.max_request_tokens < 1:
+        raise OptionError("--max-request-tokens must be at least 1")
+    if args.read_timeout <= 0:
+        raise OptionError("--read-timeout must be more than 0")
+    if args.prompt_lookup and args.draft_model:
+        raise OptionError("--prompt-lookup drafts without a draft model: drop --draft-model (or --prompt-lookup)")
+    defaults = server_settings(args)
+    if defaults.max_tokens > args.max_tokens_limit:
+        raise OptionError(f"--max-tokens {defaults.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
+    return defaults
+
+
+def request_tokens(args, models) -> int:
+    """--max-request-tokens, or what CACHE_BUDGET holds for the target's and the draft's caches."""
+    if args.max_request_tokens is not None:
+        return args.max_request_tokens
+    per_token = sum(model.cache_bytes_per_token for model in (models.target, models.draft) if model is not None)
+    return CACHE_BUDGET // per_token
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     try:
-        for option in ("max_batch", "max_queue", "max_prompt_tokens", "max_body_bytes"):
-            if getattr(args, option) < 1:
-                raise OptionError(f"--{option.replace('_', '-')} must be at least 1")
-        if args.prompt_lookup and args.draft_model:
-            raise OptionError("--prompt-lookup drafts without a draft model: drop --draft-model (or --prompt-lookup)")
-        defaults = server_settings(args)
+        defaults = check(args)
+        sock = listen(args.host, args.port)
+    except T5Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the port taken, the address not this machine's
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 1
+    try:
         models = load(args.model, draft=args.draft_model, verbose=True)
         defaults.check_models(models)
     except T5Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.name or models.target_path.name
-    engine = Engine(models, defaults, args.max_batch, args.max_queue)
-    app = create_app(models, engine, name, args.api_key, args.max_prompt_tokens, args.max_body_bytes)
-    log.info("serving %s on http://%s:%d (batches of %d, queue %d)", name, args.host, args.port, args.max_batch, args.max_queue)
-    serve(engine, app, args.host, args.port, args.grace)
+    if args.api_key is None and not loopback(args.host):
+        log.warning("warning: %s is reachable beyond this machine and has no --api-key: anyone who reaches it can use it",
+                    args.host)
+    hosts = allowed_hosts(args.host, args.allowed_hosts)
+    names = args.served_model_name or [args.model]
+    limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, request_tokens(args, models))
+    engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0])
+    app = create_app(models, engine, names, Access(args.api_key, hosts), limits, args.max_body_bytes, args.read_timeout)
+    log.info("serving %s on http://%s:%d (batches of %d, queue %d, requests up to %d cache tokens)", names[0], args.host,
+             args.port, args.max_batch, args.max_queue, limits.max_request_tokens)
+    code = serve(engine, app, sock, args.grace, args.read_timeout, args.max_connections)
     log.info("stopped")
-    return 0
+    return code
 
 
 if __name__ == "__main__":

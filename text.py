@@ -1,6 +1,6 @@
 """From decided tokens to the text a caller receives: one `TextStream` per prompt, for the API and the server alike.
 
-    stream = TextStream(tokenizer, stop=settings.stop)
+    stream = TextStream(tokenizer, settings.stop, settings.skip_special_tokens)
     for request, token, finish in drive(batch, [request]):
         stream.add(token, finish)
         send(stream.take())               # the text that can go out now
@@ -26,14 +26,14 @@ class Detokenizer:
     spaces before punctuation (an old transformers default, off since v5):
     that would take back a space already shown."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.tokens = []
         self.start = 0  # first token of the window
         self.settled = 0  # tokens already turned into emitted text
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def add(self, token: int) -> str:
         """The text this token adds; "" while it is held back."""
@@ -65,8 +65,8 @@ class TextStream:
     max_tokens. `received` counts the tokens whose text the caller gets: all
     of them, or, after a stop string, those whose text began before it."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.detokenizer = Detokenizer(tokenizer)
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = False):
+        self.detokenizer = Detokenizer(tokenizer, skip_special_tokens)
         self.stop = tuple(stop)
         self.tokens: list[int] = []
         self.starts: list[int] = []  # where each token's text begins in the whole text

@@ -138,13 +138,14 @@ def run_clients(url: str, prompts: list[str], clients: int, body: dict) -> dict:
             "first": [r["first"] for r in results], "latency": [r["latency"] for r in results]}
 
 
-def short_among_long(url: str, prompts: list[str], repeats: int, num_draft: int) -> tuple[float, float]:
+def short_among_long(server, prompts: list[str], repeats: int, num_draft: int) -> tuple[float, float]:
     """A 5-token request's latency alone, and sent while 8 requests of 500
     tokens (decoding past their end of text) run: medians."""
     import httpx
 
     short = {"model": "default", "prompt": prompts[0], "max_tokens": 5, "ignore_eos": True, "delta": 0, "num_draft": num_draft}
     long = {**short, "max_tokens": 500}
+    url = server.url
     with httpx.Client(timeout=600) as client:
         alone = [stream_request(client, url, short)["latency"] for _ in range(repeats + 1)][1:]
         together = []
@@ -153,7 +154,7 @@ def short_among_long(url: str, prompts: list[str], repeats: int, num_draft: int)
                 running = [pool.submit(stream_request, httpx.Client(timeout=600), url, {**long, "prompt": p})
                            for p in prompts[1:9]]
                 deadline = time.time() + 60
-                while httpx.get(url + "/metrics").json()["active_rows"] < 8 and time.time() < deadline:
+                while server.metrics()["t5:num_requests_running"] < 8 and time.time() < deadline:
                     time.sleep(0.01)
                 together.append(stream_request(client, url, short)["latency"])
                 for future in running:
@@ -200,7 +201,7 @@ def run_serve(args) -> dict:
                 rows[str(n)] = {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
                                 "offline": offline[n], "first": [percentile(first, 0.5), percentile(first, 0.99)],
                                 "latency": [percentile(latency, 0.5), percentile(latency, 0.99)]}
-            short, long = short_among_long(server.url, demo, args.repeats, args.num_draft)
+            short, long = short_among_long(server, demo, args.repeats, args.num_draft)
         finally:
             server.stop()
         data["pairs"][name] = {"clients": rows, "short_alone": short, "short_among_long": long}

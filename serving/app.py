@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import decoder
 from errors import OptionError
 from loading import Models
-from options import Stats
+from options import Settings, Stats
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
+from serving.metrics import CONTENT_TYPE, Metrics
 from serving.schema import ChatCompletion, Completion, CompletionBody
 from text import TextStream
 
@@ -36,44 +38,99 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param, self.headers = status, message, type, code, param, headers
 
+    def response(self, metrics: Metrics) -> JSONResponse:
+        """The error in OpenAI's shape, counted by status."""
+        metrics.error(self.status)
+        return JSONResponse(shapes.error_body(self.message, self.type, self.code, self.param), status_code=self.status,
+                            headers=self.headers)
 
-class Guard:
-    """Checks before a /v1/ request is read: the API key, the body's size
-    (declared, or counted as it comes) and shutdown. Plain ASGI: a
-    BaseHTTPMiddleware would relay every streamed chunk through a task."""
 
-    def __init__(self, app, engine: Engine, api_key: str | None, max_body_bytes: int):
-        self.app, self.engine, self.api_key, self.max_body_bytes = app, engine, api_key, max_body_bytes
+def host_name(header: bytes) -> str:
+    """The host a Host header names, without its port: "[::1]:8080" -> "::1"."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
-    def refusal(self, scope) -> tuple[int, dict] | None:
-        headers = dict(scope["headers"])
-        expected = f"Bearer {self.api_key}".encode()
-        if self.api_key is not None and not hmac.compare_digest(headers.get(b"authorization", b""), expected):
-            return 401, shapes.error_body("a valid API key is needed (Authorization: Bearer KEY)", "invalid_request_error",
-                                          "invalid_api_key")
-        if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
-            return 413, shapes.error_body(f"the body is over {self.max_body_bytes:,} bytes", "invalid_request_error")
-        if self.engine.draining and scope["method"] == "POST":
-            return 503, shapes.error_body("the server is shutting down", "server_error")
+
+@dataclass(frozen=True)
+class Access:
+    """Who may ask: the API key (None: anyone), and the hosts a request's
+    Host header may name (None: any), against DNS rebinding: a web page
+    whose name resolves to 127.0.0.1 sends its own name."""
+
+    api_key: str | None = None
+    hosts: frozenset | None = None
+
+    def refusal(self, path: str, headers: dict) -> ApiError | None:
+        if self.hosts is not None and host_name(headers.get(b"host", b"")) not in self.hosts:
+            return ApiError(400, "this server does not answer for that Host header (server.py --allowed-hosts)",
+                            code="invalid_host")
+        if self.api_key is None or path == "/health":  # load balancers probe without a key
+            return None
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key")
         return None
 
+
+class Guard:
+    """Checks before the app sees a request: the Host header and the API key
+    (Access), shutdown, and the body, read whole within `read_timeout`
+    seconds and at most `max_body_bytes` (declared or counted: a chunked
+    body has no declared length). Plain ASGI: a BaseHTTPMiddleware would
+    relay every streamed chunk through a task."""
+
+    def __init__(self, app, engine: Engine, access: Access, max_body_bytes: int, read_timeout: float):
+        self.app, self.engine, self.access = app, engine, access
+        self.max_body_bytes, self.read_timeout = max_body_bytes, read_timeout
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        refused = self.refusal(scope)
-        if refused:
-            return await JSONResponse(refused[1], status_code=refused[0])(scope, receive, send)
-        received = 0
+        headers = dict(scope["headers"])
+        try:
+            refused = self.access.refusal(scope["path"], headers)
+            if refused:
+                raise refused
+            if self.engine.draining and scope["method"] == "POST":
+                raise ApiError(503, "the server is shutting down", "server_error")
+            if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
+                raise self.too_big()
+            body = await self.body(receive) if scope["method"] == "POST" else None
+        except ApiError as e:
+            return await e.response(self.engine.metrics)(scope, receive, send)
+        if body is None:
+            return await self.app(scope, receive, send)
+        replayed = False
 
-        async def counted():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body_bytes:
-                raise ApiError(413, f"the body is over {self.max_body_bytes:,} bytes")
-            return message
+        async def replay():
+            nonlocal replayed
+            if replayed:  # after the body: what the client does next (a disconnect)
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        return await self.app(scope, counted, send)
+        return await self.app(scope, replay, send)
+
+    def too_big(self) -> ApiError:
+        return ApiError(413, f"the body is over {self.max_body_bytes:,} bytes")
+
+    async def body(self, receive) -> bytes:
+        deadline, parts, size = time.monotonic() + self.read_timeout, [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the body did not arrive within {self.read_timeout:g} s", code="timeout")
+            if message["type"] == "http.disconnect":
+                raise ApiError(400, "the client left before its body arrived")
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                raise self.too_big()
+            if not message.get("more_body", False):
+                return b"".join(parts)
 
 
 @dataclass
@@ -104,52 +161,90 @@ class Call:
                  self.usage["completion_tokens"], time.perf_counter() - self.started, stats.acceptance_rate)
 
 
-async def pieces(job: Job, request: Request | None = None):
-    """(text, finish_reason) as the engine sends them, a piece a round. Given
-    the request (no stream to notice it), a client gone is looked for every
-    second; either way the job is cancelled if this ends early."""
+async def pieces(job: Job):
+    """(text, finish_reason) as the engine sends them, a piece a round; the
+    job is cancelled if this ends early."""
     try:
         while True:
-            if request is None:
-                item = await job.out.get()
-            else:
-                try:
-                    item = await asyncio.wait_for(job.out.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+            item = await job.out.get()
             if item is None:
                 if job.error:
                     raise ApiError(500, job.error, "server_error")
                 return
             yield item
     finally:
-        job.cancelled = job.cancelled or job.stream.finish_reason is None
+        job.cancel()
+
+
+async def cancel_when_gone(jobs: list[Job], receive) -> None:
+    """Waits for the client to leave (after its body, the next ASGI message is
+    the disconnect), then cancels its jobs: their rows leave at the next round."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    for job in jobs:
+        job.cancel()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (server.py's options)."""
+
+    max_prompt_tokens: int = 4096  # a prompt's tokens
+    max_tokens: int = 4096  # max_tokens
+    max_request_tokens: int | None = None  # over its prompts: prompt tokens + max_tokens (the cache its rows hold)
 
 
 class Completions:
     """What both endpoints do with a request: its jobs, then its answer."""
 
-    def __init__(self, models: Models, engine: Engine, name: str, max_prompt_tokens: int):
-        self.models, self.engine, self.name, self.max_prompt_tokens = models, engine, name, max_prompt_tokens
+    def __init__(self, models: Models, engine: Engine, names: list[str], limits: Limits):
+        self.models, self.engine, self.names, self.limits = models, engine, names, limits
 
-    def jobs_for(self, body: CompletionBody) -> list[Job]:
-        if body.model not in (self.name, "default"):
-            raise ApiError(400, f"model {body.model!r} is not served here (GET /v1/models: {self.name!r})",
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def settings(self, body: CompletionBody) -> Settings:
+        if body.model not in (*self.names, "default"):
+            raise ApiError(404, f"the model {body.model!r} does not exist here (GET /v1/models: {self.name!r})",
                            code="model_not_found", param="model")
         try:
             settings = body.settings(self.engine.defaults).check_models(self.models)
         except (OptionError, TypeError) as e:
             raise ApiError(400, str(e))
-        loop, jobs = asyncio.get_running_loop(), []
-        for prompt in body.prompts:
-            ids = self.models.tokenizer.encode(prompt)
-            if len(ids) > self.max_prompt_tokens:
-                raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's {self.max_prompt_tokens:,}",
-                               code="context_length_exceeded", param="prompt")
-            stream = TextStream(self.models.tokenizer, settings.stop)
-            jobs.append(Job(decoder.Request(ids, settings), stream, loop, asyncio.Queue()))
+        if settings.max_tokens > self.limits.max_tokens:
+            raise ApiError(400, f"max_tokens is {settings.max_tokens:,}, more than this server's {self.limits.max_tokens:,}",
+                           param="max_tokens")
+        return settings
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        if len(prompts) > self.engine.max_queue:
+            raise ApiError(400, f"{len(prompts)} prompts are more than this server's queue holds "
+                                f"({self.engine.max_queue}): send them in smaller lists", param="prompt")
+        encoded = []
+        for prompt in prompts:
+            try:
+                ids = self.models.tokenizer.encode(prompt)
+            except Exception as e:  # the Rust tokenizer's errors have no common type
+                raise ApiError(400, f"the prompt could not be tokenized ({str(e).splitlines()[0]})", param="prompt")
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's "
+                                    f"{self.limits.max_prompt_tokens:,}", code="context_length_exceeded", param="prompt")
+            encoded.append(ids)
+        return encoded
+
+    def jobs_for(self, body: CompletionBody) -> list[Job]:
+        settings = self.settings(body)
+        encoded = self.encode(body.prompts)
+        needed = sum(len(ids) + settings.max_tokens for ids in encoded)
+        if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
+            raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "
+                                f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
+                                "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        jobs = [Job(decoder.Request(ids, settings), TextStream(self.models.tokenizer, settings.stop,
+                                                                settings.skip_special_tokens), loop, asyncio.Queue())
+                for ids in encoded]
         try:
             self.engine.submit(jobs)
         except QueueFull:
@@ -163,10 +258,16 @@ class Completions:
         return await self.complete(call, request)
 
     async def complete(self, call: Call, request: Request) -> dict:
-        choices = []
-        for job in call.jobs:
-            text = "".join([piece async for piece, _ in pieces(job, request)])
-            choices.append((text, job.stream.finish_reason))
+        """The whole answer, once every job has ended; a client that leaves
+        first (no stream to notice it) cancels them."""
+        watcher = asyncio.create_task(cancel_when_gone(call.jobs, request.receive))
+        try:
+            choices = []
+            for job in call.jobs:
+                text = "".join([piece async for piece, _ in pieces(job)])
+                choices.append((text, job.stream.finish_reason))
+        finally:
+            watcher.cancel()
         call.log()
         return shapes.completion(call.id, call.created, self.name, call.chat, choices, call.usage, call.stats)
 
@@ -178,23 +279,26 @@ class Completions:
         def event(data: dict) -> str:
             return f"data: {json.dumps(data)}\n\n"
 
+        def chunk(index, text, finish, first=False, stats=None):
+            return event(shapes.chunk(call.id, call.created, self.name, call.chat, index, text, finish, first=first,
+                                      stats=stats, with_usage=include_usage))
+
         try:
             if call.chat:
                 for i in range(len(call.jobs)):
-                    yield event(shapes.chunk(call.id, call.created, self.name, True, i, None, None, first=True))
+                    yield chunk(i, None, None, first=True)
             async for index, piece, finish in interleaved(call.jobs):
                 if index is None:  # an error event
                     yield event(piece)
                     continue
-                stats = call.jobs[index].request.stats if finish else None
-                yield event(shapes.chunk(call.id, call.created, self.name, call.chat, index, piece, finish, stats=stats))
+                yield chunk(index, piece, finish, stats=call.jobs[index].request.stats if finish else None)
             if include_usage:
                 yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
             yield "data: [DONE]\n\n"
             call.log()
         finally:
             for job in call.jobs:
-                job.cancelled = job.cancelled or job.stream.finish_reason is None
+                job.cancel()
 
 
 async def interleaved(jobs: list[Job]):
@@ -231,14 +335,16 @@ async def interleaved(jobs: list[Job]):
             task.cancel()
 
 
-def create_app(models: Models, engine: Engine, name: str, api_key: str | None = None, max_prompt_tokens: int = 4096,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
+def create_app(models: Models, engine: Engine, names: list[str], access: Access = Access(), limits: Limits = Limits(),
+               max_body_bytes: int = 1 << 20, read_timeout: float = 30.0) -> FastAPI:
     """The routes: completions and chat, models, health and metrics, behind the guard."""
     app = FastAPI(title="T5 speculative decoding", docs_url=None, redoc_url=None)
-    completions = Completions(models, engine, name, max_prompt_tokens)
+    app.state.metrics = engine.metrics
+    completions = Completions(models, engine, names, limits)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
-    app.add_middleware(Guard, engine=engine, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(Guard, engine=engine, access=access, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
 
     @app.post("/v1/completions")
     async def completion(request: Request, body: Completion):
@@ -250,7 +356,8 @@ def create_app(models: Models, engine: Engine, name: str, api_key: str | None = 
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}
+                                           for name in names]}
 
     @app.get("/health")
     async def health():
@@ -260,24 +367,37 @@ def create_app(models: Models, engine: Engine, name: str, api_key: str | None = 
 
     @app.get("/metrics")
     async def metrics():
-        return {"queued": len(engine.waiting), "active_rows": engine.active, "max_batch": engine.max_batch,
-                "tokens_generated": engine.tokens, "tokens_per_second": round(engine.tokens_per_second(), 2),
-                "rows_cancelled": engine.cancelled,
-                "engine_seconds": {part: round(value, 3) for part, value in engine.seconds.items()}}
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE)
 
     return app
 
 
 async def api_error(request: Request, e: ApiError):
-    return JSONResponse(shapes.error_body(e.message, e.type, e.code, e.param), status_code=e.status, headers=e.headers)
+    return e.response(request.app.state.metrics)
+
+
+async def http_error(request: Request, e: StarletteHTTPException):
+    """Starlette's own errors (404, 405, a body it could not parse) in OpenAI's shape."""
+    message = str(e.detail)
+    if e.status_code == 400 and "parsing the body" in message:  # FastAPI's words for a body json.loads refused
+        message = "the body could not be read as JSON (not UTF-8, or nested too deeply)"
+    return ApiError(e.status_code, message, code="not_found" if e.status_code == 404 else None,
+                    headers=getattr(e, "headers", None)).response(request.app.state.metrics)
+
+
+def union_member(part) -> bool:
+    """A step of pydantic's error location that names a type a union tried ("float", "list[TextPart]"), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 async def invalid_request(request: Request, e: RequestValidationError):
-    first = e.errors()[0]
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    """The first error, our own messages (value errors) before pydantic's type errors."""
+    errors = e.errors()
+    first = next((error for error in errors if error.get("type") == "value_error"), errors[0])
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body" and not union_member(part))
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         message, where = "the body is not valid JSON", None
     if where and not message.startswith(where):
         message = f"{where}: {message}"
-    return JSONResponse(shapes.error_body(message, "invalid_request_error", param=where or None), status_code=400)
+    return ApiError(400, message, param=where or None).response(request.app.state.metrics)

@@ -8,16 +8,16 @@ different kinds take rounds in turn.
 """
 
 import asyncio
-import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from decoder import Request, batch_for, warm_up
 from loading import Models
 from options import Settings
+from serving.metrics import Metrics, Times
 from text import TextStream
 
 log = logging.getLogger("t5-server")
@@ -40,6 +40,12 @@ class Job:
     cancelled: bool = False  # the client left, or a stop string ended the text
     sent_end: bool = False
     error: str | None = None
+    times: Times = field(default_factory=Times)
+    counted: bool = False  # its end is in the metrics
+
+    def cancel(self) -> None:
+        """Its caller is gone: the row leaves at the next round (a job whose text has ended stays as it is)."""
+        self.cancelled = self.cancelled or self.stream.finish_reason is None
 
     def send(self, item) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -73,7 +79,7 @@ class Engine:
     round fails that batch's jobs only. `draining` turns new jobs away while
     the ones taken finish."""
 
-    def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int):
+    def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int, name: str = "model"):
         self.models, self.defaults, self.max_batch, self.max_queue = models, defaults, max_batch, max_queue
         self.ready = False  # warmed up
         self.waiting: list[Job] = []
@@ -81,10 +87,7 @@ class Engine:
         self.batches: dict[str, object] = {}  # drafting kind -> its batch
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
         self.draining = False
-        self.tokens = 0  # generated, for /metrics
-        self.cancelled = 0  # rows dropped before their end (a client gone, a stop string)
-        self.seconds = collections.Counter()  # where the engine's time went: encoding, decoding, idle
-        self.recent = collections.deque()  # (time, tokens) of the last minute's rounds
+        self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting))
 
     def submit(self, jobs: list[Job]) -> None:
         with self.lock:
@@ -101,9 +104,11 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
-    def tokens_per_second(self, window: float = 10.0) -> float:
-        now = time.perf_counter()
-        return sum(n for t, n in self.recent if now - t <= window) / window
+    def ended(self, job: Job, reason: str) -> None:
+        """A job's end, counted once: "stop", "length", "abort" (the client left) or "error"."""
+        if not job.counted:
+            job.counted = True
+            self.metrics.ended(job.times, job.request.stats, reason)
 
     def run(self, stopping: Callable[[], bool]) -> None:
         """Serve until stopping() says so, between rounds; what is left then fails."""
@@ -115,6 +120,7 @@ class Engine:
             left, self.waiting = list(self.jobs.values()) + self.waiting, []
         for job in left:
             job.fail("the server stopped before this request finished")
+            self.ended(job, "error")
 
     def step(self) -> None:
         """Admit waiting jobs, then a round of each batch."""
@@ -125,17 +131,13 @@ class Engine:
                 self.round(kind, batch)
 
     def admit(self) -> None:
-        """Waiting jobs join rows while there are rows free; cancelled ones leave."""
-        with self.lock:
-            if not self.waiting and not self.active:
-                started = time.perf_counter()
-                self.lock.wait(timeout=0.1)  # wakes for a job, and for the signals the main thread handles
-                self.seconds["idle"] += time.perf_counter() - started
-            taken = []
-            while self.waiting and self.active + len(taken) < self.max_batch:
-                job = self.waiting.pop(0)
-                if not job.cancelled:
-                    taken.append(job)
+        """Waiting jobs join rows while there are rows free."""
+        taken = self.take_waiting()
+        now = time.perf_counter()
+        for job in taken:
+            job.times.admitted = now
+            self.metrics.queue_time.observe(now - job.times.arrived)
+            self.metrics.prompt_tokens.inc(len(job.request.ids))
         by_kind = {}
         for job in taken:
             by_kind.setdefault(job.request.settings.kind(self.models), []).append(job)
@@ -150,18 +152,39 @@ class Engine:
                 log.exception("encoding failed")
                 for job in jobs:
                     job.fail(f"encoding failed: {e}")
+                    self.ended(job, "error")
                 continue
             finally:
-                self.seconds["encoding"] += time.perf_counter() - started
+                self.metrics.parts["encoding"].inc(time.perf_counter() - started)
             self.jobs.update({id(job.request): job for job in jobs})
+
+    def take_waiting(self) -> list[Job]:
+        """The jobs that get a row now, in the order they came; those whose
+        client left while they waited leave the queue (waiting, if there are
+        none, for one to come)."""
+        with self.lock:
+            if not self.waiting and not self.active:
+                started = time.perf_counter()
+                self.lock.wait(timeout=0.1)  # wakes for a job, and for the signals the main thread handles
+                self.metrics.parts["idle"].inc(time.perf_counter() - started)
+            for job in self.waiting:
+                if job.cancelled:
+                    job.end()
+                    self.ended(job, "abort")
+            self.waiting = [job for job in self.waiting if not job.cancelled]
+            free = self.max_batch - self.active
+            taken, self.waiting = self.waiting[:free], self.waiting[free:]
+        return taken
 
     def drop_cancelled(self, batch) -> None:
         gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
         if gone:
             batch.cancel(gone)
-            self.cancelled += len(gone)
+            self.metrics.cancelled.inc(len(gone))
             for request in gone:
-                self.jobs.pop(id(request)).end()
+                job = self.jobs.pop(id(request))
+                job.end()
+                self.ended(job, job.stream.finish_reason or "abort")
 
     def round(self, kind: str, batch) -> None:
         """A round of one batch: each event's token to its job's text, and
@@ -172,8 +195,12 @@ class Engine:
                 job = touched[id(request)] = self.jobs[id(request)]
                 job.stream.add(token, finish)
                 tokens += token is not None
+                if token is not None and job.times.first_token is None:
+                    job.times.first_token = time.perf_counter()
+                    self.metrics.first_token.observe(job.times.first_token - job.times.arrived)
                 if finish:
                     self.jobs.pop(id(request))
+                    self.ended(job, job.stream.finish_reason or finish)
                 elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
                     job.cancelled = True
         except Exception as e:  # fail this batch's jobs, and start it afresh
@@ -182,13 +209,10 @@ class Engine:
                 job = self.jobs.pop(id(row.request), None)
                 if job is not None:
                     job.fail(f"decoding failed: {e}")
+                    self.ended(job, "error")
             del self.batches[kind]
         for job in touched.values():
             if job.error is None:
                 job.publish()
-        self.seconds["decoding"] += time.perf_counter() - started
-        self.tokens += tokens
-        now = time.perf_counter()
-        self.recent.append((now, tokens))
-        while now - self.recent[0][0] > 60:
-            self.recent.popleft()
+        self.metrics.parts["decoding"].inc(time.perf_counter() - started)
+        self.metrics.generation_tokens.inc(tokens)

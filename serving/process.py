@@ -44,6 +44,22 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server.py did not answer in {wait_seconds:.0f} s: {self.output()}")
 
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """GET /metrics, read by prometheus_client's own parser: each sample's
+        value by its name, with its labels but model_name in braces
+        ('t5:request_success_total{finished_reason="stop"}')."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        response = httpx.get(self.url + "/metrics", headers=headers)
+        response.raise_for_status()
+        values = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+                values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+        return values
+
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()

@@ -1,17 +1,23 @@
 """The requests the server reads: OpenAI's completion and chat fields, and our knobs beside them.
 
-Each knob is checked against its entry in options.KNOBS, so a request fails
-with the message the command line and the API give. `CompletionBody.settings`
-turns a request into the Settings its row decodes with.
+Types are strict, as OpenAI's are: `"10"` or `true` is no number, `"yes"` no
+boolean. Each knob is checked against its entry in options.KNOBS, so a
+request fails with the message the command line and the API give.
+`CompletionBody.settings` turns a request into the Settings its row decodes
+with.
 """
 
 from dataclasses import replace
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import model_validator
 
-from options import KNOBS, Settings
+from options import AUTO, KNOBS, Settings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+Number = StrictFloat | StrictInt
 
 
 def knob_value(name: str, value, label: str | None = None):
@@ -20,32 +26,44 @@ def knob_value(name: str, value, label: str | None = None):
     return KNOBS[name].check(value, label or name)
 
 
+def unicode(text: str, what: str) -> str:
+    """text, if it can be encoded (JSON's escapes can name a lone surrogate, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})")
+    return text
+
+
 class CompletionBody(BaseModel):
     """The fields of OpenAI's completion request this server reads; `top_k`,
-    `num_draft`, `delta` and `prompt_lookup` are its own, `ignore_eos` is
-    vLLM's. Others are ignored."""
+    `num_draft`, `delta` and `prompt_lookup` are its own, `ignore_eos` and
+    `skip_special_tokens` are vLLM's. Others are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name for max_tokens (chat)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, validate_default=True)
+    stream: StrictBool = False
     stream_options: dict | None = None
-    n: int = 1
-    num_draft: int | str | None = None
-    delta: float | None = None
-    prompt_lookup: bool | None = None
-    ignore_eos: bool = False  # decode on to max_tokens (benchmarks)
+    n: StrictInt = 1
+    num_draft: StrictInt | StrictStr | None = None
+    delta: Number | None = None
+    prompt_lookup: StrictBool | None = None
+    ignore_eos: StrictBool = False  # decode on to max_tokens (benchmarks)
+    skip_special_tokens: StrictBool = True  # vLLM's default: no <extra_id_0>, </s> or <pad> in the text
 
-    @field_validator("max_tokens", "top_k", "top_p", "seed", "delta")
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta")
     @classmethod
     def in_range(cls, value, info):
-        return knob_value(info.field_name, value)
+        knob = "max_tokens" if info.field_name == "max_completion_tokens" else info.field_name
+        return knob_value(knob, value, info.field_name)
 
     @field_validator("temperature")
     @classmethod
@@ -55,8 +73,8 @@ class CompletionBody(BaseModel):
     @field_validator("num_draft")
     @classmethod
     def num_draft_in_range(cls, value):
-        if isinstance(value, str):
-            return KNOBS["num_draft"].parse(value, "num_draft")
+        if isinstance(value, str) and value != AUTO:
+            raise ValueError(f"num_draft must be an integer >= 1 or auto (got {value!r})")
         return knob_value("num_draft", value)
 
     @field_validator("stop")
@@ -65,7 +83,7 @@ class CompletionBody(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOP_STRINGS or not all(stops):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
-        return stops
+        return [unicode(stop, "a stop string") for stop in stops]
 
     @field_validator("n")
     @classmethod
@@ -78,17 +96,23 @@ class CompletionBody(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @property
+    def most_tokens(self) -> int | None:
+        """max_completion_tokens, or else max_tokens (None: the server's default)."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
     def settings(self, defaults: Settings) -> Settings:
         """The request's Settings: what it gives, over the server's defaults."""
-        given = {"max_tokens": self.max_tokens, "temp": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+        given = {"max_tokens": self.most_tokens, "temp": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                  "seed": self.seed, "num_draft": self.num_draft, "delta": self.delta, "prompt_lookup": self.prompt_lookup}
         chosen = {name: value for name, value in given.items() if value is not None}
-        return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos)
+        return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
+                       skip_special_tokens=self.skip_special_tokens)
 
 
 class Completion(CompletionBody):
-    prompt: str | list[str]
-    echo: bool = False
+    prompt: StrictStr | list[StrictStr]
+    echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
@@ -96,6 +120,8 @@ class Completion(CompletionBody):
         prompts = [value] if isinstance(value, str) else value
         if not prompts or not all(p.strip() for p in prompts):
             raise ValueError("the prompt is empty")
+        for prompt in prompts:
+            unicode(prompt, "the prompt")
         return value
 
     @field_validator("echo")
@@ -110,9 +136,22 @@ class Completion(CompletionBody):
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
 
 
+class TextPart(BaseModel):
+    """A part of a message's content, as OpenAI's clients (and LangChain's blocks) send it: text only here."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def text_only(self):
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text parts are supported ({{'type': 'text', 'text': ...}}; got type {self.type!r})")
+        return self
+
+
 class Message(BaseModel):
-    role: str
-    content: str
+    role: StrictStr
+    content: StrictStr | list[TextPart]
 
     @field_validator("role")
     @classmethod
@@ -120,6 +159,13 @@ class Message(BaseModel):
         if value not in ("system", "developer", "user", "assistant"):
             raise ValueError(f"unknown role {value!r} (system, user or assistant)")
         return value
+
+    @field_validator("content")
+    @classmethod
+    def joined(cls, value):
+        """The parts' texts joined by newlines, as vLLM joins them."""
+        text = value if isinstance(value, str) else "\n".join(part.text for part in value)
+        return unicode(text, "a message")
 
 
 class ChatCompletion(CompletionBody):

@@ -32,24 +32,27 @@ def object_name(chat: bool, chunk: bool = False) -> str:
 def completion(request_id: str, created: int, model: str, chat: bool, choices: list[tuple[str, str]],
                used: dict, stats: Stats) -> dict:
     """A whole answer: each choice's (text, finish reason), in order."""
-    listed = [{"index": i, "finish_reason": finish,
-               **({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})}
+    listed = [{"index": i, "finish_reason": finish, "logprobs": None,
+               **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
               for i, (text, finish) in enumerate(choices)]
     return {"id": request_id, "object": object_name(chat), "created": created, "model": model, "choices": listed,
             "usage": used, "speculative": speculative_stats(stats)}
 
 
 def chunk(request_id: str, created: int, model: str, chat: bool, index: int, text: str | None,
-          finish: str | None, first: bool = False, stats: Stats | None = None) -> dict:
+          finish: str | None, first: bool = False, stats: Stats | None = None, with_usage: bool = False) -> dict:
     """A streamed piece of choice `index`: its new text (a chat's first chunk
-    names the role), and with the last, its finish reason and statistics."""
+    names the role), and with the last, its finish reason and statistics.
+    When the usage chunk will follow (`with_usage`), "usage" is null here, as OpenAI sends it."""
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
     data = {"id": request_id, "object": object_name(chat, chunk=True), "created": created, "model": model,
             "choices": [choice]}
+    if with_usage:
+        data["usage"] = None
     if stats is not None:
         data["speculative"] = speculative_stats(stats)
     return data

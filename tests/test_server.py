@@ -20,6 +20,7 @@ from serving.process import ServerProcess
 ROOT = Path(__file__).resolve().parent.parent
 PAIR = ["--model", "demo/target", "--draft-model", "demo/draft"]
 EXACT = {"delta": 0, "num_draft": 3}  # greedy (the default temperature) and exact acceptance
+TEXT = {"skip_special_tokens": True}  # the server's default (vLLM's), not the API's
 
 
 class Server(ServerProcess):
@@ -32,7 +33,7 @@ class Server(ServerProcess):
 
 @pytest.fixture(scope="module")
 def server():
-    running = Server(*PAIR, "--max-batch", "8", "--name", "t5-demo")
+    running = Server(*PAIR, "--max-batch", "8", "--served-model-name", "t5-demo")
     yield running
     assert running.stop() == 0
 
@@ -49,7 +50,7 @@ def prompts():
 
 def test_a_completion_is_generate_on_that_prompt_alone(server, models, prompts):
     reply = server.client().completions.create(model="t5-demo", prompt=prompts[0], max_tokens=30, extra_body=EXACT)
-    assert reply.choices[0].text == generate(models, prompts[0], max_tokens=30, **EXACT)
+    assert reply.choices[0].text == generate(models, prompts[0], max_tokens=30, **EXACT, **TEXT)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens == len(models.tokenizer.encode(prompts[0]))
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens > reply.usage.prompt_tokens
@@ -61,7 +62,7 @@ def test_streamed_chunks_join_to_the_same_text_and_end_with_the_reason(server, m
     chunks = list(server.client().completions.create(model="t5-demo", prompt=prompts[1], max_tokens=12, stream=True,
                                                      stream_options={"include_usage": True}, extra_body=EXACT))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    responses = list(stream_generate(models, prompts[1], max_tokens=12, **EXACT))
+    responses = list(stream_generate(models, prompts[1], max_tokens=12, **EXACT, **TEXT))
     assert text == "".join(r.text for r in responses)
     finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finished == [responses[-1].finish_reason]
@@ -72,7 +73,7 @@ def test_streamed_chunks_join_to_the_same_text_and_end_with_the_reason(server, m
 def test_a_list_of_prompts_gets_a_choice_each_in_order(server, models, prompts):
     reply = server.client().completions.create(model="t5-demo", prompt=prompts[2:5], max_tokens=10, extra_body=EXACT)
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert [c.text for c in reply.choices] == [generate(models, p, max_tokens=10, **EXACT) for p in prompts[2:5]]
+    assert [c.text for c in reply.choices] == [generate(models, p, max_tokens=10, **EXACT, **TEXT) for p in prompts[2:5]]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -89,7 +90,7 @@ def test_chat_maps_the_messages_to_one_prompt(server, models, stream):
     else:
         text = reply.choices[0].message.content
         assert reply.choices[0].message.role == "assistant"
-    assert text == generate(models, prompt, max_tokens=10, **EXACT)
+    assert text == generate(models, prompt, max_tokens=10, **EXACT, **TEXT)
 
 
 def test_a_conversation_maps_to_role_lines_ending_with_the_assistants_turn():
@@ -102,7 +103,7 @@ def test_a_conversation_maps_to_role_lines_ending_with_the_assistants_turn():
 
 
 def test_a_stop_string_ends_the_text_before_it_and_says_stop(server, models, prompts):
-    full = generate(models, prompts[0], max_tokens=30, **EXACT)
+    full = generate(models, prompts[0], max_tokens=30, **EXACT, **TEXT)
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     for stream in (False, True):
         reply = server.client().completions.create(model="t5-demo", prompt=prompts[0], max_tokens=30, stop=[stop],
@@ -120,7 +121,8 @@ def test_usage_counts_the_tokens_whose_text_the_client_received(server, models):
     assert expected.stats.generated > 1
     for stream in (False, True):
         reply = server.client().completions.create(model="t5-demo", prompt="import <extra_id_0>", max_tokens=30,
-                                                   stop=[" import"], stream=stream, extra_body=EXACT,
+                                                   stop=[" import"], stream=stream,
+                                                   extra_body={**EXACT, "skip_special_tokens": False},
                                                    stream_options={"include_usage": True} if stream else None)
         usage = list(reply)[-1].usage if stream else reply.usage
         assert usage.completion_tokens == 1
@@ -137,7 +139,7 @@ def test_32_requests_from_16_threads_each_get_what_generate_gives_alone(server, 
 
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, asked))
-    assert answers == [generate(models, prompt, max_tokens=tokens, **EXACT) for prompt, tokens in asked]
+    assert answers == [generate(models, prompt, max_tokens=tokens, **EXACT, **TEXT) for prompt, tokens in asked]
     assert "completion" in server.output()  # a line per request
 
 
@@ -152,11 +154,9 @@ def test_seeded_sampling_is_the_same_alone_and_among_other_requests(server, prom
     assert client.completions.create(prompt=prompts[3], **{**options, "seed": 12}).choices[0].text != alone
 
 
-def test_models_health_and_metrics(server):
+def test_models_and_health(server):
     assert [m.id for m in server.client().models.list().data] == ["t5-demo"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    metrics = httpx.get(server.url + "/metrics").json()
-    assert {"queued", "active_rows", "tokens_per_second", "tokens_generated"} <= set(metrics) and metrics["max_batch"] == 8
 
 
 BAD = [
@@ -170,7 +170,6 @@ BAD = [
     ({"model": "t5-demo", "prompt": "x", "num_draft": 0}, None, "num_draft must be an integer >= 1 or auto"),
     ({"model": "t5-demo", "prompt": "x", "num_draft": "lots"}, None, "num_draft must be an integer >= 1 or auto"),
     ({"model": "t5-demo", "prompt": "x", "seed": -3}, None, "seed must be an integer in [0, 2**64)"),
-    ({"model": "gpt-4", "prompt": "x"}, "model_not_found", "not served here"),
     ({"model": "t5-demo", "prompt": "x", "n": 2}, None, "n must be 1"),
     ({"model": "t5-demo", "prompt": "x", "echo": True}, None, "echo is not supported"),
     ({"model": "t5-demo", "prompt": "   "}, None, "the prompt is empty"),
@@ -178,6 +177,18 @@ BAD = [
     ({"model": "t5-demo", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, None, "up to 4"),
     ({"model": "t5-demo", "prompt": "x", "num_draft": "auto", "prompt_lookup": True}, None, "prompt lookup takes a number"),
     ({"model": "t5-demo", "prompt": ["x", 5]}, None, "prompt"),
+    # strict types, as OpenAI's: no numbers in strings, no booleans for numbers or from words
+    ({"model": "t5-demo", "prompt": "x", "max_tokens": "10"}, None, "max_tokens: Input should be a valid integer"),
+    ({"model": "t5-demo", "prompt": "x", "max_tokens": True}, None, "max_tokens: Input should be a valid integer"),
+    ({"model": "t5-demo", "prompt": "x", "prompt_lookup": "yes"}, None, "prompt_lookup: Input should be a valid boolean"),
+    ({"model": "t5-demo", "prompt": "x", "temperature": "0.5"}, None, "temperature: Input should be a valid number"),
+    ({"model": "t5-demo", "prompt": "x", "num_draft": "3"}, None, "num_draft must be an integer >= 1 or auto"),
+    # limits: max_tokens up to --max-tokens-limit (4096 by default)
+    ({"model": "t5-demo", "prompt": "x", "max_tokens": 10**30}, None, "more than this server's 4,096"),
+    ({"model": "t5-demo", "prompt": "x", "max_tokens": 4097}, None, "max_tokens is 4,097"),
+    # a lone surrogate (JSON's "\ud800") is no text a tokenizer takes
+    ({"model": "t5-demo", "prompt": "import \ud800 <extra_id_0>"}, None, "not valid Unicode"),
+    ({"model": "t5-demo", "prompt": "x", "stop": ["\udfff"]}, None, "not valid Unicode"),
 ]
 
 
@@ -195,10 +206,18 @@ def test_a_bad_request_gets_a_400_with_openais_error_json(server, body, code, me
     ([{"role": "system", "content": "x"}], "user message"),
     ([{"role": "wizard", "content": "x"}], "unknown role"),
     ([{"role": "user"}], "content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts"),
 ])
 def test_a_bad_chat_request_gets_a_400(server, messages, message):
     with pytest.raises(openai.BadRequestError, match=message):
         server.client().chat.completions.create(model="t5-demo", messages=messages)
+
+
+def test_a_chat_message_with_a_lone_surrogate_gets_a_400(server):
+    """JSON can escape one ("\\ud800"), which no UTF-8 client library would send."""
+    body = json.dumps({"model": "t5-demo", "messages": [{"role": "user", "content": "a \ud800"}]})
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "not valid Unicode" in response.json()["error"]["message"]
 
 
 def test_errors_reach_the_client_as_openais_exception_types(server):
@@ -208,14 +227,27 @@ def test_errors_reach_the_client_as_openais_exception_types(server):
     assert raised.value.status_code == 400 and "delta" in raised.value.message
 
 
+PACED = """
+import sys, time
+import decoder, server
+for batch in (decoder.RegularBatch, decoder.SpeculativeBatch):
+    def round(self, real=batch.round):
+        time.sleep(0.005)
+        return (yield from real(self))
+    batch.round = round
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
 @pytest.fixture(scope="module")
 def strict_server(v1_1_checkpoint):
     """One row, one waiting request, an API key, short prompts and small
     bodies; a random checkpoint decoding alone, whose greedy answers run to
-    max_tokens (test_model.py: 64 tokens without an end), slowly enough to
-    stay in flight."""
+    max_tokens (test_model.py: 64 tokens without an end), its rounds paced
+    to 5 ms so that long answers stay in flight."""
     running = Server("--model", str(v1_1_checkpoint.mlx_dir), "--max-batch", "1", "--max-queue", "1",
-                     "--api-key", "sesame", "--max-prompt-tokens", "80", "--max-body-bytes", "2000", "--name", "strict")
+                     "--api-key", "sesame", "--max-prompt-tokens", "80", "--max-body-bytes", "2000",
+                     "--max-tokens-limit", "100000", "--served-model-name", "strict", code=PACED)
     yield running
     assert running.stop() == 0
 
@@ -244,7 +276,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(strict_serv
         thread = threading.Thread(target=lambda: waiting.append(
             httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY, timeout=120)))
         thread.start()
-        wait_for(strict_server, lambda m: m["active_rows"] == 1 and m["queued"] == 1)
+        wait_for(strict_server, lambda m: m[RUNNING] == 1 and m[WAITING] == 1)
         refused = httpx.post(strict_server.url + "/v1/completions", json=LONG, headers=KEY)
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
@@ -254,10 +286,13 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(strict_serv
     assert waiting[0].json()["choices"][0]["finish_reason"] == "length"
 
 
+RUNNING, WAITING, CANCELLED = "t5:num_requests_running", "t5:num_requests_waiting", "t5:rows_cancelled_total"
+
+
 def wait_for(server: Server, condition, seconds: float = 30) -> dict:
     deadline = time.time() + seconds
     while time.time() < deadline:
-        metrics = httpx.get(server.url + "/metrics").json()
+        metrics = server.metrics(headers=KEY)
         if condition(metrics):
             return metrics
         time.sleep(0.02)
@@ -265,14 +300,14 @@ def wait_for(server: Server, condition, seconds: float = 30) -> dict:
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_round(strict_server):
-    before = httpx.get(strict_server.url + "/metrics").json()["rows_cancelled"]
+    before = strict_server.metrics(headers=KEY)[CANCELLED]
     with httpx.stream("POST", strict_server.url + "/v1/completions", headers=KEY, timeout=30,
                       json={**LONG, "max_tokens": 5000, "stream": True}) as response:
         lines = response.iter_lines()  # kept: a dropped iterator closes the stream
         assert next(line for line in lines if line.startswith("data:"))
-        assert httpx.get(strict_server.url + "/metrics").json()["active_rows"] == 1
-    metrics = wait_for(strict_server, lambda m: m["active_rows"] == 0, seconds=10)
-    assert metrics["rows_cancelled"] == before + 1
+        assert strict_server.metrics(headers=KEY)[RUNNING] == 1
+    metrics = wait_for(strict_server, lambda m: m[RUNNING] == 0, seconds=10)
+    assert metrics[CANCELLED] == before + 1
     reply = strict_server.client(api_key="sesame").completions.create(model="strict", prompt=PROMPT, max_tokens=3)
     assert reply.usage.completion_tokens == 3
 
@@ -284,16 +319,6 @@ def test_a_prompt_too_long_and_a_body_too_big_are_refused(strict_server):
     assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
 
 
-PACED = """
-import sys, time
-import decoder, server
-for batch in (decoder.RegularBatch, decoder.SpeculativeBatch):
-    def round(self, real=batch.round):
-        time.sleep(0.005)
-        return (yield from real(self))
-    batch.round = round
-sys.exit(server.main(sys.argv[1:]))
-"""
 
 
 def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_checkpoint):
@@ -306,18 +331,18 @@ def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_ch
     answers = {}
 
     def ask(i):
-        body = {"model": "mlx", "prompt": asked[i], "max_tokens": 300}
+        body = {"model": "default", "prompt": asked[i], "max_tokens": 300}
         answers[i] = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
-    wait_for(running, lambda m: m["active_rows"] == 2 and m["queued"] == 2)
+    wait_for(running, lambda m: m[RUNNING] == 2 and m[WAITING] == 2)
     running.process.send_signal(signal.SIGTERM)
     deadline = time.time() + 10
     while httpx.get(running.url + "/health").status_code != 503 and time.time() < deadline:
         time.sleep(0.01)
-    late = httpx.post(running.url + "/v1/completions", json={"model": "mlx", "prompt": "x"})
+    late = httpx.post(running.url + "/v1/completions", json={"model": "default", "prompt": "x"})
     assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
     for thread in threads:
         thread.join()
@@ -325,7 +350,7 @@ def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_ch
     models = load(v1_1_checkpoint.mlx_dir)
     for i, prompt in enumerate(asked):
         assert answers[i].status_code == 200
-        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=300)
+        assert answers[i].json()["choices"][0]["text"] == generate(models, prompt, max_tokens=300, **TEXT)
 
 
 FAILING = """
@@ -347,13 +372,137 @@ def test_a_failing_round_fails_its_batchs_requests_only_and_the_server_goes_on(m
         client = running.client()
         with ThreadPoolExecutor(2) as pool:
             poisoned = pool.submit(httpx.post, running.url + "/v1/completions", timeout=60,
-                                   json={"model": "target", "prompt": "</s> x", "max_tokens": 20})
-            other = pool.submit(client.completions.create, model="target", prompt=prompts[0], max_tokens=20,
+                                   json={"model": "default", "prompt": "</s> x", "max_tokens": 20})
+            other = pool.submit(client.completions.create, model="default", prompt=prompts[0], max_tokens=20,
                                 extra_body={"prompt_lookup": True, "delta": 0})  # a batch of another kind
             assert poisoned.result().status_code == 500
             assert poisoned.result().json()["error"]["message"].startswith("decoding failed: a planted failure")
-            assert other.result().choices[0].text == generate(models, prompts[0], max_tokens=20, prompt_lookup=True)
-        again = client.completions.create(model="target", prompt=prompts[1], max_tokens=10, extra_body=EXACT)
-        assert again.choices[0].text == generate(models, prompts[1], max_tokens=10, **EXACT)
+            assert other.result().choices[0].text == generate(models, prompts[0], max_tokens=20, prompt_lookup=True,
+                                                              **TEXT)
+        again = client.completions.create(model="default", prompt=prompts[1], max_tokens=10, extra_body=EXACT)
+        assert again.choices[0].text == generate(models, prompts[1], max_tokens=10, **EXACT, **TEXT)
     finally:
         assert running.stop() == 0
+
+
+# ---------------------------------------------------------------- what a client meets (issue: the server in production)
+
+
+def test_an_unknown_model_is_a_404_as_openai_and_vllm_answer(server):
+    with pytest.raises(openai.NotFoundError) as raised:
+        server.client().completions.create(model="gpt-4", prompt="x")
+    assert raised.value.body["code"] == "model_not_found" and raised.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("options", [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}],
+                         ids=["tiny temperature", "tiny top_p"])
+def test_a_vanishing_temperature_or_top_p_decodes_greedily(server, models, prompts, options):
+    """Below 1e-5 a temperature is greedy; a top_p that float32 rounds to 0 keeps the most likely token."""
+    reply = server.client().completions.create(model="t5-demo", prompt=prompts[0], max_tokens=20, **options,
+                                               extra_body=EXACT)
+    assert reply.choices[0].text == generate(models, prompts[0], max_tokens=20, **EXACT, **TEXT)
+
+
+def test_a_seeded_sampling_request_with_num_draft_auto_gives_one_answer_however_often_sent(server, prompts):
+    """What auto learns between sends would change which draws decide each
+    token: a seeded request drafts a fixed length instead (Settings.draft_length)."""
+    client = server.client()
+    options = dict(model="t5-demo", prompt=prompts[2], max_tokens=30, temperature=1.0, seed=5,
+                   extra_body={"num_draft": "auto", "delta": 0})
+    answers = {client.completions.create(**options).choices[0].text for _ in range(5)}
+    with ThreadPoolExecutor(4) as pool:  # and among other requests, which auto learns from too
+        others = [pool.submit(client.completions.create, model="t5-demo", prompt=p, max_tokens=30, temperature=1.0,
+                              extra_body={"num_draft": "auto"}) for p in prompts[:6]]
+        answers.add(pool.submit(client.completions.create, **options).result().choices[0].text)
+        [f.result() for f in others]
+    assert len(answers) == 1
+
+
+def test_chat_takes_max_completion_tokens_and_content_given_as_text_parts(server, models):
+    parts = [{"type": "text", "text": "Fill in the code."}, {"type": "text", "text": "import <extra_id_0>"}]
+    reply = server.client().chat.completions.create(model="t5-demo", messages=[{"role": "user", "content": parts}],
+                                                    max_completion_tokens=4, extra_body={**EXACT, "ignore_eos": True})
+    assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == generate(models, "Fill in the code.\nimport <extra_id_0>", max_tokens=4,
+                                                        ignore_eos=True, **EXACT, **TEXT)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server, models):
+    """vLLM's skip_special_tokens, true by default: "import <extra_id_0>" answers a sentinel first."""
+    kept = generate(models, "import <extra_id_0>", max_tokens=8, **EXACT)
+    assert "<extra_id_0>" in kept
+    client = server.client()
+    skipped = client.completions.create(model="t5-demo", prompt="import <extra_id_0>", max_tokens=8, extra_body=EXACT)
+    assert "<extra_id" not in skipped.choices[0].text
+    assert skipped.choices[0].text == generate(models, "import <extra_id_0>", max_tokens=8, **EXACT, **TEXT)
+    asked = client.completions.create(model="t5-demo", prompt="import <extra_id_0>", max_tokens=8,
+                                      extra_body={**EXACT, "skip_special_tokens": False})
+    assert asked.choices[0].text == kept
+
+
+def test_chat_choices_carry_logprobs_null_and_chunks_usage_null_before_the_usage_chunk(server):
+    """The fields OpenAI sends as null: some clients index them without a default."""
+    body = {"model": "t5-demo", "messages": [{"role": "user", "content": "import <extra_id_0>"}], "max_tokens": 5}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["logprobs"] is None
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
+
+
+def test_metrics_are_prometheus_text_with_vllms_names(server, prompts):
+    """Read by prometheus_client's parser: tokens, finish reasons, error
+    statuses, latency histograms, and drafted against accepted tokens."""
+    before = server.metrics()
+    client = server.client()
+    client.completions.create(model="t5-demo", prompt=prompts[0], max_tokens=12, extra_body=EXACT)
+    client.completions.create(model="t5-demo", prompt=prompts[1], max_tokens=2, extra_body={**EXACT, "ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="t5-demo", prompt="x", extra_body={"delta": 2})
+    after = server.metrics()
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+
+    assert grew('t5:request_success_total{finished_reason="length"}') >= 1
+    assert grew('t5:request_errors_total{status="400"}') == 1
+    assert grew("t5:prompt_tokens_total") > 0 and grew("t5:generation_tokens_total") >= 14
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds"):
+        assert grew(f"t5:{histogram}_count") >= 2, histogram
+    drafted, accepted = grew("t5:spec_decode_num_draft_tokens_total"), grew("t5:spec_decode_num_accepted_tokens_total")
+    assert drafted >= accepted > 0 and grew("t5:spec_decode_num_drafts_total") > 0
+    assert after["t5:num_requests_running"] == 0 and after["t5:num_requests_waiting"] == 0
+    assert after["process_resident_memory_bytes"] > 0
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(strict_server):
+    """No stream to notice it: the request's disconnect is watched for, and
+    the row leaves at the next round (5,000 paced tokens would take 25 s)."""
+    before = strict_server.metrics(headers=KEY)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(strict_server.url + "/v1/completions", headers=KEY, timeout=0.5,
+                   json={**LONG, "max_tokens": 5000, "ignore_eos": True})
+    after = wait_for(strict_server, lambda m: m[RUNNING] == 0, seconds=5)
+    abort = 't5:request_success_total{finished_reason="abort"}'
+    assert after[abort] == before.get(abort, 0) + 1
+
+
+def test_a_prompt_list_the_queue_could_never_hold_is_a_400_not_a_429(strict_server):
+    """A 429 tells a client to retry, which could never succeed: the queue holds 1."""
+    response = httpx.post(strict_server.url + "/v1/completions", headers=KEY,
+                          json={"model": "strict", "prompt": ["a", "b"], "max_tokens": 2})
+    assert response.status_code == 400 and "more than this server's queue holds (1)" in response.json()["error"]["message"]
+
+
+def test_the_key_guards_metrics_and_the_schema_and_its_scheme_is_case_insensitive(strict_server):
+    for path in ("/metrics", "/openapi.json"):
+        assert httpx.get(strict_server.url + path).status_code == 401
+        assert httpx.get(strict_server.url + path, headers=KEY).status_code == 200
+    assert httpx.get(strict_server.url + "/health").status_code == 200  # load balancers probe without it
+    body = {"model": "strict", "prompt": "x", "max_tokens": 1}
+    for scheme in ("bearer", "BEARER"):
+        ok = httpx.post(strict_server.url + "/v1/completions", json=body, headers={"Authorization": f"{scheme} sesame"})
+        assert ok.status_code == 200

@@ -1,0 +1,123 @@
+"""server.py's limits, through raw sockets where a client library would not go: Host headers, slow and stalled
+clients, bodies over the limit, malformed bodies, the connection cap, and a port already taken."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from serving.process import ROOT, ServerProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def limited(v1_1_checkpoint):
+    """On every interface, answering for t5.internal and 127.0.0.1 only, with
+    no key (so it warns); 1 s to send headers or a body, 4 connections, 10,000-byte bodies."""
+    running = ServerProcess("--model", str(v1_1_checkpoint.mlx_dir), "--host", "0.0.0.0",
+                            "--allowed-hosts", "t5.internal", "127.0.0.1", "--read-timeout", "1",
+                            "--max-connections", "4", "--max-body-bytes", "10000")
+    yield running
+    assert running.stop() == 0
+
+
+def raw(server: ServerProcess, data: bytes, wait: float = 5.0) -> bytes:
+    """What the server answers to these bytes on a connection of their own, until it closes it (or `wait` s pass)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as s:
+        s.sendall(data)
+        return read_all(s)
+
+
+def read_all(s: socket.socket) -> bytes:
+    answer = b""
+    try:
+        while chunk := s.recv(65536):
+            answer += chunk
+    except TimeoutError:
+        pass
+    return answer
+
+
+def error_of(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_on_every_interface_without_a_key_it_warns_and_serves_by_the_model_as_named(limited, v1_1_checkpoint):
+    assert "has no --api-key" in limited.output()
+    names = httpx.get(limited.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in names] == [str(v1_1_checkpoint.mlx_dir)]  # vLLM's way: --model as given
+
+
+def test_a_host_header_it_does_not_answer_for_is_refused(limited):
+    """DNS rebinding: a page on evil.example resolved to this machine sends Host: evil.example."""
+    body = {"model": "default", "prompt": "x", "max_tokens": 1}
+    refused = httpx.post(limited.url + "/v1/completions", json=body, headers={"Host": "evil.example:8080"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_host"
+    for host in ("t5.internal", f"t5.internal:{limited.port}", f"127.0.0.1:{limited.port}"):
+        assert httpx.post(limited.url + "/v1/completions", json=body, headers={"Host": host}).status_code == 200
+
+
+def test_a_connection_whose_headers_stall_is_closed_after_the_read_timeout(limited):
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and no more
+        started = time.monotonic()
+        assert read_all(s) == b""  # closed, with nothing to answer
+        assert 0.5 < time.monotonic() - started < 5
+
+
+def test_a_body_that_stalls_gets_a_408(limited):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    status, error = error_of(raw(limited, head + b'{"model": "default"'))
+    assert status == 408 and "did not arrive within 1 s" in error["message"]
+
+
+def test_a_chunked_body_over_the_limit_gets_a_413(limited):
+    """No Content-Length to refuse it by: it is counted as it comes."""
+    def chunks():
+        for _ in range(30):
+            yield b'{"model": "default", "prompt": "' + b"x" * 500
+
+    response = httpx.post(limited.url + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "over 10,000 bytes" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method, path, body, status", [
+    ("POST", "/v1/completions", b"\xff\xfe{}", 400),  # not UTF-8
+    ("POST", "/v1/completions", b"[" * 3000 + b"]" * 3000, 400),  # nested past Python's recursion limit
+    ("GET", "/v1/nowhere", None, 404),
+    ("DELETE", "/v1/completions", None, 405),
+], ids=["invalid utf-8", "deeply nested", "404", "405"])
+def test_every_error_has_openais_shape(limited, method, path, body, status):
+    response = httpx.request(method, limited.url + path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_connections_beyond_the_cap_get_a_503(limited):
+    held = [socket.create_connection(("127.0.0.1", limited.port)) for _ in range(4)]
+    try:
+        assert httpx.get(limited.url + "/health").status_code == 503
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.time() + 5
+    while httpx.get(limited.url + "/health").status_code != 200 and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(limited.url + "/health").status_code == 200
+
+
+def test_a_port_already_taken_exits_at_once_with_an_error():
+    """Not a process that logs the error in uvicorn's thread and lives on, answering nothing."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "server.py", "--model", "demo/target", "--port", str(port)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert time.monotonic() - started < 30  # before the models load
