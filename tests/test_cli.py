@@ -87,7 +87,7 @@ def test_a_plot_that_cannot_be_saved_is_refused_before_the_sweep(capsys, tmp_pat
 
 def test_help_shows_every_default_including_zero():
     text = " ".join(main.build_parser().format_help().split())
-    assert "sampling temperature; 0 is greedy (default: 0.0)" in text
+    assert "sampling temperature; 0 (or below 1e-05) is greedy (default: 0.0)" in text
     assert "sample from the k most likely tokens (0: all) (default: 0)" in text
 
 
