@@ -81,7 +81,9 @@ def with_header_timeout(seconds: float) -> type:
 def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound now: a port already taken fails here
     (OSError), before the models load, not in uvicorn's thread."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections whose socket says so, and without it
+    # each streamed chunk after the first waits for the client's delayed ACK (40 ms on Linux).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
