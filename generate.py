@@ -157,7 +157,8 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     prompt_lookup=False (True: drafts copied from the prompt and the output,
     see drafting.PromptLookup; a draft model, if loaded, is not used),
     stop=() (strings the text ends before), ignore_eos=False (decode on to
-    max_tokens); or settings=, a whole options.Settings, with any keywords
+    max_tokens), skip_special_tokens=False (True: no <extra_id_0>, </s> or
+    <pad> in the text); or settings=, a whole options.Settings, with any keywords
     over it. Options and the prompt are checked at the call, before any
     decoding: OptionError names one out of range."""
     settings = settings_for(models, options)

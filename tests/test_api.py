@@ -124,7 +124,23 @@ def test_the_tokenizer_encodes_and_decodes_as_transformers_does():
     for _ in range(300):
         ids = [rng.randrange(len(theirs)) for _ in range(rng.randrange(1, 30))]
         assert ours.decode(ids) == theirs.decode(ids, clean_up_tokenization_spaces=False), ids
+        assert ours.decode(ids, skip_special_tokens=True) == \
+            theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
     assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
+
+
+def test_a_stream_that_skips_special_tokens_equals_decoding_everything_at_once_without_them():
+    """Sentinels, </s> and <pad> among ordinary tokens, as a random model's
+    output has them: the streamed text is transformers' skip_special_tokens decoding."""
+    tokenizer = load_tokenizer(DEMO / "target")
+    special = [tokenizer.encode(token)[0] for token in ("<extra_id_0>", "<extra_id_7>", "<pad>")] + [1]
+    rng = random.Random(2)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.3 else rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
+        detokenizer = Detokenizer(tokenizer, skip_special_tokens=True)
+        text = "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=True), ids
+        assert "<extra_id" not in text and "</s>" not in text and "<pad>" not in text
 
 
 def test_detokenizer_holds_back_an_incomplete_character():
