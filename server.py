@@ -35,7 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from errors import OptionError, T5Error
 from loading import load
 from options import KNOBS, Settings
-from serving.app import Access, Limits, create_app
+from serving.app import Access, Limits, create_app, ip_literal
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
@@ -79,14 +79,16 @@ def with_header_timeout(seconds: float) -> type:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now: a port already taken fails here
-    (OSError), before the models load, not in uvicorn's thread."""
+    """The server's socket, bound and listening now: a port already taken
+    fails here (OSError), before the models load, not in uvicorn's thread.
+    Clients that come while the models load wait in the backlog."""
     # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections whose socket says so, and without it
     # each streamed chunk after the first waits for the client's delayed ACK (40 ms on Linux).
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
     except OSError:
         sock.close()
         raise
@@ -99,8 +101,9 @@ def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_
     turns new requests away (503) while the requests taken finish, for up to
     `grace` seconds; a second signal stops at once. If the HTTP server stops
     by itself, the engine stops too, and this returns 1."""
+    # uvicorn counts the connection asking among those open: max_connections + 1 lets max_connections in.
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=with_header_timeout(read_timeout),
-                            limit_concurrency=max_connections)
+                            limit_concurrency=max_connections + 1)
     server = Server(config)
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
     deadline = [math.inf]
@@ -178,12 +181,13 @@ def server_settings(args) -> Settings:
 
 
 def allowed_hosts(host: str, given: list[str] | None) -> frozenset | None:
-    """The Host headers answered: the address listened on (with "localhost"
+    """The host names answered: the address listened on (with "localhost"
     on a loopback address) and those given; None (any) for "*", or on every
-    interface unless hosts are given."""
+    interface unless hosts are given. Any IP address is answered too
+    (serving.app.Access): only names can be rebound."""
     if given and "*" in given:
         return None
-    everywhere = host in ("0.0.0.0", "::", "")
+    everywhere = host == "" or ip_literal(host) and ipaddress.ip_address(host).is_unspecified
     if everywhere and not given:
         return None
     names = {name.lower() for name in given or ()}
@@ -201,7 +205,7 @@ def loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def check(args) -> Settings:
+def check_options(args) -> Settings:
     """The options a server cannot start with, as OptionErrors; the requests' default settings otherwise."""
     for option in ("max_batch", "max_queue", "max_prompt_tokens", "max_tokens_limit", "max_body_bytes", "max_connections"):
         if getattr(args, option) < 1:
@@ -210,6 +214,8 @@ def check(args) -> Settings:
         raise OptionError("--max-request-tokens must be at least 1")
     if args.read_timeout <= 0:
         raise OptionError("--read-timeout must be more than 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise OptionError("--api-key is empty: give a key, or leave the option out")
     if args.prompt_lookup and args.draft_model:
         raise OptionError("--prompt-lookup drafts without a draft model: drop --draft-model (or --prompt-lookup)")
     defaults = server_settings(args)
@@ -231,7 +237,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     try:
-        defaults = check(args)
+        defaults = check_options(args)
         sock = listen(args.host, args.port)
     except T5Error as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,7 +7,9 @@ OpenAI's error shape (shapes.py) with the status OpenAI's clients expect.
 """
 
 import asyncio
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -25,7 +27,7 @@ from loading import Models
 from options import Settings, Stats
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
-from serving.metrics import CONTENT_TYPE, Metrics
+from serving.metrics import Metrics, Times
 from serving.schema import ChatCompletion, Completion, CompletionBody
 from text import TextStream
 
@@ -45,33 +47,58 @@ class ApiError(Exception):
                             headers=self.headers)
 
 
-def host_name(header: bytes) -> str:
-    """The host a Host header names, without its port: "[::1]:8080" -> "::1"."""
-    host = header.decode("latin-1").strip().lower()
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+def host_name(header: str) -> str | None:
+    """The host a Host header names, without its port ("[::1]:8080" -> "::1"); None if it is malformed."""
+    host = header.strip().lower()
+    if host.startswith("["):  # an IPv6 literal, and perhaps a port
+        name, bracket, port = host[1:].partition("]")
+        return name if bracket and (not port or port[:1] == ":" and port[1:].isdigit()) else None
+    name, colon, port = host.partition(":")
+    return name if not colon or port.isdigit() else None
+
+
+def ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
 class Access:
     """Who may ask: the API key (None: anyone), and the hosts a request's
-    Host header may name (None: any), against DNS rebinding: a web page
-    whose name resolves to 127.0.0.1 sends its own name."""
+    Host header may name (None: any). The hosts guard against DNS
+    rebinding: a web page whose name has come to resolve to this machine
+    sends its own name. An address (127.0.0.1, a pod's IP) cannot be
+    rebound, and browsers always send a Host header: both pass."""
 
     api_key: str | None = None
     hosts: frozenset | None = None
 
     def refusal(self, path: str, headers: dict) -> ApiError | None:
-        if self.hosts is not None and host_name(headers.get(b"host", b"")) not in self.hosts:
-            return ApiError(400, "this server does not answer for that Host header (server.py --allowed-hosts)",
-                            code="invalid_host")
+        host = headers.get(b"host")
+        if self.hosts is not None and host is not None:
+            name = host_name(host.decode("latin-1"))
+            if name is None or not (name in self.hosts or ip_literal(name)):
+                return ApiError(400, "this server does not answer for that Host header (server.py --allowed-hosts)",
+                                code="invalid_host")
         if self.api_key is None or path == "/health":  # load balancers probe without a key
             return None
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            return ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key")
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not same(token.strip(), self.api_key.encode()):
+            return ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
         return None
+
+
+def same(given: bytes, key: bytes) -> bool:
+    """Compared in constant time, as digests: neither the key's characters nor its length show in the time taken."""
+    return hmac.compare_digest(hashlib.sha256(given).digest(), hashlib.sha256(key).digest())
+
+
+class ClientGone(Exception):
+    """The client left before its body arrived: there is no one to answer."""
 
 
 class Guard:
@@ -88,6 +115,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.perf_counter()  # request.state.arrived: the metrics' clock
         headers = dict(scope["headers"])
         try:
             refused = self.access.refusal(scope["path"], headers)
@@ -100,6 +128,8 @@ class Guard:
             body = await self.body(receive) if scope["method"] == "POST" else None
         except ApiError as e:
             return await e.response(self.engine.metrics)(scope, receive, send)
+        except ClientGone:
+            return
         if body is None:
             return await self.app(scope, receive, send)
         replayed = False
@@ -122,9 +152,10 @@ class Guard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
             except asyncio.TimeoutError:
-                raise ApiError(408, f"the body did not arrive within {self.read_timeout:g} s", code="timeout")
+                raise ApiError(408, f"the body did not arrive within {self.read_timeout:g} s", code="timeout",
+                               headers={"Connection": "close"})
             if message["type"] == "http.disconnect":
-                raise ApiError(400, "the client left before its body arrived")
+                raise ClientGone()
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if size > self.max_body_bytes:
@@ -213,8 +244,9 @@ class Completions:
         except (OptionError, TypeError) as e:
             raise ApiError(400, str(e))
         if settings.max_tokens > self.limits.max_tokens:
-            raise ApiError(400, f"max_tokens is {settings.max_tokens:,}, more than this server's {self.limits.max_tokens:,}",
-                           param="max_tokens")
+            field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+            raise ApiError(400, f"{field} is {settings.max_tokens:,}, more than this server's {self.limits.max_tokens:,}",
+                           param=field)
         return settings
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
@@ -233,7 +265,7 @@ class Completions:
             encoded.append(ids)
         return encoded
 
-    def jobs_for(self, body: CompletionBody) -> list[Job]:
+    def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
         settings = self.settings(body)
         encoded = self.encode(body.prompts)
         needed = sum(len(ids) + settings.max_tokens for ids in encoded)
@@ -243,8 +275,8 @@ class Completions:
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         jobs = [Job(decoder.Request(ids, settings), TextStream(self.models.tokenizer, settings.stop,
-                                                                settings.skip_special_tokens), loop, asyncio.Queue())
-                for ids in encoded]
+                                                                settings.skip_special_tokens), loop, asyncio.Queue(),
+                    times=Times(arrived)) for ids in encoded]
         try:
             self.engine.submit(jobs)
         except QueueFull:
@@ -252,9 +284,9 @@ class Completions:
         return jobs
 
     async def answer(self, request: Request, body: CompletionBody, chat: bool):
-        call = Call(chat, self.jobs_for(body))
+        call = Call(chat, self.jobs_for(body, request.state.arrived))
         if body.stream:
-            return StreamingResponse(self.stream(call, body.include_usage), media_type="text/event-stream")
+            return Events(self.stream(call, body.include_usage), call.jobs)
         return await self.complete(call, request)
 
     async def complete(self, call: Call, request: Request) -> dict:
@@ -266,8 +298,10 @@ class Completions:
             for job in call.jobs:
                 text = "".join([piece async for piece, _ in pieces(job)])
                 choices.append((text, job.stream.finish_reason))
-        finally:
+        finally:  # a job failed, or this was cancelled: the others stop too
             watcher.cancel()
+            for job in call.jobs:
+                job.cancel()
         call.log()
         return shapes.completion(call.id, call.created, self.name, call.chat, choices, call.usage, call.stats)
 
@@ -298,6 +332,24 @@ class Completions:
             call.log()
         finally:
             for job in call.jobs:
+                job.cancel()
+
+
+class Events(StreamingResponse):
+    """A streamed answer's server-sent events. However the response ends,
+    its jobs are cancelled: also when the client left before the first
+    event, and Starlette never started the generator whose own `finally`
+    would have cancelled them."""
+
+    def __init__(self, events, jobs: list[Job]):
+        super().__init__(events, media_type="text/event-stream")
+        self.jobs = jobs
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for job in self.jobs:
                 job.cancel()
 
 
@@ -344,6 +396,7 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected_error)
     app.add_middleware(Guard, engine=engine, access=access, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
 
     @app.post("/v1/completions")
@@ -366,14 +419,20 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.text(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request):
+        text, content_type = engine.metrics.exposition(request.headers.get("accept"))
+        return Response(text, headers={"Content-Type": content_type})
 
     return app
 
 
 async def api_error(request: Request, e: ApiError):
     return e.response(request.app.state.metrics)
+
+
+async def unexpected_error(request: Request, e: Exception):
+    """A bug's 500, in OpenAI's shape too (Starlette logs its traceback)."""
+    return ApiError(500, f"the server failed: {type(e).__name__}", "server_error").response(request.app.state.metrics)
 
 
 async def http_error(request: Request, e: StarletteHTTPException):

@@ -98,13 +98,14 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return sum(len(batch.rows) for batch in self.batches.values())
+        # A copy: /metrics reads this from the event loop's thread while this one adds and drops batches.
+        return sum(len(batch.rows) for batch in list(self.batches.values()))
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
-    def ended(self, job: Job, reason: str) -> None:
+    def record_end(self, job: Job, reason: str) -> None:
         """A job's end, counted once: "stop", "length", "abort" (the client left) or "error"."""
         if not job.counted:
             job.counted = True
@@ -120,7 +121,7 @@ class Engine:
             left, self.waiting = list(self.jobs.values()) + self.waiting, []
         for job in left:
             job.fail("the server stopped before this request finished")
-            self.ended(job, "error")
+            self.record_end(job, "error")
 
     def step(self) -> None:
         """Admit waiting jobs, then a round of each batch."""
@@ -152,7 +153,7 @@ class Engine:
                 log.exception("encoding failed")
                 for job in jobs:
                     job.fail(f"encoding failed: {e}")
-                    self.ended(job, "error")
+                    self.record_end(job, "error")
                 continue
             finally:
                 self.metrics.parts["encoding"].inc(time.perf_counter() - started)
@@ -167,14 +168,17 @@ class Engine:
                 started = time.perf_counter()
                 self.lock.wait(timeout=0.1)  # wakes for a job, and for the signals the main thread handles
                 self.metrics.parts["idle"].inc(time.perf_counter() - started)
-            for job in self.waiting:
+            kept = []
+            for job in self.waiting:  # each job's fate read once: the event loop may cancel it meanwhile
                 if job.cancelled:
                     job.end()
-                    self.ended(job, "abort")
-            self.waiting = [job for job in self.waiting if not job.cancelled]
+                    self.record_end(job, "abort")
+                else:
+                    kept.append(job)
             free = self.max_batch - self.active
-            taken, self.waiting = self.waiting[:free], self.waiting[free:]
+            taken, self.waiting = kept[:free], kept[free:]
         return taken
+
 
     def drop_cancelled(self, batch) -> None:
         gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
@@ -184,7 +188,7 @@ class Engine:
             for request in gone:
                 job = self.jobs.pop(id(request))
                 job.end()
-                self.ended(job, job.stream.finish_reason or "abort")
+                self.record_end(job, job.stream.finish_reason or "abort")
 
     def round(self, kind: str, batch) -> None:
         """A round of one batch: each event's token to its job's text, and
@@ -200,7 +204,7 @@ class Engine:
                     self.metrics.first_token.observe(job.times.first_token - job.times.arrived)
                 if finish:
                     self.jobs.pop(id(request))
-                    self.ended(job, job.stream.finish_reason or finish)
+                    self.record_end(job, job.stream.finish_reason or finish)
                 elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
                     job.cancelled = True
         except Exception as e:  # fail this batch's jobs, and start it afresh
@@ -209,7 +213,7 @@ class Engine:
                 job = self.jobs.pop(id(row.request), None)
                 if job is not None:
                     job.fail(f"decoding failed: {e}")
-                    self.ended(job, "error")
+                    self.record_end(job, "error")
             del self.batches[kind]
         for job in touched.values():
             if job.error is None:

@@ -12,13 +12,12 @@ Linux.
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client import disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.exposition import choose_encoder
 
 disable_created_metrics()  # no `_created` series beside each counter: vLLM leaves them out too
 
 PREFIX = "t5:"
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0, 640.0)
@@ -61,7 +60,7 @@ class Metrics:
                                buckets=REQUEST_SECONDS)
         self.drafted = make(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed to the target.")
         self.accepted = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
-        self.drafts = make(Counter, "spec_decode_num_drafts", "Verify passes of rows that drafted.")
+        self.drafts = make(Counter, "spec_decode_num_drafts", "Target calls of prompts that drafted.")
         self.cancelled = make(Counter, "rows_cancelled", "Rows dropped before their end (a client gone, a stop string).")
         self.engine_seconds = make(Counter, "engine_seconds", "Where the engine's time went.", ("part",))
         self.parts = {part: self.engine_seconds.labels(model_name=model_name, part=part)
@@ -83,14 +82,18 @@ class Metrics:
             self.accepted.inc(stats.accepted)
             self.drafts.inc(stats.target_calls)
 
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """The metrics in the format the scraper's Accept header asks for
+        (Prometheus's text, or OpenMetrics), and its content type."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
 
 
 class Times:
-    """A prompt's moments on the server's clock (time.perf_counter)."""
+    """A prompt's moments on the server's clock (time.perf_counter): its
+    request's arrival (when its headers were read), its row, its first token."""
 
-    def __init__(self):
-        self.arrived = time.perf_counter()
+    def __init__(self, arrived: float | None = None):
+        self.arrived = time.perf_counter() if arrived is None else arrived
         self.admitted: float | None = None
         self.first_token: float | None = None

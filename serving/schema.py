@@ -26,13 +26,17 @@ def knob_value(name: str, value, label: str | None = None):
     return KNOBS[name].check(value, label or name)
 
 
-def unicode(text: str, what: str) -> str:
+def valid_unicode(text: str, what: str) -> str:
     """text, if it can be encoded (JSON's escapes can name a lone surrogate, which no tokenizer takes)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})")
     return text
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
 
 
 class CompletionBody(BaseModel):
@@ -51,7 +55,7 @@ class CompletionBody(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = Field(default=None, validate_default=True)
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     num_draft: StrictInt | StrictStr | None = None
     delta: Number | None = None
@@ -83,7 +87,7 @@ class CompletionBody(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOP_STRINGS or not all(stops):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
-        return [unicode(stop, "a stop string") for stop in stops]
+        return [valid_unicode(stop, "a stop string") for stop in stops]
 
     @field_validator("n")
     @classmethod
@@ -94,7 +98,7 @@ class CompletionBody(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
     @property
     def most_tokens(self) -> int | None:
@@ -121,7 +125,7 @@ class Completion(CompletionBody):
         if not prompts or not all(p.strip() for p in prompts):
             raise ValueError("the prompt is empty")
         for prompt in prompts:
-            unicode(prompt, "the prompt")
+            valid_unicode(prompt, "the prompt")
         return value
 
     @field_validator("echo")
@@ -165,7 +169,7 @@ class Message(BaseModel):
     def joined(cls, value):
         """The parts' texts joined by newlines, as vLLM joins them."""
         text = value if isinstance(value, str) else "\n".join(part.text for part in value)
-        return unicode(text, "a message")
+        return valid_unicode(text, "a message")
 
 
 class ChatCompletion(CompletionBody):

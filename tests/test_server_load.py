@@ -25,7 +25,7 @@ def ask(url: str, body: dict, leave_after: float | None, chunks_before_leaving: 
     if not body["stream"]:
         try:
             reply = httpx.post(url, json=body, timeout=leave_after or 120)
-        except httpx.ReadTimeout:
+        except httpx.TimeoutException:  # a read timeout, or on a loaded machine a connect or write one
             return None
         return reply.json()["choices"][0]["text"]
     text = ""
