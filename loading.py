@@ -158,8 +158,8 @@ class Tokenizer:
 
         self.backend = Rust.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False, **_) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -28,7 +28,7 @@ from options import Settings, Stats
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
 from serving.metrics import Metrics, Times
-from serving.schema import ChatCompletion, Completion, CompletionBody
+from serving.schema import ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
 from text import TextStream
 
 log = logging.getLogger("t5-server")
@@ -235,10 +235,14 @@ class Completions:
     def name(self) -> str:
         return self.names[0]
 
-    def settings(self, body: CompletionBody) -> Settings:
-        if body.model not in (*self.names, "default"):
-            raise ApiError(404, f"the model {body.model!r} does not exist here (GET /v1/models: {self.name!r})",
+    def check_model(self, model: str | None) -> None:
+        """A model this server serves, or a 404 (None: /tokenize's may be left out)."""
+        if model is not None and model not in (*self.names, "default"):
+            raise ApiError(404, f"the model {model!r} does not exist here (GET /v1/models: {self.name!r})",
                            code="model_not_found", param="model")
+
+    def settings(self, body: CompletionBody) -> Settings:
+        self.check_model(body.model)
         try:
             settings = body.settings(self.engine.defaults).check_models(self.models)
         except (OptionError, TypeError) as e:
@@ -249,25 +253,37 @@ class Completions:
                            param=field)
         return settings
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
+    def encode(self, prompts: list[Prompt], truncate: int | None = None) -> list[list[int]]:
+        """Each prompt's ids: a text tokenized, ids checked against the
+        vocabulary; then, with `truncate` (vLLM's truncate_prompt_tokens),
+        only the last so many, as a long document is cut to fit."""
         if len(prompts) > self.engine.max_queue:
             raise ApiError(400, f"{len(prompts)} prompts are more than this server's queue holds "
                                 f"({self.engine.max_queue}): send them in smaller lists", param="prompt")
         encoded = []
         for prompt in prompts:
-            try:
-                ids = self.models.tokenizer.encode(prompt)
-            except Exception as e:  # the Rust tokenizer's errors have no common type
-                raise ApiError(400, f"the prompt could not be tokenized ({str(e).splitlines()[0]})", param="prompt")
+            ids = self.ids(prompt)[-truncate:] if truncate else self.ids(prompt)
             if len(ids) > self.limits.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's "
-                                    f"{self.limits.max_prompt_tokens:,}", code="context_length_exceeded", param="prompt")
+                                    f"{self.limits.max_prompt_tokens:,} (truncate_prompt_tokens keeps its last ones)",
+                               code="context_length_exceeded", param="prompt")
             encoded.append(ids)
         return encoded
 
+    def ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        vocabulary = len(self.models.tokenizer)
+        if not isinstance(prompt, str):
+            if not all(0 <= token < vocabulary for token in prompt):
+                raise ApiError(400, f"token ids must be in [0, {vocabulary})", param="prompt")
+            return list(prompt)
+        try:
+            return self.models.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        except Exception as e:  # the Rust tokenizer's errors have no common type
+            raise ApiError(400, f"the prompt could not be tokenized ({str(e).splitlines()[0]})", param="prompt")
+
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
         settings = self.settings(body)
-        encoded = self.encode(body.prompts)
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens)
         needed = sum(len(ids) + settings.max_tokens for ids in encoded)
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "
@@ -406,6 +422,22 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     @app.post("/v1/chat/completions")
     async def chat_completion(request: Request, body: ChatCompletion):
         return await completions.answer(request, body, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: Tokenize):
+        """vLLM's: the prompt's ids as a completion would take them (the server's prompt limit beside them)."""
+        completions.check_model(body.model)
+        ids = completions.ids(body.text, body.add_special_tokens)
+        strings = [models.tokenizer.decode([token]) for token in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": limits.max_prompt_tokens, "tokens": ids, "token_strs": strings}
+
+    @app.post("/detokenize")
+    async def detokenize(body: Detokenize):
+        completions.check_model(body.model)
+        vocabulary = len(models.tokenizer)
+        if not all(0 <= token < vocabulary for token in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocabulary})", param="tokens")
+        return {"prompt": models.tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def list_models():

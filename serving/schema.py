@@ -62,6 +62,7 @@ class CompletionBody(BaseModel):
     prompt_lookup: StrictBool | None = None
     ignore_eos: StrictBool = False  # decode on to max_tokens (benchmarks)
     skip_special_tokens: StrictBool = True  # vLLM's default: no <extra_id_0>, </s> or <pad> in the text
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # vLLM's: keep a prompt's last N tokens
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta")
     @classmethod
@@ -114,18 +115,22 @@ class CompletionBody(BaseModel):
                        skip_special_tokens=self.skip_special_tokens)
 
 
+Prompt = StrictStr | list[StrictInt]  # text, or token ids as given (OpenAI's and vLLM's)
+
+
 class Completion(CompletionBody):
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
     def non_empty(cls, value):
-        prompts = [value] if isinstance(value, str) else value
-        if not prompts or not all(p.strip() for p in prompts):
+        prompts = one_or_many(value)
+        if not prompts or not all(p.strip() if isinstance(p, str) else p for p in prompts):
             raise ValueError("the prompt is empty")
         for prompt in prompts:
-            valid_unicode(prompt, "the prompt")
+            if isinstance(prompt, str):
+                valid_unicode(prompt, "the prompt")
         return value
 
     @field_validator("echo")
@@ -136,8 +141,15 @@ class Completion(CompletionBody):
         return value
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[Prompt]:
+        return one_or_many(self.prompt)
+
+
+def one_or_many(prompt) -> list[Prompt]:
+    """A request's prompts: a text or a list of ids is one prompt; a list of texts, or of id lists, many."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 class TextPart(BaseModel):
@@ -197,3 +209,36 @@ def chat_prompt(messages: list[Message]) -> str:
         return "\n\n".join(system + [turns[0].content.strip()])
     lines = [f"{m.role.capitalize()}: {m.content.strip()}" for m in turns] + ["Assistant:"]
     return "\n\n".join(system + ["\n".join(lines)])
+
+
+class Tokenize(BaseModel):
+    """POST /tokenize, as vLLM takes it: a prompt, or a chat's messages (the one prompt they map to)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: StrictBool = True  # T5's: the end-of-text token after the text
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def one_text(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt or messages")
+        if self.prompt is not None:
+            valid_unicode(self.prompt, "the prompt")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else chat_prompt(self.messages)
+
+
+class Detokenize(BaseModel):
+    """POST /detokenize: token ids back to text, special tokens included."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -537,3 +537,50 @@ def test_a_stream_whose_client_left_before_its_first_event_still_cancels_its_job
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "headers": []}
     asyncio.run(Events(events(), jobs)(scope, receive, send))
     assert not started and all(job.cancelled for job in jobs)
+
+
+# ---------------------------------------------------------------- token ids (issue: decoding controls, for pipelines)
+
+
+def test_tokenize_and_detokenize_as_vllm_answers_them(server, models):
+    ids = models.tokenizer.encode("import <extra_id_0>")
+    tokenized = httpx.post(server.url + "/tokenize", json={"model": "t5-demo", "prompt": "import <extra_id_0>",
+                                                           "return_token_strs": True}).json()
+    assert tokenized == {"count": len(ids), "max_model_len": 4096, "tokens": ids,
+                         "token_strs": [models.tokenizer.decode([i]) for i in ids]}
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": "import <extra_id_0>", "add_special_tokens": False}).json()
+    assert bare["tokens"] == ids[:-1]  # no end-of-text token
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "import <extra_id_0>"}]})
+    assert chat.json()["tokens"] == ids
+    back = httpx.post(server.url + "/detokenize", json={"model": "t5-demo", "tokens": ids}).json()
+    assert back == {"prompt": models.tokenizer.decode(ids)} and back["prompt"].endswith("<extra_id_0></s>")
+    for path, body, status in [("/detokenize", {"tokens": [len(models.tokenizer)]}, 400),
+                               ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404),
+                               ("/tokenize", {"prompt": "x", "messages": []}, 400)]:
+        response = httpx.post(server.url + path, json=body)
+        assert response.status_code == status and "error" in response.json(), (path, body)
+
+
+def test_prompts_given_as_token_ids_answer_as_their_text_does(server, models, prompts):
+    client = server.client()
+    ids = [models.tokenizer.encode(p) for p in prompts[:2]]
+    one = client.completions.create(model="t5-demo", prompt=ids[0], max_tokens=12, extra_body=EXACT)
+    assert one.choices[0].text == generate(models, prompts[0], max_tokens=12, **EXACT, **TEXT)
+    assert one.usage.prompt_tokens == len(ids[0])
+    both = client.completions.create(model="t5-demo", prompt=ids, max_tokens=12, extra_body=EXACT)
+    assert [c.text for c in both.choices] == [generate(models, p, max_tokens=12, **EXACT, **TEXT) for p in prompts[:2]]
+    with pytest.raises(openai.BadRequestError, match="token ids must be in"):
+        client.completions.create(model="t5-demo", prompt=[5, len(models.tokenizer)], max_tokens=2)
+
+
+def test_truncate_prompt_tokens_keeps_a_long_prompts_last_tokens(strict_server, v1_1_checkpoint):
+    """The strict server takes 80 tokens: a longer prompt is a 400, unless cut to its last ones."""
+    ids = load(v1_1_checkpoint.mlx_dir).tokenizer.encode(PROMPT * 2)
+    assert len(ids) > 80
+    client = strict_server.client(api_key="sesame")
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model="strict", prompt=PROMPT * 2, max_tokens=3)
+    cut = client.completions.create(model="strict", prompt=PROMPT * 2, max_tokens=3,
+                                    extra_body={"truncate_prompt_tokens": 40})
+    assert cut.usage.prompt_tokens == 40
+    assert cut.choices[0].text == client.completions.create(model="strict", prompt=ids[-40:], max_tokens=3).choices[0].text
