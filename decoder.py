@@ -27,7 +27,8 @@ import mlx.core as mx
 from drafting import DraftModel, LookupDrafter, Proposal
 from model import T5, DecoderCache
 from options import AUTO_DRAFT, LOOKUP, REGULAR, Settings, Stats
-from sampling import ACCEPT, TOKEN, RowSampling, categorical, logits_to_probs, per_row, random_key, sample, uniform
+from sampling import ACCEPT, TOKEN, Penalties, RowPenalties, RowSampling, categorical, logits_to_probs, one_hot, per_row
+from sampling import random_key, sample, uniform
 
 
 @dataclass(eq=False)
@@ -115,6 +116,8 @@ class Batch:
         self.rows: list[Row] = []
         self.caches: list[DecoderCache] = []
         self._sampling = None  # the rows' RowSampling, made again when they change
+        self._penalties = None  # (the rows' RowPenalties or None,), made again when they change
+        self.counts: mx.array | None = None  # (B, V): each row's output tokens counted, while a row has penalties
         self.encoding_seconds = 0.0  # every join's, all told
 
     @property
@@ -145,8 +148,12 @@ class Batch:
                 mine.extend(theirs)
         else:
             self.caches = caches
+        if self.counts is not None or any(row.settings.penalties != Penalties() for row in rows):
+            # Rows without penalties count from here on, and never read their counts.
+            old = self.counts if self.counts is not None else mx.zeros((len(self.rows), self.vocabulary))
+            self.counts = mx.concatenate([old, mx.zeros((len(rows), self.vocabulary))])
         self.rows += rows
-        self._sampling = None
+        self._sampling = self._penalties = None
         return rows
 
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
@@ -163,7 +170,9 @@ class Batch:
                     cache.keep(kept, longest)
             else:
                 self.caches = []
-            self._sampling = None
+            self._sampling = self._penalties = None
+            penalized = any(row.settings.penalties != Penalties() for row in self.rows)
+            self.counts = self.counts[mx.array(kept)] if penalized and self.counts is not None else None
         return kept
 
     def cancel(self, requests: set[Request]) -> None:
@@ -175,6 +184,18 @@ class Batch:
         if self._sampling is None:
             self._sampling = RowSampling([row.settings.sampling for row in self.rows], [row.key for row in self.rows])
         return self._sampling
+
+    @property
+    def penalties(self) -> RowPenalties | None:
+        if self._penalties is None:
+            args = self.models[0].args
+            self._penalties = (RowPenalties.of([row.settings.penalties for row in self.rows], args.decoder_start_token_id,
+                                               args.eos_token_id),)
+        return self._penalties[0]
+
+    @property
+    def vocabulary(self) -> int:
+        return self.models[0].args.vocab_size
 
     def eos(self, row: Row) -> int | None:
         return None if row.settings.ignore_eos else self.models[0].args.eos_token_id
@@ -196,23 +217,31 @@ class RegularBatch(Batch):
         self.model = model
         self.queued: mx.array | None = None  # each row's next token, in flight
 
-    def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling) -> mx.array:
-        # The output position each row's new token takes: only rows that sample need it.
-        positions = None if sampling.all_greedy else mx.array(cache.offsets)
-        token = sample(self.model.decode(tokens[:, None], cache)[:, -1], sampling, positions)
+    def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling, penalties: RowPenalties | None = None,
+             counts: mx.array | None = None) -> mx.array:
+        # The output position each row's new token takes: rows that sample, or have penalties, need it.
+        positions = None if sampling.all_greedy and penalties is None else mx.array(cache.offsets)
+        logits = self.model.decode(tokens[:, None], cache)[:, -1]
+        if penalties is not None:
+            logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None])[:, 0]
+        token = sample(logits, sampling, positions)
         mx.async_eval(token)
         return token
 
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         start = mx.array([self.model.args.decoder_start_token_id] * len(rows))
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
-        first = self.step(start, caches[0], sampling)
+        args = self.model.args
+        penalties = RowPenalties.of([row.settings.penalties for row in rows], args.decoder_start_token_id, args.eos_token_id)
+        first = self.step(start, caches[0], sampling, penalties, mx.zeros((len(rows), self.vocabulary)))
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])
 
     def round(self) -> Iterator[Event]:
         current, self.queued = self.queued, None
+        if self.counts is not None:  # on the device, before current is read
+            self.counts = self.counts + one_hot(current, self.vocabulary)
         if any(row.produced + 1 < row.settings.max_tokens for row in self.rows):  # else no row reads it
-            self.queued = self.step(current, self.caches[0], self.sampling)  # queued before current is read
+            self.queued = self.step(current, self.caches[0], self.sampling, self.penalties, self.counts)
         finished = set()
         for position, (row, value) in enumerate(zip(self.rows, current.tolist())):
             row.stats.target_calls += 1
@@ -337,18 +366,24 @@ class SpeculativeBatch(Batch):
         started, cold = self.drafter.clock(), sum(model.cold_steps for model in self.models)
         # Drafts past max_tokens would be wasted.
         limits = [min(self.drafter.longest(row.settings), row.settings.max_tokens - row.produced - 1) for row in rows]
-        # The output position each row decides first: only rows that sample need it.
-        positions = None if self.sampling.all_greedy else mx.array([row.produced for row in rows])
+        # The output position each row decides first: only rows that sample, or have penalties, need it.
+        penalties = self.penalties
+        positions = None if self.sampling.all_greedy and penalties is None else mx.array([row.produced for row in rows])
+        penalized = None if penalties is None else (penalties, self.counts)
         # 1. Draft up to each row's limit.
         drafter_cache = self.caches[1] if len(self.caches) > 1 else None
         if max(limits):
-            proposal = self.drafter.propose(rows, limits, self.sampling, positions, drafter_cache)
+            proposal = self.drafter.propose(rows, limits, self.sampling, positions, drafter_cache, penalized)
         else:
             proposal = Proposal(mx.zeros((len(rows), 0), mx.int32), None, [0] * len(rows), [0] * len(rows))
         k = proposal.drafts.shape[1]
         # 2. The target scores each row's `last` and drafts in one pass, and decides.
         lasts = mx.array([[row.last] for row in rows])
         target_logits = target.decode(mx.concatenate([lasts, proposal.drafts], axis=1) if k else lasts, self.caches[0])
+        if penalties is not None:  # each position after the row's output and the drafts before it
+            drafted = mx.cumsum(one_hot(proposal.drafts, self.vocabulary), axis=1)
+            before = mx.concatenate([mx.zeros((len(rows), 1, self.vocabulary)), drafted], axis=1)
+            target_logits = penalties.apply(target_logits, self.counts[:, None] + before, positions[:, None] + mx.arange(k + 1))
         num_accepted, next_tokens = verify(target_logits, proposal.logits, proposal.drafts, self.sampling, self.deltas,
                                            mx.array(proposal.limits), positions)
         # The round's one host sync (with auto, one a draft step too, and the last step's confidences in this one).
@@ -373,6 +408,9 @@ class SpeculativeBatch(Batch):
                 finished.add(position)
         self.drafter.settle(rows, proposal, new_tokens, accepted_counts, drafter_cache, seconds, warm)
         self.caches[0].trim([k - a for a in accepted_counts])
+        if self.counts is not None:
+            added = [one_hot(mx.array(tokens), self.vocabulary).sum(axis=0) for tokens in new_tokens]
+            self.counts = self.counts + mx.stack(added)
         self.leave(finished)
 
 

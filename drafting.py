@@ -25,7 +25,7 @@ import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
 from model import T5, DecoderCache
-from sampling import DRAFT, RowSampling, Sampling, logits_to_probs, sample
+from sampling import DRAFT, RowSampling, Sampling, logits_to_probs, one_hot, sample
 
 
 @dataclass
@@ -274,7 +274,7 @@ class DraftModel:
         row.drafting = Unseen([self.model.args.decoder_start_token_id], calibration)
 
     def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None,
-                cache: DecoderCache) -> Proposal:
+                cache: DecoderCache, penalized: tuple | None = None) -> Proposal:
         """Tokens drafted for every row, one draft call each, max(limits) of
         them or fewer when auto stops early. No host sync without auto;
         with it, each step's confidences are read while the next step runs
@@ -282,7 +282,10 @@ class DraftModel:
         a small draft), so a decision to stop comes one draft late (`decide`
         says whether that draft is kept). The first call feeds each row's
         unseen tokens (one or two), padded on the right where they differ;
-        the padding's cache positions are trimmed at once."""
+        the padding's cache positions are trimmed at once. `penalized` (the
+        rows' RowPenalties and output counts) applies to each draft's logits
+        what the target's will get there: its logits are the distribution
+        the drafts were drawn from."""
         lengths = [len(row.drafting.tokens) for row in rows]
         width = max(lengths)
         inputs = mx.array([row.drafting.tokens + [0] * (width - n) for row, n in zip(rows, lengths)])
@@ -297,6 +300,10 @@ class DraftModel:
                 scores = mx.take_along_axis(scores, mx.array(lengths)[:, None, None] - 1, axis=1)
                 cache.trim([width - n for n in lengths])
             scores = scores[:, -1]
+            if penalized is not None:
+                penalties, counts = penalized
+                counts = counts + sum((one_hot(draft, counts.shape[-1]) for draft in drafts), mx.zeros_like(counts))
+                scores = penalties.apply(scores[:, None], counts[:, None], positions[:, None] + i)[:, 0]
             token = sample(scores, sampling, None if positions is None else positions + i, DRAFT)
             drafts.append(token)
             logits.append(scores)
@@ -404,7 +411,8 @@ class LookupDrafter:
     def start(self, row) -> None:
         row.drafting = PromptLookup(row.request.ids)
 
-    def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None, cache=None) -> Proposal:
+    def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None, cache=None,
+                penalized=None) -> Proposal:
         """Every row's looked-up drafts, padded to the longest; their logits
         one-hot for rows that sample (q(x) = 1: accept x with probability
         p(x), and resample from p without x)."""

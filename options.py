@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable
 
 from errors import OptionError
-from sampling import Sampling
+from sampling import Penalties, Sampling
 
 AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth it (drafting.AutoDraft)
 # Drafts a round for a seeded request with num_draft auto whose answer depends on its draft length (sampling, or
@@ -75,6 +75,13 @@ KNOBS = {knob.name: knob for knob in [
     Knob("max_tokens", int, lambda v: v >= 1, "an integer >= 1", "most tokens to generate"),
     Knob("seed", int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)",
          "random seed for sampling (default: random)", optional=True),
+    Knob("repetition_penalty", float, lambda v: 0 < v < math.inf, "a finite number > 0",
+         "a seen token's logit over this when positive, times it when negative (transformers' rule; 1: off)"),
+    Knob("presence_penalty", float, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
+         "minus this from an output token's logit (OpenAI's rule; 0: off)"),
+    Knob("frequency_penalty", float, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
+         "minus this for each time a token was output (OpenAI's rule; 0: off)"),
+    Knob("min_tokens", int, lambda v: v >= 0, "an integer >= 0", "tokens before the end of text may come"),
 ]}
 
 BATCH_SIZE = Knob("batch_size", int, lambda v: v >= 1, "an integer >= 1", "prompts decoded together")
@@ -95,6 +102,10 @@ class Settings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
     num_draft: int | str = 5  # or "auto"
     delta: float = 0.0
     speculative: bool = True  # with a draft loaded or prompt_lookup; False: the target alone
@@ -162,6 +173,10 @@ class Settings:
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temp, self.top_k, self.top_p)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_tokens)
 
 
 @dataclass

@@ -20,6 +20,67 @@ DRAFT, ACCEPT, TOKEN = range(3)
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """What a row's output so far does to its next logits, before temperature
+    (as transformers and vLLM apply them): a token already seen has its
+    logit divided by `repetition` when positive, multiplied when negative
+    (transformers' RepetitionPenaltyLogitsProcessor, where the decoder's
+    start token counts as seen); minus `presence` once it has been output,
+    minus `frequency` for each time (OpenAI's rule); and the end of text is
+    masked until `min_tokens` tokens are out."""
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    min_tokens: int = 0
+
+
+class RowPenalties:
+    """A batch's rows' Penalties as arrays over its first axis (None for a
+    kind no row uses), applied to logits (B, n, V) given what each row had
+    output before each of its n positions."""
+
+    def __init__(self, penalties: list[Penalties], start: int, eos: int):
+        self.start, self.eos = start, eos
+
+        def column(name, neutral):
+            values = [getattr(p, name) for p in penalties]
+            return None if all(v == neutral for v in values) else mx.array(values, dtype=mx.float32)
+
+        self.repetition, self.presence = column("repetition", 1.0), column("presence", 0.0)
+        self.frequency, self.min_tokens = column("frequency", 0.0), column("min_tokens", 0)
+
+    @classmethod
+    def of(cls, penalties: list[Penalties], start: int, eos: int) -> "RowPenalties | None":
+        """None when no row has any: decoding then costs nothing more."""
+        return cls(penalties, start, eos) if any(p != Penalties() for p in penalties) else None
+
+    def apply(self, logits: mx.array, counts: mx.array, positions: mx.array) -> mx.array:
+        """logits (B, n, V); counts (B, n, V): each token's count in the row's
+        output before each position; positions (B, n): the output position
+        each decides (its count of tokens before it)."""
+        logits = logits.astype(mx.float32)
+        vocabulary = mx.arange(logits.shape[-1])
+        if self.repetition is not None:
+            seen = (counts > 0) | (vocabulary == self.start)
+            penalty = self.repetition[:, None, None]
+            logits = mx.where(seen, mx.where(logits > 0, logits / penalty, logits * penalty), logits)
+        if self.presence is not None:
+            logits = logits - self.presence[:, None, None] * (counts > 0)
+        if self.frequency is not None:
+            logits = logits - self.frequency[:, None, None] * counts
+        if self.min_tokens is not None:
+            early = positions < self.min_tokens[:, None]
+            logits = mx.where(early[..., None] & (vocabulary == self.eos), -mx.inf, logits)
+        return logits
+
+
+def one_hot(tokens: mx.array, size: int) -> mx.array:
+    """tokens (...) -> (..., size) float32 counts."""
+    return (tokens[..., None] == mx.arange(size)).astype(mx.float32)
+
+
+@dataclass(frozen=True)
 class Sampling:
     temp: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off

@@ -41,8 +41,9 @@ class StreamOptions(BaseModel):
 
 class CompletionBody(BaseModel):
     """The fields of OpenAI's completion request this server reads; `top_k`,
-    `num_draft`, `delta` and `prompt_lookup` are its own, `ignore_eos` and
-    `skip_special_tokens` are vLLM's. Others are ignored."""
+    `num_draft`, `delta` and `prompt_lookup` are its own; `ignore_eos`,
+    `skip_special_tokens`, `repetition_penalty`, `min_tokens` and
+    `truncate_prompt_tokens` are vLLM's. Others are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -53,6 +54,10 @@ class CompletionBody(BaseModel):
     top_p: Number | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # vLLM's (transformers' rule)
+    min_tokens: StrictInt | None = None  # vLLM's
     stop: StrictStr | list[StrictStr] | None = Field(default=None, validate_default=True)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -64,7 +69,8 @@ class CompletionBody(BaseModel):
     skip_special_tokens: StrictBool = True  # vLLM's default: no <extra_id_0>, </s> or <pad> in the text
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # vLLM's: keep a prompt's last N tokens
 
-    @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta")
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens")
     @classmethod
     def in_range(cls, value, info):
         knob = "max_tokens" if info.field_name == "max_completion_tokens" else info.field_name
@@ -109,7 +115,9 @@ class CompletionBody(BaseModel):
     def settings(self, defaults: Settings) -> Settings:
         """The request's Settings: what it gives, over the server's defaults."""
         given = {"max_tokens": self.most_tokens, "temp": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                 "seed": self.seed, "num_draft": self.num_draft, "delta": self.delta, "prompt_lookup": self.prompt_lookup}
+                 "seed": self.seed, "num_draft": self.num_draft, "delta": self.delta, "prompt_lookup": self.prompt_lookup,
+                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens}
         chosen = {name: value for name, value in given.items() if value is not None}
         return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                        skip_special_tokens=self.skip_special_tokens)

@@ -584,3 +584,13 @@ def test_truncate_prompt_tokens_keeps_a_long_prompts_last_tokens(strict_server, 
                                     extra_body={"truncate_prompt_tokens": 40})
     assert cut.usage.prompt_tokens == 40
     assert cut.choices[0].text == client.completions.create(model="strict", prompt=ids[-40:], max_tokens=3).choices[0].text
+
+
+def test_penalties_ride_on_requests_with_openais_and_vllms_names(server, models, prompts):
+    options = dict(presence_penalty=1.0, frequency_penalty=0.5)
+    reply = server.client().completions.create(model="t5-demo", prompt=prompts[1], max_tokens=30, **options,
+                                               extra_body={**EXACT, "repetition_penalty": 1.2, "min_tokens": 5})
+    assert reply.choices[0].text == generate(models, prompts[1], max_tokens=30, presence_penalty=1.0, frequency_penalty=0.5,
+                                             repetition_penalty=1.2, min_tokens=5, **EXACT, **TEXT)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be a number in"):
+        server.client().completions.create(model="t5-demo", prompt="x", presence_penalty=3)

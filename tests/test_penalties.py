@@ -1,0 +1,119 @@
+"""Penalties on what a row has output (repetition, presence, frequency, min_tokens): each as transformers'
+processor or OpenAI's rule computes it, and composed with speculative decoding as an exact rule."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from checkpoints import PROMPT
+from support import chi_square_passes, decode, decode_batch
+from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+import main
+from conftest import ROOT
+from decoder import Request
+from generate import generate, stream_generate
+from loading import Models, load
+from options import Settings, Stats
+from sampling import Penalties, RowPenalties
+
+START, EOS = 0, 1
+
+
+def test_each_penalty_is_transformers_processor_or_openais_rule():
+    """Random logits and outputs: repetition and min_tokens as transformers'
+    processors give them (the decoder's start token counting as seen);
+    presence and frequency as OpenAI documents them, on output tokens only."""
+    rng = np.random.default_rng(0)
+    vocab, rows = 50, 4
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    outputs = [list(rng.integers(0, vocab, n)) for n in (0, 3, 7, 12)]
+    counts = np.stack([np.bincount(out, minlength=vocab) for out in outputs]).astype(np.float32)
+    penalties = [Penalties(1.3, 0.4, 0.25, 5), Penalties(0.8), Penalties(presence=-0.5, frequency=1.0), Penalties(min_tokens=12)]
+    ours = RowPenalties(penalties, START, EOS).apply(mx.array(logits)[:, None], mx.array(counts)[:, None],
+                                                     mx.array([[len(out)] for out in outputs]))[:, 0]
+    for row, (p, out) in enumerate(zip(penalties, outputs)):
+        decoded = torch.tensor([[START, *out]])
+        expected = torch.tensor(logits[row : row + 1])
+        if p.repetition != 1:
+            expected = RepetitionPenaltyLogitsProcessor(p.repetition)(decoded, expected)
+        expected = expected.numpy()[0] - p.presence * (counts[row] > 0) - p.frequency * counts[row]
+        if p.min_tokens:
+            expected = MinNewTokensLengthLogitsProcessor(1, p.min_tokens, EOS)(decoded, torch.tensor(expected[None]))[0].numpy()
+        np.testing.assert_allclose(np.array(ours[row]), expected, rtol=1e-6, atol=1e-6)
+
+
+def greedy(models, prompt: str, max_tokens: int, **options) -> list[int]:
+    return [r.token for r in stream_generate(models, prompt, max_tokens=max_tokens, speculative=False, **options)
+            if r.token is not None]
+
+
+def test_greedy_with_a_repetition_penalty_and_min_tokens_equals_transformers_generate(checkpoint):
+    if checkpoint.hf_model.config.num_decoder_layers > checkpoint.hf_model.config.num_layers:
+        pytest.skip("transformers' generate() breaks when the decoder is deeper than the encoder")
+    models = load(checkpoint.mlx_dir)
+    ids = greedy(models, PROMPT, 40, repetition_penalty=1.3, min_tokens=30)
+    with torch.no_grad():
+        generated = checkpoint.hf_model.generate(torch.tensor([checkpoint.prompt_ids]), max_new_tokens=40, do_sample=False,
+                                                 num_beams=1, repetition_penalty=1.3, min_new_tokens=30)
+    assert ids == [t for t in generated[0, 1:].tolist() if t != checkpoint.hf_model.config.eos_token_id]
+    assert ids != greedy(models, PROMPT, 40)  # the penalty changed something
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+
+
+PENALTIES = [dict(repetition_penalty=1.5), dict(presence_penalty=1.0, frequency_penalty=0.5), dict(min_tokens=25),
+             dict(repetition_penalty=0.9, frequency_penalty=-0.3)]
+
+
+@pytest.mark.parametrize("options", PENALTIES, ids=["repetition", "presence+frequency", "min_tokens", "negative"])
+def test_speculative_decoding_with_penalties_equals_regular_decoding_with_them(pair, options):
+    """Greedy, delta 0: each verify position is penalized for the output and
+    the drafts before it, so every drafter and num-draft gives regular decoding's text."""
+    changed = 0
+    for prompt in main.demo_prompts()[:3]:
+        regular = generate(pair, prompt, max_tokens=40, speculative=False, **options)
+        changed += regular != generate(pair, prompt, max_tokens=40, speculative=False)
+        for drafting in (dict(num_draft=1), dict(num_draft=4), dict(num_draft="auto"), dict(prompt_lookup=True, num_draft=3)):
+            assert generate(pair, prompt, max_tokens=40, delta=0, **drafting, **options) == regular, drafting
+    assert changed, "the penalties must change some answer for this to test anything"
+
+
+def test_rows_with_and_without_penalties_share_a_batch_and_each_gets_its_own(pair):
+    prompts = [pair.tokenizer.encode(p) for p in main.demo_prompts()[:4]]
+    settings = [Settings(max_tokens=30, **options) for options in ({}, PENALTIES[0], PENALTIES[1], {})]
+    alone = [decode(pair, ids, s) for ids, s in zip(prompts, settings)]
+    for speculative in (False, True):
+        requests = [Request(ids, replace(s, speculative=speculative)) for ids, s in zip(prompts, settings)]
+        tokens, _ = decode_batch(pair, requests, batch_size=4)
+        assert tokens == alone, speculative
+
+
+@pytest.mark.parametrize("draft", ["model", "lookup"])
+def test_sampling_with_penalties_follows_the_penalized_target_distribution(tiny_vocab_pair, draft):
+    """At temperature 1, the second token given the most frequent first is
+    distributed as the target's logits after that first token's penalties:
+    drafted and verified, or looked up and verified."""
+    (target, hf_target), (draft_model, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
+    prompt = [0, 3, 5, 4, 3, 4, 0, 7, 1]
+    models = Models(target, draft_model if draft == "model" else None)
+    settings = Settings(max_tokens=3, temp=1.0, num_draft=2, prompt_lookup=draft == "lookup", repetition_penalty=2.0,
+                        presence_penalty=0.7)
+    mx.random.seed(99)
+    totals = Stats()
+    outputs = [decode(models, prompt, settings, totals) for _ in range(3000)]
+    assert 0.05 < totals.acceptance_rate < 0.95, "drafts must be both accepted and rejected for this to test anything"
+    firsts = np.bincount([out[0] if out else EOS for out in outputs], minlength=8)
+    first = int(np.argmax(np.where(np.arange(8) == EOS, 0, firsts)))
+    seconds = np.bincount([out[1] if len(out) > 1 else EOS for out in outputs if out and out[0] == first], minlength=8)
+    with torch.no_grad():
+        logits = hf_target(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[START, first]])).logits[:, -1]
+    logits = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[START, first]]), logits.double())[0].numpy()
+    logits[first] -= 0.7
+    expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    assert chi_square_passes(seconds, expected), (seconds / seconds.sum(), expected)
