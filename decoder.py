@@ -233,7 +233,8 @@ class RegularBatch(Batch):
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
         args = self.model.args
         penalties = RowPenalties.of([row.settings.penalties for row in rows], args.decoder_start_token_id, args.eos_token_id)
-        first = self.step(start, caches[0], sampling, penalties, mx.zeros((len(rows), self.vocabulary)))
+        counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
+        first = self.step(start, caches[0], sampling, penalties, counts)
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])
 
     def round(self) -> Iterator[Event]:
