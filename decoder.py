@@ -409,9 +409,9 @@ class SpeculativeBatch(Batch):
                 finished.add(position)
         self.drafter.settle(rows, proposal, new_tokens, accepted_counts, drafter_cache, seconds, warm)
         self.caches[0].trim([k - a for a in accepted_counts])
-        if self.counts is not None:
-            added = [one_hot(mx.array(tokens), self.vocabulary).sum(axis=0) for tokens in new_tokens]
-            self.counts = self.counts + mx.stack(added)
+        if self.counts is not None:  # the round's tokens, counted in one scatter
+            rows_of = mx.array([r for r, tokens in enumerate(new_tokens) for _ in tokens])
+            self.counts = self.counts.at[rows_of, mx.array([t for tokens in new_tokens for t in tokens])].add(1.0)
         self.leave(finished)
 
 

@@ -300,9 +300,10 @@ class DraftModel:
                 scores = mx.take_along_axis(scores, mx.array(lengths)[:, None, None] - 1, axis=1)
                 cache.trim([width - n for n in lengths])
             scores = scores[:, -1]
-            if penalized is not None:
+            if penalized is not None:  # the output's counts, then each draft's as it comes
                 penalties, counts = penalized
-                counts = counts + sum((one_hot(draft, counts.shape[-1]) for draft in drafts), mx.zeros_like(counts))
+                counts = counts if i == 0 else counts + one_hot(drafts[-1], counts.shape[-1])
+                penalized = penalties, counts
                 scores = penalties.apply(scores[:, None], counts[:, None], positions[:, None] + i)[:, 0]
             token = sample(scores, sampling, None if positions is None else positions + i, DRAFT)
             drafts.append(token)

@@ -36,19 +36,15 @@ class Penalties:
 
 
 class RowPenalties:
-    """A batch's rows' Penalties as arrays over its first axis (None for a
-    kind no row uses), applied to logits (B, n, V) given what each row had
-    output before each of its n positions."""
+    """A batch's rows' Penalties as arrays over its first axis, applied to
+    logits (B, n, V) given what each row had output before each of its n
+    positions. Rows without penalties hold neutral values, which change nothing."""
 
     def __init__(self, penalties: list[Penalties], start: int, eos: int):
         self.start, self.eos = start, eos
-
-        def column(name, neutral):
-            values = [getattr(p, name) for p in penalties]
-            return None if all(v == neutral for v in values) else mx.array(values, dtype=mx.float32)
-
-        self.repetition, self.presence = column("repetition", 1.0), column("presence", 0.0)
-        self.frequency, self.min_tokens = column("frequency", 0.0), column("min_tokens", 0)
+        self.repetition, self.presence, self.frequency, self.min_tokens = (
+            mx.array([getattr(p, name) for p in penalties], dtype=mx.float32)
+            for name in ("repetition", "presence", "frequency", "min_tokens"))
 
     @classmethod
     def of(cls, penalties: list[Penalties], start: int, eos: int) -> "RowPenalties | None":
@@ -59,20 +55,20 @@ class RowPenalties:
         """logits (B, n, V); counts (B, n, V): each token's count in the row's
         output before each position; positions (B, n): the output position
         each decides (its count of tokens before it)."""
-        logits = logits.astype(mx.float32)
-        vocabulary = mx.arange(logits.shape[-1])
-        if self.repetition is not None:
-            seen = (counts > 0) | (vocabulary == self.start)
-            penalty = self.repetition[:, None, None]
-            logits = mx.where(seen, mx.where(logits > 0, logits / penalty, logits * penalty), logits)
-        if self.presence is not None:
-            logits = logits - self.presence[:, None, None] * (counts > 0)
-        if self.frequency is not None:
-            logits = logits - self.frequency[:, None, None] * counts
-        if self.min_tokens is not None:
-            early = positions < self.min_tokens[:, None]
-            logits = mx.where(early[..., None] & (vocabulary == self.eos), -mx.inf, logits)
-        return logits
+        return _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
+                         self.start, self.eos)
+
+
+@mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
+def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, start, eos):
+    logits = logits.astype(mx.float32)
+    vocabulary = mx.arange(logits.shape[-1])
+    seen = (counts > 0) | (vocabulary == start)
+    repetition = repetition[:, None, None]
+    logits = mx.where(seen, mx.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts
+    early = positions < min_tokens[:, None]
+    return mx.where(early[..., None] & (vocabulary == eos), -mx.inf, logits)
 
 
 def one_hot(tokens: mx.array, size: int) -> mx.array:
