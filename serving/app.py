@@ -271,15 +271,19 @@ class Completions:
         return encoded
 
     def ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        vocabulary = len(self.models.tokenizer)
         if not isinstance(prompt, str):
-            if not all(0 <= token < vocabulary for token in prompt):
-                raise ApiError(400, f"token ids must be in [0, {vocabulary})", param="prompt")
-            return list(prompt)
+            return self.known(prompt, "prompt")
         try:
             return self.models.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         except Exception as e:  # the Rust tokenizer's errors have no common type
             raise ApiError(400, f"the prompt could not be tokenized ({str(e).splitlines()[0]})", param="prompt")
+
+    def known(self, ids: list[int], param: str) -> list[int]:
+        """Token ids a client gave, if the vocabulary has them."""
+        vocabulary = len(self.models.tokenizer)
+        if not all(0 <= token < vocabulary for token in ids):
+            raise ApiError(400, f"token ids must be in [0, {vocabulary})", param=param)
+        return list(ids)
 
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
         settings = self.settings(body)
@@ -434,10 +438,7 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     @app.post("/detokenize")
     async def detokenize(body: Detokenize):
         completions.check_model(body.model)
-        vocabulary = len(models.tokenizer)
-        if not all(0 <= token < vocabulary for token in body.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocabulary})", param="tokens")
-        return {"prompt": models.tokenizer.decode(body.tokens)}
+        return {"prompt": models.tokenizer.decode(completions.known(body.tokens, "tokens"))}
 
     @app.get("/v1/models")
     async def list_models():
