@@ -190,7 +190,7 @@ class Batch:
         if self._penalties is None:
             args = self.models[0].args
             self._penalties = (RowPenalties.of([row.settings.penalties for row in self.rows], args.decoder_start_token_id,
-                                               args.eos_token_id),)
+                                               args.eos_token_id, args.vocab_size),)
         return self._penalties[0]
 
     @property
@@ -232,7 +232,8 @@ class RegularBatch(Batch):
         start = mx.array([self.model.args.decoder_start_token_id] * len(rows))
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
         args = self.model.args
-        penalties = RowPenalties.of([row.settings.penalties for row in rows], args.decoder_start_token_id, args.eos_token_id)
+        penalties = RowPenalties.of([row.settings.penalties for row in rows], args.decoder_start_token_id, args.eos_token_id,
+                                    args.vocab_size)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
         first = self.step(start, caches[0], sampling, penalties, counts)
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])

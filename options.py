@@ -113,6 +113,7 @@ class Settings:
     stop: tuple[str, ...] = ()  # the text ends before the first of these it would contain
     ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
     skip_special_tokens: bool = False  # leave special tokens (<extra_id_0>, </s>, <pad>) out of the text
+    logit_bias: dict | tuple = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
 
     def __post_init__(self):
         for name, knob in KNOBS.items():
@@ -126,6 +127,7 @@ class Settings:
         object.__setattr__(self, "stop", tuple(stop))
         if self.temp < MIN_TEMPERATURE:
             object.__setattr__(self, "temp", 0.0)
+        object.__setattr__(self, "logit_bias", checked_bias(self.logit_bias))
         if self.prompt_lookup and self.num_draft == AUTO:
             raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
                               "the longest draft")
@@ -168,6 +170,9 @@ class Settings:
         """These settings, if the models can run them; OptionError otherwise."""
         if self.num_draft == AUTO and models.draft is None:
             raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
+        vocabulary = models.target.args.vocab_size
+        if any(token >= vocabulary for token, _ in self.logit_bias):
+            raise OptionError(f"logit_bias's keys must be token ids below {vocabulary:,}")
         return self
 
     @property
@@ -176,7 +181,23 @@ class Settings:
 
     @property
     def penalties(self) -> Penalties:
-        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_tokens)
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_tokens,
+                         self.logit_bias)
+
+
+def checked_bias(given) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, each checked as OpenAI checks them."""
+    pairs = given.items() if isinstance(given, dict) else given
+    try:
+        pairs = sorted((token, bias) for token, bias in pairs)
+    except (TypeError, ValueError):
+        raise OptionError(f"logit_bias must map token ids to biases (got {given!r})")
+    for token, bias in pairs:
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
+            raise OptionError(f"logit_bias's keys must be token ids, integers >= 0 (got {token!r})")
+        if not isinstance(bias, numbers.Real) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise OptionError(f"logit_bias's values must be numbers in [-100, 100] (got {bias!r})")
+    return tuple((int(token), float(bias)) for token, bias in pairs)
 
 
 @dataclass

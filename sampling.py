@@ -26,13 +26,15 @@ class Penalties:
     logit divided by `repetition` when positive, multiplied when negative
     (transformers' RepetitionPenaltyLogitsProcessor, where the decoder's
     start token counts as seen); minus `presence` once it has been output,
-    minus `frequency` for each time (OpenAI's rule); and the end of text is
-    masked until `min_tokens` tokens are out."""
+    minus `frequency` for each time (OpenAI's rule); the end of text
+    masked until `min_tokens` tokens are out; and `bias`, (token, bias)
+    pairs, added to those tokens' logits (OpenAI's logit_bias)."""
 
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
     min_tokens: int = 0
+    bias: tuple[tuple[int, float], ...] = ()
 
 
 class RowPenalties:
@@ -40,33 +42,40 @@ class RowPenalties:
     logits (B, n, V) given what each row had output before each of its n
     positions. Rows without penalties hold neutral values, which change nothing."""
 
-    def __init__(self, penalties: list[Penalties], start: int, eos: int):
+    def __init__(self, penalties: list[Penalties], start: int, eos: int, vocabulary: int):
         self.start, self.eos = start, eos
         self.repetition, self.presence, self.frequency, self.min_tokens = (
             mx.array([getattr(p, name) for p in penalties], dtype=mx.float32)
             for name in ("repetition", "presence", "frequency", "min_tokens"))
+        self.bias = mx.zeros((len(penalties), 1))  # broadcast: no row has a bias
+        if any(p.bias for p in penalties):
+            dense = [[0.0] * vocabulary for _ in penalties]
+            for row, p in enumerate(penalties):
+                for token, bias in p.bias:
+                    dense[row][token] = bias
+            self.bias = mx.array(dense)
 
     @classmethod
-    def of(cls, penalties: list[Penalties], start: int, eos: int) -> "RowPenalties | None":
+    def of(cls, penalties: list[Penalties], start: int, eos: int, vocabulary: int) -> "RowPenalties | None":
         """None when no row has any: decoding then costs nothing more."""
-        return cls(penalties, start, eos) if any(p != Penalties() for p in penalties) else None
+        return cls(penalties, start, eos, vocabulary) if any(p != Penalties() for p in penalties) else None
 
     def apply(self, logits: mx.array, counts: mx.array, positions: mx.array) -> mx.array:
         """logits (B, n, V); counts (B, n, V): each token's count in the row's
         output before each position; positions (B, n): the output position
         each decides (its count of tokens before it)."""
         return _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
-                         self.start, self.eos)
+                         self.bias, self.start, self.eos)
 
 
 @mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
-def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, start, eos):
+def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, start, eos):
     logits = logits.astype(mx.float32)
     vocabulary = mx.arange(logits.shape[-1])
     seen = (counts > 0) | (vocabulary == start)
     repetition = repetition[:, None, None]
     logits = mx.where(seen, mx.where(logits > 0, logits / repetition, logits * repetition), logits)
-    logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts
+    logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]
     early = positions < min_tokens[:, None]
     return mx.where(early[..., None] & (vocabulary == eos), -mx.inf, logits)
 

@@ -58,6 +58,7 @@ class CompletionBody(BaseModel):
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None  # vLLM's (transformers' rule)
     min_tokens: StrictInt | None = None  # vLLM's
+    logit_bias: dict[StrictStr, Number] | None = None  # token ids, as JSON's keys are strings
     stop: StrictStr | list[StrictStr] | None = Field(default=None, validate_default=True)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -107,6 +108,17 @@ class CompletionBody(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @field_validator("logit_bias")
+    @classmethod
+    def token_ids(cls, value):
+        if value is not None and not all(key.isdigit() for key in value):
+            raise ValueError("logit_bias's keys must be token ids (\"42\")")
+        return value
+
+    @property
+    def token_biases(self) -> dict[int, float] | None:
+        return None if self.logit_bias is None else {int(key): bias for key, bias in self.logit_bias.items()}
+
     @property
     def most_tokens(self) -> int | None:
         """max_completion_tokens, or else max_tokens (None: the server's default)."""
@@ -117,7 +129,8 @@ class CompletionBody(BaseModel):
         given = {"max_tokens": self.most_tokens, "temp": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                  "seed": self.seed, "num_draft": self.num_draft, "delta": self.delta, "prompt_lookup": self.prompt_lookup,
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens}
+                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
+                 "logit_bias": self.token_biases}
         chosen = {name: value for name, value in given.items() if value is not None}
         return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                        skip_special_tokens=self.skip_special_tokens)

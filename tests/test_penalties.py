@@ -1,5 +1,5 @@
-"""Penalties on what a row has output (repetition, presence, frequency, min_tokens): each as transformers'
-processor or OpenAI's rule computes it, and composed with speculative decoding as an exact rule."""
+"""Penalties on what a row has output (repetition, presence, frequency, min_tokens) and logit_bias: each as
+transformers' processor or OpenAI's rule computes it, and composed with speculative decoding as an exact rule."""
 
 from dataclasses import replace
 
@@ -31,8 +31,9 @@ def test_each_penalty_is_transformers_processor_or_openais_rule():
     logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
     outputs = [list(rng.integers(0, vocab, n)) for n in (0, 3, 7, 12)]
     counts = np.stack([np.bincount(out, minlength=vocab) for out in outputs]).astype(np.float32)
-    penalties = [Penalties(1.3, 0.4, 0.25, 5), Penalties(0.8), Penalties(presence=-0.5, frequency=1.0), Penalties(min_tokens=12)]
-    ours = RowPenalties(penalties, START, EOS).apply(mx.array(logits)[:, None], mx.array(counts)[:, None],
+    penalties = [Penalties(1.3, 0.4, 0.25, 5, bias=((3, -100.0), (7, 2.5))), Penalties(0.8),
+                 Penalties(presence=-0.5, frequency=1.0), Penalties(min_tokens=12, bias=((EOS, 5.0),))]
+    ours = RowPenalties(penalties, START, EOS, vocab).apply(mx.array(logits)[:, None], mx.array(counts)[:, None],
                                                      mx.array([[len(out)] for out in outputs]))[:, 0]
     for row, (p, out) in enumerate(zip(penalties, outputs)):
         decoded = torch.tensor([[START, *out]])
@@ -40,6 +41,8 @@ def test_each_penalty_is_transformers_processor_or_openais_rule():
         if p.repetition != 1:
             expected = RepetitionPenaltyLogitsProcessor(p.repetition)(decoded, expected)
         expected = expected.numpy()[0] - p.presence * (counts[row] > 0) - p.frequency * counts[row]
+        for token, bias in p.bias:  # OpenAI's logit_bias: added
+            expected[token] += bias
         if p.min_tokens:
             expected = MinNewTokensLengthLogitsProcessor(1, p.min_tokens, EOS)(decoded, torch.tensor(expected[None]))[0].numpy()
         np.testing.assert_allclose(np.array(ours[row]), expected, rtol=1e-6, atol=1e-6)
@@ -68,10 +71,10 @@ def pair():
 
 
 PENALTIES = [dict(repetition_penalty=1.5), dict(presence_penalty=1.0, frequency_penalty=0.5), dict(min_tokens=25),
-             dict(repetition_penalty=0.9, frequency_penalty=-0.3)]
+             dict(repetition_penalty=0.9, frequency_penalty=-0.3), dict(logit_bias={2099: -100, 3: 4.0})]
 
 
-@pytest.mark.parametrize("options", PENALTIES, ids=["repetition", "presence+frequency", "min_tokens", "negative"])
+@pytest.mark.parametrize("options", PENALTIES, ids=["repetition", "presence+frequency", "min_tokens", "negative", "logit_bias"])
 def test_speculative_decoding_with_penalties_equals_regular_decoding_with_them(pair, options):
     """Greedy, delta 0: each verify position is penalized for the output and
     the drafts before it, so every drafter and num-draft gives regular decoding's text."""

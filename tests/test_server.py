@@ -594,3 +594,10 @@ def test_penalties_ride_on_requests_with_openais_and_vllms_names(server, models,
                                              repetition_penalty=1.2, min_tokens=5, **EXACT, **TEXT)
     with pytest.raises(openai.BadRequestError, match="presence_penalty must be a number in"):
         server.client().completions.create(model="t5-demo", prompt="x", presence_penalty=3)
+    biased = server.client().completions.create(model="t5-demo", prompt=prompts[1], max_tokens=20, logit_bias={"2099": -100},
+                                                extra_body=EXACT)
+    assert biased.choices[0].text == generate(models, prompts[1], max_tokens=20, logit_bias={2099: -100}, **EXACT, **TEXT)
+    for bias, message in (({"x": 1}, "keys must be token ids"), ({"5": 101}, "values must be numbers in"),
+                          ({"99999": 1}, "below 2,100")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            server.client().completions.create(model="t5-demo", prompt="x", logit_bias=bias)
