@@ -163,7 +163,7 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     decoding: OptionError names one out of range."""
     settings = settings_for(models, options)
     request = Request(one_prompt(models, prompt), settings)
-    stream = TextStream(models.tokenizer, settings.stop, settings.skip_special_tokens)
+    stream = TextStream.of(models.tokenizer, settings)
 
     def responses():
         given, text = 0, ""  # tokens given out (each once no stop string can cut it), text not yet with one
@@ -211,7 +211,7 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
     settings = settings_for(models, options)
     BATCH_SIZE.check(batch_size)
     requests = [Request(ids, settings) for ids in tokenize(models, prompts)]
-    streams = {id(request): TextStream(models.tokenizer, settings.stop, settings.skip_special_tokens) for request in requests}
+    streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
 
     def generations():
         done, next_out = {}, 0
@@ -243,7 +243,7 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     timings); with wall_clock, seconds is the whole batch run's and
     encoding_seconds its encoding."""
     requests = [Request(ids, settings) for ids in tokenize(models, prompts)]
-    streams = {id(request): TextStream(models.tokenizer, settings.stop, settings.skip_special_tokens) for request in requests}
+    streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
     batch = batch_for(models, settings, batch_size)
     started = time.perf_counter()
     for _ in texts(batch, requests, streams):

@@ -1,6 +1,6 @@
 """From decided tokens to the text a caller receives: one `TextStream` per prompt, for the API and the server alike.
 
-    stream = TextStream(tokenizer, settings.stop, settings.skip_special_tokens)
+    stream = TextStream.of(tokenizer, settings)
     for request, token, finish in drive(batch, [request]):
         stream.add(token, finish)
         send(stream.take())               # the text that can go out now
@@ -74,6 +74,11 @@ class TextStream:
         self.taken = 0  # characters taken so far
         self.cut: int | None = None  # the whole text's length, once a stop string ended it
         self.finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, tokenizer, settings) -> "TextStream":
+        """The stream a generation at these Settings (options.py) writes: its stop strings, its special tokens kept or not."""
+        return cls(tokenizer, settings.stop, settings.skip_special_tokens)
 
     def add(self, token: int | None, finish: str | None = None) -> None:
         if self.finish_reason is not None:

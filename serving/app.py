@@ -294,8 +294,7 @@ class Completions:
                                 f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
-        jobs = [Job(decoder.Request(ids, settings), TextStream(self.models.tokenizer, settings.stop,
-                                                                settings.skip_special_tokens), loop, asyncio.Queue(),
+        jobs = [Job(decoder.Request(ids, settings), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
                     times=Times(arrived)) for ids in encoded]
         try:
             self.engine.submit(jobs)
@@ -329,7 +328,7 @@ class Completions:
         """Server-sent events: a chat's role chunks, each choice's pieces as
         they come (interleaved when there are several), the usage if asked,
         then [DONE]. Starlette cancels this generator when the client goes:
-        the jobs are cancelled then."""
+        the response (Events) cancels the jobs then."""
         def event(data: dict) -> str:
             return f"data: {json.dumps(data)}\n\n"
 
@@ -337,22 +336,18 @@ class Completions:
             return event(shapes.chunk(call.id, call.created, self.name, call.chat, index, text, finish, first=first,
                                       stats=stats, with_usage=include_usage))
 
-        try:
-            if call.chat:
-                for i in range(len(call.jobs)):
-                    yield chunk(i, None, None, first=True)
-            async for index, piece, finish in interleaved(call.jobs):
-                if index is None:  # an error event
-                    yield event(piece)
-                    continue
-                yield chunk(index, piece, finish, stats=call.jobs[index].request.stats if finish else None)
-            if include_usage:
-                yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
-            yield "data: [DONE]\n\n"
-            call.log()
-        finally:
-            for job in call.jobs:
-                job.cancel()
+        if call.chat:
+            for i in range(len(call.jobs)):
+                yield chunk(i, None, None, first=True)
+        async for index, piece, finish in interleaved(call.jobs):
+            if index is None:  # an error event
+                yield event(piece)
+                continue
+            yield chunk(index, piece, finish, stats=call.jobs[index].request.stats if finish else None)
+        if include_usage:
+            yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
+        yield "data: [DONE]\n\n"
+        call.log()
 
 
 class Events(StreamingResponse):
