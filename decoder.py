@@ -71,6 +71,7 @@ class Row:
     started: float
     key: tuple[int, int]  # its random stream (sampling.random_key)
     produced: int = 0
+    output: list[int] = field(default_factory=list)  # the tokens emitted
     last: int = 0  # speculative: the token the target has not seen
     drafting: object = None  # the drafter's own state for the row
 
@@ -82,22 +83,29 @@ class Row:
     def stats(self) -> Stats:
         return self.request.stats
 
+    def end(self, tokens: list[int], eos: int | None) -> int | None:
+        """Where in tokens the row's output ends: the first EOS or stop token id, if any."""
+        stops = self.settings.stop_token_ids
+        return next((i for i, token in enumerate(tokens) if token == eos or token in stops), None)
+
     def emit(self, tokens: list[int], eos: int | None) -> Iterator[Event]:
         """Yield an event for each token the row decided, counting it as it
         goes; the output ends at EOS (itself not output, token None when it
-        came first) or at max_tokens. Returns the finish reason, or None
-        while the row goes on."""
-        ended = eos in tokens
-        tokens = tokens[: tokens.index(eos)] if ended else tokens
+        came first), after a stop token id (output, as vLLM does) or at
+        max_tokens. Returns the finish reason, or None while the row goes on."""
+        end = self.end(tokens, eos)
+        if end is not None:
+            tokens = tokens[: end + (tokens[end] != eos)]
+        self.output += tokens
         for i, token in enumerate(tokens):
             self.produced += 1
             self.stats.generated += 1
             self.stats.seconds = time.perf_counter() - self.started
-            yield self.request, token, self.finish(ended) if i == len(tokens) - 1 else None
+            yield self.request, token, self.finish(end is not None) if i == len(tokens) - 1 else None
         if not tokens:
             self.stats.seconds = time.perf_counter() - self.started
             yield self.request, None, "stop"
-        return self.finish(ended)
+        return self.finish(end is not None)
 
     def finish(self, ended: bool) -> str | None:
         if ended:
@@ -193,6 +201,16 @@ class Batch:
                                                args.eos_token_id, args.vocab_size),)
         return self._penalties[0]
 
+    def tokens(self, rows: list[Row], then: mx.array | None = None) -> mx.array | None:
+        """What no_repeat_ngram_size reads, when a row has it: each row's start
+        token and output, then `then` (B, n), padded on the left with -1."""
+        if self.penalties is None or not self.penalties.needs_tokens:
+            return None
+        start = self.models[0].args.decoder_start_token_id
+        longest = max(len(row.output) for row in rows) + 1
+        seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [start] + row.output for row in rows])
+        return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)
+
     @property
     def vocabulary(self) -> int:
         return self.models[0].args.vocab_size
@@ -218,12 +236,14 @@ class RegularBatch(Batch):
         self.queued: mx.array | None = None  # each row's next token, in flight
 
     def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling, penalties: RowPenalties | None = None,
-             counts: mx.array | None = None) -> mx.array:
+             counts: mx.array | None = None, seen: mx.array | None = None) -> mx.array:
+        """Each row's next token after `tokens` (B,); with penalties, given the
+        output's counts and, for no_repeat_ngram_size, its tokens (`seen`)."""
         # The output position each row's new token takes: rows that sample, or have penalties, need it.
         positions = None if sampling.all_greedy and penalties is None else mx.array(cache.offsets)
         logits = self.model.decode(tokens[:, None], cache)[:, -1]
         if penalties is not None:
-            logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None])[:, 0]
+            logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None], seen)[:, 0]
         token = sample(logits, sampling, positions)
         mx.async_eval(token)
         return token
@@ -235,7 +255,8 @@ class RegularBatch(Batch):
         penalties = RowPenalties.of([row.settings.penalties for row in rows], args.decoder_start_token_id, args.eos_token_id,
                                     args.vocab_size)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
-        first = self.step(start, caches[0], sampling, penalties, counts)
+        seen = start[:, None] if penalties is not None and penalties.needs_tokens else None
+        first = self.step(start, caches[0], sampling, penalties, counts, seen)
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])
 
     def round(self) -> Iterator[Event]:
@@ -243,7 +264,8 @@ class RegularBatch(Batch):
         if self.counts is not None:  # on the device, before current is read
             self.counts = self.counts + one_hot(current, self.vocabulary)
         if any(row.produced + 1 < row.settings.max_tokens for row in self.rows):  # else no row reads it
-            self.queued = self.step(current, self.caches[0], self.sampling, self.penalties, self.counts)
+            self.queued = self.step(current, self.caches[0], self.sampling, self.penalties, self.counts,
+                                    self.tokens(self.rows, current[:, None]))
         finished = set()
         for position, (row, value) in enumerate(zip(self.rows, current.tolist())):
             row.stats.target_calls += 1
@@ -371,7 +393,7 @@ class SpeculativeBatch(Batch):
         # The output position each row decides first: only rows that sample, or have penalties, need it.
         penalties = self.penalties
         positions = None if self.sampling.all_greedy and penalties is None else mx.array([row.produced for row in rows])
-        penalized = None if penalties is None else (penalties, self.counts)
+        penalized = None if penalties is None else (penalties, self.counts, self.tokens(rows))
         # 1. Draft up to each row's limit.
         drafter_cache = self.caches[1] if len(self.caches) > 1 else None
         if max(limits):
@@ -385,7 +407,8 @@ class SpeculativeBatch(Batch):
         if penalties is not None:  # each position after the row's output and the drafts before it
             drafted = mx.cumsum(one_hot(proposal.drafts, self.vocabulary), axis=1)
             before = mx.concatenate([mx.zeros((len(rows), 1, self.vocabulary)), drafted], axis=1)
-            target_logits = penalties.apply(target_logits, self.counts[:, None] + before, positions[:, None] + mx.arange(k + 1))
+            target_logits = penalties.apply(target_logits, self.counts[:, None] + before, positions[:, None] + mx.arange(k + 1),
+                                            self.tokens(rows, proposal.drafts))
         num_accepted, next_tokens = verify(target_logits, proposal.logits, proposal.drafts, self.sampling, self.deltas,
                                            mx.array(proposal.limits), positions)
         # The round's one host sync (with auto, one a draft step too, and the last step's confidences in this one).
@@ -398,8 +421,9 @@ class SpeculativeBatch(Batch):
                 rows, accepted_counts, next_tokens.tolist(), proposal.drafts.tolist(), proposal.limits, proposal.calls)):
             tokens = drafted[:accepted] + [token]
             counted, eos = limit, self.eos(row)
-            if eos in tokens[:accepted]:  # drafts after an accepted EOS never reach the output: not counted
-                counted = accepted = tokens.index(eos) + 1
+            end = row.end(tokens[:accepted], eos)
+            if end is not None:  # drafts after an accepted end never reach the output: not counted
+                counted = accepted = end + 1
             row.stats.target_calls += 1
             row.stats.draft_calls += calls
             row.stats.drafted += counted

@@ -283,7 +283,7 @@ class DraftModel:
         says whether that draft is kept). The first call feeds each row's
         unseen tokens (one or two), padded on the right where they differ;
         the padding's cache positions are trimmed at once. `penalized` (the
-        rows' RowPenalties and output counts) applies to each draft's logits
+        rows' RowPenalties, output counts and tokens, Batch.tokens) applies to each draft's logits
         what the target's will get there: its logits are the distribution
         the drafts were drawn from."""
         lengths = [len(row.drafting.tokens) for row in rows]
@@ -300,11 +300,13 @@ class DraftModel:
                 scores = mx.take_along_axis(scores, mx.array(lengths)[:, None, None] - 1, axis=1)
                 cache.trim([width - n for n in lengths])
             scores = scores[:, -1]
-            if penalized is not None:  # the output's counts, then each draft's as it comes
-                penalties, counts = penalized
-                counts = counts if i == 0 else counts + one_hot(drafts[-1], counts.shape[-1])
-                penalized = penalties, counts
-                scores = penalties.apply(scores[:, None], counts[:, None], positions[:, None] + i)[:, 0]
+            if penalized is not None:  # the output's counts and tokens, then each draft's as it comes
+                penalties, counts, seen = penalized
+                if i > 0:
+                    counts = counts + one_hot(drafts[-1], counts.shape[-1])
+                    seen = None if seen is None else mx.concatenate([seen, drafts[-1][:, None].astype(seen.dtype)], axis=1)
+                penalized = penalties, counts, seen
+                scores = penalties.apply(scores[:, None], counts[:, None], positions[:, None] + i, seen)[:, 0]
             token = sample(scores, sampling, None if positions is None else positions + i, DRAFT)
             drafts.append(token)
             logits.append(scores)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from errors import OptionError
 from generate import encoding_seconds, measure, stream_generate, warm_up
 from loading import Models
-from options import KNOBS, Settings, Stats
+from options import KNOBS, LISTS, Settings, Stats
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -144,8 +144,11 @@ def show_filled(prompt: str, output: str, out=None) -> None:
 
 def knob_lines() -> str:
     width = max(len(knob.flag) for knob in KNOBS.values()) + 4
-    return "\n".join(f"  :{knob.flag + (' N' if knob.type is int else ' X'):<{width}} {knob.help}"
-                     + (" (or none)" if knob.optional else "") for knob in KNOBS.values())
+    lines = [f"  :{knob.flag + (' N' if knob.type is int else ' X'):<{width}} {knob.help}"
+             + (" (or none)" if knob.optional else "") for knob in KNOBS.values()]
+    lines += [f"  :{option.flag + ' ...':<{width}} {option.help}: {option.metavar} (or none)" for option in LISTS.values()]
+    lines.append(f"  :{'stop TEXT':<{width}} end the text before TEXT (or none)")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -178,7 +181,11 @@ class Session:
             mode = "speculative, prompt lookup" if self.settings.prompt_lookup else "speculative"
         else:
             mode = "regular" + ("" if self.models.draft is not None else " (no draft model)")
-        return f"mode {mode}, " + ", ".join(f"{knob.flag} {getattr(self.settings, name)}" for name, knob in KNOBS.items())
+        shown = [f"{knob.flag} {getattr(self.settings, name)}" for name, knob in KNOBS.items()]
+        shown += [f"{option.flag} {getattr(self.settings, name)}" for name, option in LISTS.items()
+                  if getattr(self.settings, name)]
+        shown += [f"stop {self.settings.stop[0]!r}"] if self.settings.stop else []
+        return f"mode {mode}, " + ", ".join(shown)
 
     def change(self, **changes) -> None:
         """New settings, or the reason they cannot be."""
@@ -219,12 +226,14 @@ class Session:
                 compare(self.models, self.last_prompt, self.settings, self.out)
         elif name == "demo":
             self.run_example(value or "1")
-        elif name.replace("-", "_") in KNOBS:
-            knob = KNOBS[name.replace("-", "_")]
+        elif name.replace("-", "_") in KNOBS or name.replace("-", "_") in LISTS:
+            option = KNOBS.get(name.replace("-", "_")) or LISTS[name.replace("-", "_")]
             try:
-                self.change(**{knob.name: knob.parse(value, f":{name}")})
+                self.change(**{option.name: option.parse(value, f":{name}")})
             except OptionError as e:
                 self.say(str(e))
+        elif name == "stop":
+            self.change(stop=() if value.lower() in ("", "none") else (value,))
         else:
             self.say(f"unknown command ':{name}' (:help lists them)")
         return True

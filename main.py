@@ -22,7 +22,7 @@ from errors import ModelNotFound, T5Error, UsageError
 from generate import stream_batch_generate, stream_generate, warm_up
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
 from loading import load
-from options import AUTO, BATCH_SIZE, KNOBS, Settings
+from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = "" if DEFAULTS[name] is None else f" (default: {DEFAULTS[name]}"
         default += "" if DEFAULTS[name] == DEMO_DEFAULTS[name] else f"; {DEMO_DEFAULTS[name]} with --demo"
         p.add_argument(f"--{knob.flag}", type=str if knob.words else knob.type, help=knob.help + default + ")" * bool(default))
+    for name, option in LISTS.items():
+        p.add_argument(f"--{option.flag}", metavar=option.metavar, help=option.help)
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
@@ -162,7 +164,9 @@ def knob_settings(args, defaults: dict) -> Settings:
                          "the longest draft")
     if args.stop is not None and not all(args.stop):
         raise UsageError("--stop takes a non-empty string")
-    return Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()},
+    lists = {name: option.parse(getattr(args, name), f"--{option.flag}") for name, option in LISTS.items()
+             if getattr(args, name) is not None}
+    return Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()}, **lists,
                     speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup, stop=tuple(args.stop or ()))
 
 

@@ -82,6 +82,46 @@ KNOBS = {knob.name: knob for knob in [
     Knob("frequency_penalty", float, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
          "minus this for each time a token was output (OpenAI's rule; 0: off)"),
     Knob("min_tokens", int, lambda v: v >= 0, "an integer >= 0", "tokens before the end of text may come"),
+    Knob("no_repeat_ngram_size", int, lambda v: v >= 0, "an integer >= 0",
+         "no n-gram of this many tokens twice in the output (transformers' rule; 0: off)"),
+]}
+
+@dataclass(frozen=True)
+class ListOption:
+    """A generation option that takes a list: `--flag A,B` on the command line,
+    `:flag A B` (or `:flag none`) in the interactive loop, a list in the API
+    and the server."""
+
+    name: str
+    metavar: str
+    help: str
+    item: Callable  # one item's text -> its value; ValueError if it is none
+
+    @property
+    def flag(self) -> str:
+        return self.name.replace("_", "-")
+
+    def parse(self, text: str, label: str | None = None):
+        """The values in text (commas or spaces between them); "none": no values."""
+        if text.strip().lower() == "none":
+            return ()
+        try:
+            return tuple(self.item(part) for part in text.replace(",", " ").split())
+        except ValueError:
+            raise OptionError(f"{label or self.name} takes {self.metavar} (got '{text}')")
+
+
+def bias_item(text: str) -> tuple[int, float]:
+    token, equals, bias = text.partition("=")
+    if not equals:
+        raise ValueError(text)
+    return int(token), float(bias)
+
+
+LISTS = {option.name: option for option in [
+    ListOption("stop_token_ids", "ID[,ID...]", "token ids that end the output, each kept in it (vLLM's)", int),
+    ListOption("logit_bias", "ID=BIAS[,ID=BIAS...]", "add BIAS, in [-100, 100], to the token's logit (OpenAI's)",
+               bias_item),
 ]}
 
 BATCH_SIZE = Knob("batch_size", int, lambda v: v >= 1, "an integer >= 1", "prompts decoded together")
@@ -106,11 +146,13 @@ class Settings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    no_repeat_ngram_size: int = 0
     num_draft: int | str = 5  # or "auto"
     delta: float = 0.0
     speculative: bool = True  # with a draft loaded or prompt_lookup; False: the target alone
     prompt_lookup: bool = False  # drafts copied from the prompt and the output, not from the draft model
     stop: tuple[str, ...] = ()  # the text ends before the first of these it would contain
+    stop_token_ids: tuple[int, ...] = ()  # the output ends after the first of these (vLLM's: the token is output)
     ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
     skip_special_tokens: bool = False  # leave special tokens (<extra_id_0>, </s>, <pad>) out of the text
     logit_bias: dict | tuple = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
@@ -125,6 +167,11 @@ class Settings:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise OptionError(f"stop must be a string or a list of non-empty strings (got {self.stop!r})")
         object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                         for t in ids):
+            raise OptionError(f"stop_token_ids must be a list of token ids, integers >= 0 (got {ids!r})")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         if self.temp < MIN_TEMPERATURE:
             object.__setattr__(self, "temp", 0.0)
         object.__setattr__(self, "logit_bias", checked_bias(self.logit_bias))
@@ -173,6 +220,8 @@ class Settings:
         vocabulary = models.target.args.vocab_size
         if any(token >= vocabulary for token, _ in self.logit_bias):
             raise OptionError(f"logit_bias's keys must be token ids below {vocabulary:,}")
+        if any(token >= vocabulary for token in self.stop_token_ids):
+            raise OptionError(f"stop_token_ids must be token ids below {vocabulary:,}")
         return self
 
     @property
@@ -182,7 +231,7 @@ class Settings:
     @property
     def penalties(self) -> Penalties:
         return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_tokens,
-                         self.logit_bias)
+                         self.logit_bias, self.no_repeat_ngram_size, self.stop_token_ids if self.min_tokens else ())
 
 
 def checked_bias(given) -> tuple[tuple[int, float], ...]:

@@ -26,15 +26,20 @@ class Penalties:
     logit divided by `repetition` when positive, multiplied when negative
     (transformers' RepetitionPenaltyLogitsProcessor, where the decoder's
     start token counts as seen); minus `presence` once it has been output,
-    minus `frequency` for each time (OpenAI's rule); the end of text
-    masked until `min_tokens` tokens are out; and `bias`, (token, bias)
-    pairs, added to those tokens' logits (OpenAI's logit_bias)."""
+    minus `frequency` for each time (OpenAI's rule); the end of text, and
+    any other token in `ends`, masked until `min_tokens` tokens are out; `bias`,
+    (token, bias) pairs, added to those tokens' logits (OpenAI's
+    logit_bias); and any token that would complete an n-gram of
+    `no_repeat_ngram` tokens already in the output (the start token
+    included) masked (transformers' NoRepeatNGramLogitsProcessor)."""
 
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
     min_tokens: int = 0
     bias: tuple[tuple[int, float], ...] = ()
+    no_repeat_ngram: int = 0
+    ends: tuple[int, ...] = ()  # tokens besides the end of text that end a row (stop_token_ids)
 
 
 class RowPenalties:
@@ -43,41 +48,82 @@ class RowPenalties:
     positions. Rows without penalties hold neutral values, which change nothing."""
 
     def __init__(self, penalties: list[Penalties], start: int, eos: int, vocabulary: int):
-        self.start, self.eos = start, eos
+        self.start = start
         self.repetition, self.presence, self.frequency, self.min_tokens = (
             mx.array([getattr(p, name) for p in penalties], dtype=mx.float32)
             for name in ("repetition", "presence", "frequency", "min_tokens"))
         self.bias = mx.zeros((len(penalties), 1))  # broadcast: no row has a bias
         if any(p.bias for p in penalties):
-            dense = [[0.0] * vocabulary for _ in penalties]
-            for row, p in enumerate(penalties):
-                for token, bias in p.bias:
-                    dense[row][token] = bias
-            self.bias = mx.array(dense)
+            self.bias = dense(penalties, vocabulary, lambda p: p.bias)
+        self.ends = mx.arange(vocabulary)[None] == eos  # (1 or B, V): what min_tokens holds back
+        if any(p.ends for p in penalties):
+            self.ends = dense(penalties, vocabulary, lambda p: [(eos, 1.0)] + [(t, 1.0) for t in p.ends]) > 0
+        self.ngram = mx.array([p.no_repeat_ngram for p in penalties])
+        self.longest_ngram = max(p.no_repeat_ngram for p in penalties)
 
     @classmethod
     def of(cls, penalties: list[Penalties], start: int, eos: int, vocabulary: int) -> "RowPenalties | None":
         """None when no row has any: decoding then costs nothing more."""
         return cls(penalties, start, eos, vocabulary) if any(p != Penalties() for p in penalties) else None
 
-    def apply(self, logits: mx.array, counts: mx.array, positions: mx.array) -> mx.array:
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether apply needs the rows' tokens (for no_repeat_ngram), not only their counts."""
+        return self.longest_ngram > 0
+
+    def apply(self, logits: mx.array, counts: mx.array, positions: mx.array, tokens: mx.array | None = None) -> mx.array:
         """logits (B, n, V); counts (B, n, V): each token's count in the row's
         output before each position; positions (B, n): the output position
-        each decides (its count of tokens before it)."""
-        return _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
-                         self.bias, self.start, self.eos)
+        each decides (its count of tokens before it); tokens (B, L), when
+        needs_tokens: each row's start token, output and any drafts, padded
+        on the left with -1, the n positions deciding what follows its last
+        n prefixes (lengths L - n + 1 to L)."""
+        logits = _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
+                           self.bias, self.ends, self.start)
+        if self.needs_tokens:
+            logits = mx.where(ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1]),
+                              -mx.inf, logits)
+        return logits
+
+
+def dense(penalties: list[Penalties], vocabulary: int, pairs) -> mx.array:
+    """(B, V): each row's (token, value) pairs, zeros elsewhere."""
+    table = [[0.0] * vocabulary for _ in penalties]
+    for row, p in enumerate(penalties):
+        for token, value in pairs(p):
+            table[row][token] = value
+    return mx.array(table)
 
 
 @mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
-def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, start, eos):
+def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, start):
     logits = logits.astype(mx.float32)
-    vocabulary = mx.arange(logits.shape[-1])
-    seen = (counts > 0) | (vocabulary == start)
+    seen = (counts > 0) | (mx.arange(logits.shape[-1]) == start)
     repetition = repetition[:, None, None]
     logits = mx.where(seen, mx.where(logits > 0, logits / repetition, logits * repetition), logits)
     logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]
     early = positions < min_tokens[:, None]
-    return mx.where(early[..., None] & (vocabulary == eos), -mx.inf, logits)
+    return mx.where(early[..., None] & ends[:, None], -mx.inf, logits)
+
+
+def ngram_bans(tokens: mx.array, sizes: mx.array, longest: int, queries: int, vocabulary: int) -> mx.array:
+    """(B, queries, V) True where a token would repeat an n-gram: for each of
+    the last `queries` prefixes of each row of tokens (B, L, padded on the
+    left with -1), the tokens that followed an earlier occurrence of the
+    prefix's last n - 1 tokens, n the row's size (0: none)."""
+    B, L = tokens.shape
+    ends = mx.arange(L - queries + 1, L + 1)  # the prefixes' lengths
+    candidate = mx.arange(L)  # where a token that would be banned stands
+    match = (candidate[None, None] < ends[None, :, None]) & (sizes[:, None, None] > 0) & (tokens[:, None] >= 0)
+    for back in range(1, longest):  # the candidate's n - 1 tokens before it against the prefix's last n - 1
+        before = mx.concatenate([mx.full((B, back), -1, tokens.dtype), tokens[:, : L - back]], axis=1)
+        last = tokens[:, mx.maximum(ends - back, 0)]
+        same = (before[:, None] == last[:, :, None]) & (before[:, None] >= 0)
+        match = match & (same | (back >= sizes)[:, None, None])
+    rows = mx.broadcast_to(mx.arange(B)[:, None, None], match.shape)
+    prefixes = mx.broadcast_to(mx.arange(queries)[None, :, None], match.shape)
+    banned = mx.broadcast_to(mx.maximum(tokens, 0)[:, None], match.shape)
+    return mx.zeros((B, queries, vocabulary)).at[rows, prefixes, banned].add(match.astype(mx.float32)) > 0
 
 
 def one_hot(tokens: mx.array, size: int) -> mx.array:

@@ -15,6 +15,10 @@ from pydantic import model_validator
 from options import AUTO, KNOBS, Settings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# OpenAI's fields this server does not do: a request that sets one to anything but its default is refused, not ignored.
+UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+               "function_call": ("none",), "suffix": ("",), "echo": (False,), "audio": (), "modalities": (["text"],),
+               "prediction": (), "web_search_options": ()}
 
 
 Number = StrictFloat | StrictInt
@@ -42,8 +46,10 @@ class StreamOptions(BaseModel):
 class CompletionBody(BaseModel):
     """The fields of OpenAI's completion request this server reads; `top_k`,
     `num_draft`, `delta` and `prompt_lookup` are its own; `ignore_eos`,
-    `skip_special_tokens`, `repetition_penalty`, `min_tokens` and
-    `truncate_prompt_tokens` are vLLM's. Others are ignored."""
+    `skip_special_tokens`, `repetition_penalty`, `min_tokens`,
+    `stop_token_ids` and `truncate_prompt_tokens` are vLLM's;
+    `no_repeat_ngram_size` is transformers'. OpenAI's fields for what a T5
+    cannot do (UNSUPPORTED) are refused; others (`user`, `metadata`) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -58,6 +64,8 @@ class CompletionBody(BaseModel):
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None  # vLLM's (transformers' rule)
     min_tokens: StrictInt | None = None  # vLLM's
+    no_repeat_ngram_size: StrictInt | None = None  # transformers'
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: the output ends after one of these, kept in it
     logit_bias: dict[StrictStr, Number] | None = None  # token ids, as JSON's keys are strings
     stop: StrictStr | list[StrictStr] | None = Field(default=None, validate_default=True)
     stream: StrictBool = False
@@ -71,7 +79,7 @@ class CompletionBody(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # vLLM's: keep a prompt's last N tokens
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "min_tokens")
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "no_repeat_ngram_size")
     @classmethod
     def in_range(cls, value, info):
         knob = "max_tokens" if info.field_name == "max_completion_tokens" else info.field_name
@@ -88,6 +96,15 @@ class CompletionBody(BaseModel):
         if isinstance(value, str) and value != AUTO:
             raise ValueError(f"num_draft must be an integer >= 1 or auto (got {value!r})")
         return knob_value("num_draft", value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def supported(cls, data):
+        if isinstance(data, dict):
+            for name, defaults in UNSUPPORTED.items():
+                if data.get(name) is not None and data[name] not in defaults:
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -130,6 +147,7 @@ class CompletionBody(BaseModel):
                  "seed": self.seed, "num_draft": self.num_draft, "delta": self.delta, "prompt_lookup": self.prompt_lookup,
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                  "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
+                 "no_repeat_ngram_size": self.no_repeat_ngram_size, "stop_token_ids": self.stop_token_ids,
                  "logit_bias": self.token_biases}
         chosen = {name: value for name, value in given.items() if value is not None}
         return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
@@ -141,7 +159,6 @@ Prompt = StrictStr | list[StrictInt]  # text, or token ids as given (OpenAI's an
 
 class Completion(CompletionBody):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
@@ -152,13 +169,6 @@ class Completion(CompletionBody):
         for prompt in prompts:
             if isinstance(prompt, str):
                 valid_unicode(prompt, "the prompt")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported")
         return value
 
     @property

@@ -1,6 +1,9 @@
-"""Penalties on what a row has output (repetition, presence, frequency, min_tokens) and logit_bias: each as
-transformers' processor or OpenAI's rule computes it, and composed with speculative decoding as an exact rule."""
+"""Penalties on what a row has output (repetition, presence, frequency, min_tokens, no-repeat n-grams), logit_bias
+and stop token ids: each as transformers' processor or OpenAI's rule computes it, and composed with speculative
+decoding as an exact rule."""
 
+import io
+import json
 from dataclasses import replace
 
 import mlx.core as mx
@@ -9,15 +12,16 @@ import pytest
 import torch
 from checkpoints import PROMPT
 from support import chi_square_passes, decode, decode_batch
-from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 import main
 from conftest import ROOT
 from decoder import Request
 from generate import generate, stream_generate
+from interactive import Session
 from loading import Models, load
 from options import Settings, Stats
-from sampling import Penalties, RowPenalties
+from sampling import Penalties, RowPenalties, ngram_bans
 
 START, EOS = 0, 1
 
@@ -48,21 +52,54 @@ def test_each_penalty_is_transformers_processor_or_openais_rule():
         np.testing.assert_allclose(np.array(ours[row]), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_min_tokens_holds_back_stop_token_ids_too():
+    logits = mx.zeros((1, 1, 10))
+    penalties = RowPenalties([Penalties(min_tokens=3, ends=(4, 6))], START, EOS, 10)
+    early = penalties.apply(logits, mx.zeros((1, 1, 10)), mx.array([[2]]))[0, 0]
+    late = penalties.apply(logits, mx.zeros((1, 1, 10)), mx.array([[3]]))[0, 0]
+    assert [i for i in range(10) if early[i].item() == -np.inf] == [EOS, 4, 6] and not mx.isinf(late).any()
+
+
+def test_no_repeat_ngram_bans_are_transformers_processor_for_every_prefix_and_size():
+    """Rows of several lengths (padded on the left) and sizes, each of the
+    last three prefixes (a verify pass's positions): the tokens banned are
+    those transformers' NoRepeatNGramLogitsProcessor bans."""
+    rng = np.random.default_rng(1)
+    vocab, queries = 6, 3
+    for trial in range(40):
+        sizes = [int(n) for n in rng.integers(0, 5, 4)]
+        rows = [[int(t) for t in rng.integers(0, vocab, rng.integers(queries, 16))] for _ in sizes]
+        longest = max(map(len, rows))
+        tokens = mx.array([[-1] * (longest - len(row)) + row for row in rows])
+        bans = np.array(ngram_bans(tokens, mx.array(sizes), max(sizes), queries, vocab))
+        for r, (row, n) in enumerate(zip(rows, sizes)):
+            for q in range(queries):
+                prefix = row[: len(row) - (queries - 1 - q)]
+                expected = np.zeros(vocab, bool)
+                if n:
+                    expected = NoRepeatNGramLogitsProcessor(n)(torch.tensor([prefix]), torch.zeros(1, vocab))[0].isinf().numpy()
+                assert (bans[r, q] == expected).all(), (n, prefix)
+    assert bans.any() and not bans.all()
+
+
 def greedy(models, prompt: str, max_tokens: int, **options) -> list[int]:
     return [r.token for r in stream_generate(models, prompt, max_tokens=max_tokens, speculative=False, **options)
             if r.token is not None]
 
 
-def test_greedy_with_a_repetition_penalty_and_min_tokens_equals_transformers_generate(checkpoint):
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3, min_new_tokens=30), dict(no_repeat_ngram_size=2)],
+                         ids=["repetition+min_tokens", "no_repeat_ngram"])
+def test_greedy_with_processors_equals_transformers_generate(checkpoint, options):
     if checkpoint.hf_model.config.num_decoder_layers > checkpoint.hf_model.config.num_layers:
         pytest.skip("transformers' generate() breaks when the decoder is deeper than the encoder")
     models = load(checkpoint.mlx_dir)
-    ids = greedy(models, PROMPT, 40, repetition_penalty=1.3, min_tokens=30)
+    ours = {"min_tokens" if name == "min_new_tokens" else name: value for name, value in options.items()}
+    ids = greedy(models, PROMPT, 40, **ours)
     with torch.no_grad():
         generated = checkpoint.hf_model.generate(torch.tensor([checkpoint.prompt_ids]), max_new_tokens=40, do_sample=False,
-                                                 num_beams=1, repetition_penalty=1.3, min_new_tokens=30)
+                                                 num_beams=1, **options)
     assert ids == [t for t in generated[0, 1:].tolist() if t != checkpoint.hf_model.config.eos_token_id]
-    assert ids != greedy(models, PROMPT, 40)  # the penalty changed something
+    assert ids != greedy(models, PROMPT, 40)  # the processors changed something
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +108,14 @@ def pair():
 
 
 PENALTIES = [dict(repetition_penalty=1.5), dict(presence_penalty=1.0, frequency_penalty=0.5), dict(min_tokens=25),
-             dict(repetition_penalty=0.9, frequency_penalty=-0.3), dict(logit_bias={2099: -100, 3: 4.0})]
+             dict(repetition_penalty=0.9, frequency_penalty=-0.3), dict(logit_bias={2099: -100, 3: 4.0}),
+             dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=3, repetition_penalty=1.2),
+             dict(stop_token_ids=[3]), dict(stop_token_ids=[3], min_tokens=20)]
 
 
-@pytest.mark.parametrize("options", PENALTIES, ids=["repetition", "presence+frequency", "min_tokens", "negative", "logit_bias"])
+@pytest.mark.parametrize("options", PENALTIES, ids=["repetition", "presence+frequency", "min_tokens", "negative", "logit_bias",
+                                                     "no_repeat_2", "no_repeat_3+repetition", "stop_token_ids",
+                                                     "stop_token_ids+min_tokens"])
 def test_speculative_decoding_with_penalties_equals_regular_decoding_with_them(pair, options):
     """Greedy, delta 0: each verify position is penalized for the output and
     the drafts before it, so every drafter and num-draft gives regular decoding's text."""
@@ -89,7 +130,7 @@ def test_speculative_decoding_with_penalties_equals_regular_decoding_with_them(p
 
 def test_rows_with_and_without_penalties_share_a_batch_and_each_gets_its_own(pair):
     prompts = [pair.tokenizer.encode(p) for p in main.demo_prompts()[:4]]
-    settings = [Settings(max_tokens=30, **options) for options in ({}, PENALTIES[0], PENALTIES[1], {})]
+    settings = [Settings(max_tokens=30, **options) for options in ({}, PENALTIES[0], PENALTIES[5], PENALTIES[7])]
     alone = [decode(pair, ids, s) for ids, s in zip(prompts, settings)]
     for speculative in (False, True):
         requests = [Request(ids, replace(s, speculative=speculative)) for ids, s in zip(prompts, settings)]
@@ -97,16 +138,18 @@ def test_rows_with_and_without_penalties_share_a_batch_and_each_gets_its_own(pai
         assert tokens == alone, speculative
 
 
+@pytest.mark.parametrize("processors", ["penalties", "no_repeat"])
 @pytest.mark.parametrize("draft", ["model", "lookup"])
-def test_sampling_with_penalties_follows_the_penalized_target_distribution(tiny_vocab_pair, draft):
+def test_sampling_with_penalties_follows_the_penalized_target_distribution(tiny_vocab_pair, draft, processors):
     """At temperature 1, the second token given the most frequent first is
-    distributed as the target's logits after that first token's penalties:
+    distributed as the target's logits after that first token's penalties (or
+    with the start token and the first banned, no_repeat_ngram_size 1):
     drafted and verified, or looked up and verified."""
     (target, hf_target), (draft_model, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
     prompt = [0, 3, 5, 4, 3, 4, 0, 7, 1]
     models = Models(target, draft_model if draft == "model" else None)
-    settings = Settings(max_tokens=3, temp=1.0, num_draft=2, prompt_lookup=draft == "lookup", repetition_penalty=2.0,
-                        presence_penalty=0.7)
+    options = dict(repetition_penalty=2.0, presence_penalty=0.7) if processors == "penalties" else dict(no_repeat_ngram_size=1)
+    settings = Settings(max_tokens=3, temp=1.0, num_draft=2, prompt_lookup=draft == "lookup", **options)
     mx.random.seed(99)
     totals = Stats()
     outputs = [decode(models, prompt, settings, totals) for _ in range(3000)]
@@ -114,9 +157,44 @@ def test_sampling_with_penalties_follows_the_penalized_target_distribution(tiny_
     firsts = np.bincount([out[0] if out else EOS for out in outputs], minlength=8)
     first = int(np.argmax(np.where(np.arange(8) == EOS, 0, firsts)))
     seconds = np.bincount([out[1] if len(out) > 1 else EOS for out in outputs if out and out[0] == first], minlength=8)
+    decoded = torch.tensor([[START, first]])
     with torch.no_grad():
-        logits = hf_target(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[START, first]])).logits[:, -1]
-    logits = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[START, first]]), logits.double())[0].numpy()
-    logits[first] -= 0.7
+        logits = hf_target(input_ids=torch.tensor([prompt]), decoder_input_ids=decoded).logits[:, -1].double()
+    if processors == "penalties":
+        logits = RepetitionPenaltyLogitsProcessor(2.0)(decoded, logits)
+        logits[0, first] -= 0.7
+    else:
+        logits = NoRepeatNGramLogitsProcessor(1)(decoded, logits)
+    logits = logits[0].numpy()
     expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
     assert chi_square_passes(seconds, expected), (seconds / seconds.sum(), expected)
+
+
+PROCESSORS = dict(no_repeat_ngram_size=2, repetition_penalty=1.3, min_tokens=5, stop_token_ids=(3,), logit_bias={2099: -100})
+FLAGS = ["--no-repeat-ngram-size", "2", "--repetition-penalty", "1.3", "--min-tokens", "5", "--stop-token-ids", "3",
+         "--logit-bias", "2099=-100"]
+COMMANDS = [":no-repeat-ngram-size 2", ":repetition-penalty 1.3", ":min-tokens 5", ":stop-token-ids 3", ":logit-bias 2099=-100"]
+
+
+def test_the_command_line_takes_every_processor_as_the_api_does(pair, capsys):
+    prompt = main.demo_prompts()[1]
+    api = generate(pair, prompt, max_tokens=30, delta=0, num_draft=3, **PROCESSORS)
+    assert api != generate(pair, prompt, max_tokens=30, delta=0, num_draft=3)
+    assert main.main(["--demo", "--json", "--max-tokens", "30", "--delta", "0", "--prompt", prompt, *FLAGS]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == api
+    assert main.main(["--demo", "--logit-bias", "7"]) == 2
+    assert "--logit-bias takes ID=BIAS[,ID=BIAS...] (got '7')" in capsys.readouterr().err
+
+
+def test_the_loop_has_a_command_for_every_processor_and_clears_a_list_with_none(pair):
+    out = io.StringIO()
+    session = Session(pair, Settings(max_tokens=30), out=out)
+    for command in COMMANDS + [":stop xyz"]:
+        session.command(command)
+    assert session.settings == Settings(max_tokens=30, stop=("xyz",), **PROCESSORS)
+    assert "stop-token-ids (3,)" in out.getvalue() and "stop 'xyz'" in out.getvalue()
+    session.command(":stop-token-ids none")
+    session.command(":stop none")
+    assert session.settings.stop_token_ids == () and session.settings.stop == ()
+    session.command(":stop-token-ids three")
+    assert ":stop-token-ids takes ID[,ID...] (got 'three')" in out.getvalue()

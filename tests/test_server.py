@@ -172,7 +172,15 @@ BAD = [
     ({"model": "t5-demo", "prompt": "x", "num_draft": "lots"}, None, "num_draft must be an integer >= 1 or auto"),
     ({"model": "t5-demo", "prompt": "x", "seed": -3}, None, "seed must be an integer in [0, 2**64)"),
     ({"model": "t5-demo", "prompt": "x", "n": 2}, None, "n must be 1"),
+    # OpenAI's fields for what this server cannot do: named, not ignored
     ({"model": "t5-demo", "prompt": "x", "echo": True}, None, "echo is not supported"),
+    ({"model": "t5-demo", "prompt": "x", "suffix": "end"}, None, "suffix is not supported"),
+    ({"model": "t5-demo", "prompt": "x", "response_format": {"type": "json_object"}}, None, "response_format is not supported"),
+    ({"model": "t5-demo", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, None,
+     "tools is not supported"),
+    ({"model": "t5-demo", "prompt": "x", "no_repeat_ngram_size": -1}, None, "no_repeat_ngram_size must be an integer >= 0"),
+    ({"model": "t5-demo", "prompt": "x", "stop_token_ids": [10**9]}, None, "stop_token_ids must be token ids below"),
+    ({"model": "t5-demo", "prompt": "x", "stop_token_ids": ["3"]}, None, "stop_token_ids.0: Input should be a valid integer"),
     ({"model": "t5-demo", "prompt": "   "}, None, "the prompt is empty"),
     ({"model": "t5-demo", "prompt": []}, None, "the prompt is empty"),
     ({"model": "t5-demo", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, None, "up to 4"),
@@ -588,10 +596,11 @@ def test_truncate_prompt_tokens_keeps_a_long_prompts_last_tokens(strict_server, 
 
 def test_penalties_ride_on_requests_with_openais_and_vllms_names(server, models, prompts):
     options = dict(presence_penalty=1.0, frequency_penalty=0.5)
+    vllms = {"repetition_penalty": 1.2, "min_tokens": 5, "no_repeat_ngram_size": 3, "stop_token_ids": [3]}
     reply = server.client().completions.create(model="t5-demo", prompt=prompts[1], max_tokens=30, **options,
-                                               extra_body={**EXACT, "repetition_penalty": 1.2, "min_tokens": 5})
-    assert reply.choices[0].text == generate(models, prompts[1], max_tokens=30, presence_penalty=1.0, frequency_penalty=0.5,
-                                             repetition_penalty=1.2, min_tokens=5, **EXACT, **TEXT)
+                                               extra_body={**EXACT, **vllms})
+    assert reply.choices[0].text == generate(models, prompts[1], max_tokens=30, **options, **vllms, **EXACT, **TEXT)
+    assert reply.choices[0].text != generate(models, prompts[1], max_tokens=30, **EXACT, **TEXT)
     with pytest.raises(openai.BadRequestError, match="presence_penalty must be a number in"):
         server.client().completions.create(model="t5-demo", prompt="x", presence_penalty=3)
     biased = server.client().completions.create(model="t5-demo", prompt=prompts[1], max_tokens=20, logit_bias={"2099": -100},
