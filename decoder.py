@@ -26,8 +26,9 @@ import mlx.core as mx
 
 from drafting import DraftModel, LookupDrafter, Proposal
 from model import T5, DecoderCache
-from options import AUTO_DRAFT, LOOKUP, REGULAR, Settings, Stats
-from sampling import ACCEPT, TOKEN, Penalties, RowPenalties, RowSampling, categorical, logits_to_probs, one_hot, per_row
+from options import AUTO_DRAFT, BEAMS, LOOKUP, REGULAR, Settings, Stats
+from sampling import ACCEPT, TOKEN, Penalties, RowPenalties, RowSampling, categorical, log_probabilities, logits_to_probs
+from sampling import one_hot, per_row
 from sampling import random_key, sample, uniform
 
 
@@ -39,6 +40,12 @@ class Request:
     ids: list[int]
     settings: Settings = Settings()
     stats: Stats = field(default_factory=Stats)
+    logprobs: list["Logprob"] = field(default_factory=list)  # each output token's, when settings.logprobs asks
+    sequences: list[tuple[list[int], float, str]] = field(default_factory=list)  # beams.Search.best: the best beams
+
+
+# An output token's log-probability, and the most likely tokens' (id, log-probability), most likely first.
+Logprob = tuple[float, list[tuple[int, float]]]
 
 
 Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, finish reason or None)
@@ -46,10 +53,13 @@ Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, f
 
 def encode_for(models: list[T5], prompts: list[list[int]]) -> list[DecoderCache]:
     """Encode prompts together (padded on the right and masked, when their
-    lengths differ) into a fresh decoder cache for each model, evaluated at
+    lengths differ; a prompt given more than once, once) into a fresh decoder cache for each model, evaluated at
     once so that the models' work runs side by side. The prompts' products,
     of many rows, are computed here, apart from decoding's few-row ones: the
     CPU's BLAS wants them done differently."""
+    distinct = list(dict.fromkeys(tuple(prompt) for prompt in prompts))  # a prompt given n times is encoded once
+    rows = [distinct.index(tuple(prompt)) for prompt in prompts]
+    prompts = [list(prompt) for prompt in distinct]
     length = max(len(prompt) for prompt in prompts)
     mask = None
     if any(len(prompt) < length for prompt in prompts):
@@ -58,6 +68,8 @@ def encode_for(models: list[T5], prompts: list[list[int]]) -> list[DecoderCache]
     for model in models:
         tokens = mx.array([prompt + [model.args.pad_token_id] * (length - len(prompt)) for prompt in prompts])
         caches.append(model.make_cache(model.encode(tokens, mask), mask))
+        if len(prompts) < len(rows):
+            caches[-1].keep(rows)
     with cpu.many_rows():
         mx.eval([cache.cross_keys_values for cache in caches])
     return caches
@@ -73,7 +85,7 @@ class Row:
     produced: int = 0
     output: list[int] = field(default_factory=list)  # the tokens emitted
     last: int = 0  # speculative: the token the target has not seen
-    drafting: object = None  # the drafter's own state for the row
+    drafting: object = None  # the drafter's own state for the row (beam search: its beams.Search)
 
     @property
     def settings(self) -> Settings:
@@ -88,15 +100,18 @@ class Row:
         stops = self.settings.stop_token_ids
         return next((i for i, token in enumerate(tokens) if token == eos or token in stops), None)
 
-    def emit(self, tokens: list[int], eos: int | None) -> Iterator[Event]:
+    def emit(self, tokens: list[int], eos: int | None, logprobs: list[Logprob] | None = None) -> Iterator[Event]:
         """Yield an event for each token the row decided, counting it as it
-        goes; the output ends at EOS (itself not output, token None when it
-        came first), after a stop token id (output, as vLLM does) or at
+        goes (and keeping its `logprobs`, when the row asks for them); the
+        output ends at EOS (itself not output, token None when it came
+        first), after a stop token id (output, as vLLM does) or at
         max_tokens. Returns the finish reason, or None while the row goes on."""
         end = self.end(tokens, eos)
         if end is not None:
             tokens = tokens[: end + (tokens[end] != eos)]
         self.output += tokens
+        if self.settings.logprobs is not None:
+            self.request.logprobs += [(lp, top[: self.settings.logprobs]) for lp, top in logprobs[: len(tokens)]]
         for i, token in enumerate(tokens):
             self.produced += 1
             self.stats.generated += 1
@@ -118,6 +133,8 @@ class Batch:
     the drafter keeps), row i in row i of each. Prompts that join together
     are encoded together: a prompt encoded alone costs up to twice as much
     (`python -m bench batch`)."""
+
+    width = 1  # the caches' rows each request takes (beam search: one a beam)
 
     def __init__(self, models: list[T5], batch_size: int):
         self.models, self.batch_size = models, batch_size
@@ -158,8 +175,8 @@ class Batch:
             self.caches = caches
         if self.counts is not None or any(row.settings.penalties != Penalties() for row in rows):
             # Rows without penalties count from here on, and never read their counts.
-            old = self.counts if self.counts is not None else mx.zeros((len(self.rows), self.vocabulary))
-            self.counts = mx.concatenate([old, mx.zeros((len(rows), self.vocabulary))])
+            old = self.counts if self.counts is not None else mx.zeros((len(self.rows) * self.width, self.vocabulary))
+            self.counts = mx.concatenate([old, mx.zeros((len(rows) * self.width, self.vocabulary))])
         self.rows += rows
         self._sampling = self._penalties = None
         return rows
@@ -172,15 +189,16 @@ class Batch:
         kept = [i for i in range(len(self.rows)) if i not in positions]
         if positions:
             self.rows = [self.rows[i] for i in kept]
+            cache_rows = [i * self.width + j for i in kept for j in range(self.width)]
             if kept:
                 longest = max(len(row.request.ids) for row in self.rows)
                 for cache in self.caches:
-                    cache.keep(kept, longest)
+                    cache.keep(cache_rows, longest)
             else:
                 self.caches = []
             self._sampling = self._penalties = None
             penalized = any(row.settings.penalties != Penalties() for row in self.rows)
-            self.counts = self.counts[mx.array(kept)] if penalized and self.counts is not None else None
+            self.counts = self.counts[mx.array(cache_rows)] if penalized and self.counts is not None else None
         return kept
 
     def cancel(self, requests: set[Request]) -> None:
@@ -197,8 +215,8 @@ class Batch:
     def penalties(self) -> RowPenalties | None:
         if self._penalties is None:
             args = self.models[0].args
-            self._penalties = (RowPenalties.of([row.settings.penalties for row in self.rows], args.decoder_start_token_id,
-                                               args.eos_token_id, args.vocab_size),)
+            penalties = [row.settings.penalties for row in self.rows for _ in range(self.width)]
+            self._penalties = (RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size),)
         return self._penalties[0]
 
     def tokens(self, rows: list[Row], then: mx.array | None = None) -> mx.array | None:
@@ -210,6 +228,12 @@ class Batch:
         longest = max(len(row.output) for row in rows) + 1
         seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [start] + row.output for row in rows])
         return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """The most alternatives a row asks logprobs for; None when no row asks for logprobs."""
+        asked = [row.settings.logprobs for row in self.rows if row.settings.logprobs is not None]
+        return max(asked) if asked else None
 
     @property
     def vocabulary(self) -> int:
@@ -234,19 +258,21 @@ class RegularBatch(Batch):
         super().__init__([model], batch_size)
         self.model = model
         self.queued: mx.array | None = None  # each row's next token, in flight
+        self.queued_logits: mx.array | None = None  # the target's logits it came from, for logprobs
 
     def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling, penalties: RowPenalties | None = None,
-             counts: mx.array | None = None, seen: mx.array | None = None) -> mx.array:
-        """Each row's next token after `tokens` (B,); with penalties, given the
+             counts: mx.array | None = None, seen: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """Each row's next token after `tokens` (B,), and the logits (B, V)
+        the target gave before any processor; with penalties, given the
         output's counts and, for no_repeat_ngram_size, its tokens (`seen`)."""
         # The output position each row's new token takes: rows that sample, or have penalties, need it.
         positions = None if sampling.all_greedy and penalties is None else mx.array(cache.offsets)
-        logits = self.model.decode(tokens[:, None], cache)[:, -1]
+        raw = logits = self.model.decode(tokens[:, None], cache)[:, -1]
         if penalties is not None:
             logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None], seen)[:, 0]
         token = sample(logits, sampling, positions)
         mx.async_eval(token)
-        return token
+        return token, raw
 
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         start = mx.array([self.model.args.decoder_start_token_id] * len(rows))
@@ -256,20 +282,25 @@ class RegularBatch(Batch):
                                     args.vocab_size)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
         seen = start[:, None] if penalties is not None and penalties.needs_tokens else None
-        first = self.step(start, caches[0], sampling, penalties, counts, seen)
+        first, logits = self.step(start, caches[0], sampling, penalties, counts, seen)
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])
+        self.queued_logits = logits if self.queued_logits is None else mx.concatenate([self.queued_logits, logits])
 
     def round(self) -> Iterator[Event]:
-        current, self.queued = self.queued, None
+        current, logits = self.queued, self.queued_logits
+        self.queued = self.queued_logits = None
         if self.counts is not None:  # on the device, before current is read
             self.counts = self.counts + one_hot(current, self.vocabulary)
         if any(row.produced + 1 < row.settings.max_tokens for row in self.rows):  # else no row reads it
-            self.queued = self.step(current, self.caches[0], self.sampling, self.penalties, self.counts,
-                                    self.tokens(self.rows, current[:, None]))
+            self.queued, self.queued_logits = self.step(current, self.caches[0], self.sampling, self.penalties,
+                                                        self.counts, self.tokens(self.rows, current[:, None]))
+        logprobs = [None] * len(self.rows)
+        if self.top_logprobs is not None:
+            logprobs = logprob_lists(*log_probabilities(logits[:, None], current[:, None], self.top_logprobs))
         finished = set()
-        for position, (row, value) in enumerate(zip(self.rows, current.tolist())):
+        for position, (row, value, given) in enumerate(zip(self.rows, current.tolist(), logprobs)):
             row.stats.target_calls += 1
-            if (yield from row.emit([value], self.eos(row))):
+            if (yield from row.emit([value], self.eos(row), given)):
                 finished.add(position)
         self.leave(finished)
 
@@ -277,7 +308,16 @@ class RegularBatch(Batch):
         kept = super().leave(positions)
         if positions and self.queued is not None:
             self.queued = self.queued[mx.array(kept)] if kept else None
+            self.queued_logits = self.queued_logits[mx.array(kept)] if kept else None
         return kept
+
+
+def logprob_lists(picked: mx.array, ids: mx.array | None, values: mx.array | None) -> list[list[Logprob]]:
+    """sampling.log_probabilities' arrays (B, n) and (B, n, top), read as each row's Logprob at each position."""
+    picked = picked.tolist()
+    if ids is None:
+        return [[(lp, []) for lp in row] for row in picked]
+    return [[(lp, list(zip(i, v))) for lp, i, v in zip(*row)] for row in zip(picked, ids.tolist(), values.tolist())]
 
 
 def greedy_accept(scores: mx.array, drafts: mx.array, delta, best: mx.array) -> mx.array:
@@ -403,7 +443,7 @@ class SpeculativeBatch(Batch):
         k = proposal.drafts.shape[1]
         # 2. The target scores each row's `last` and drafts in one pass, and decides.
         lasts = mx.array([[row.last] for row in rows])
-        target_logits = target.decode(mx.concatenate([lasts, proposal.drafts], axis=1) if k else lasts, self.caches[0])
+        raw = target_logits = target.decode(mx.concatenate([lasts, proposal.drafts], axis=1) if k else lasts, self.caches[0])
         if penalties is not None:  # each position after the row's output and the drafts before it
             drafted = mx.cumsum(one_hot(proposal.drafts, self.vocabulary), axis=1)
             before = mx.concatenate([mx.zeros((len(rows), 1, self.vocabulary)), drafted], axis=1)
@@ -411,14 +451,21 @@ class SpeculativeBatch(Batch):
                                             self.tokens(rows, proposal.drafts))
         num_accepted, next_tokens = verify(target_logits, proposal.logits, proposal.drafts, self.sampling, self.deltas,
                                            mx.array(proposal.limits), positions)
+        logprobs = ()
+        if self.top_logprobs is not None:  # at each position the row decides: its accepted drafts, then its next token
+            padded = mx.concatenate([proposal.drafts, next_tokens[:, None]], axis=1)
+            chosen = mx.where(mx.arange(k + 1) == num_accepted[:, None], next_tokens[:, None], padded)
+            logprobs = log_probabilities(raw, chosen, self.top_logprobs)
         # The round's one host sync (with auto, one a draft step too, and the last step's confidences in this one).
-        mx.eval(num_accepted, next_tokens, proposal.drafts, *proposal.pending)
+        mx.eval(num_accepted, next_tokens, proposal.drafts, *proposal.pending, *(a for a in logprobs if a is not None))
+        logprobs = logprob_lists(*logprobs) if logprobs else [None] * len(rows)
         seconds = self.drafter.clock() - started  # before the rows' tokens go out to the caller
         warm = sum(model.cold_steps for model in self.models) == cold  # every step replayed a compiled graph
         # 3. Each row takes its accepted prefix; the caches roll back to it.
         finished, accepted_counts, new_tokens = set(), num_accepted.tolist(), []
-        for position, (row, accepted, token, drafted, limit, calls) in enumerate(zip(
-                rows, accepted_counts, next_tokens.tolist(), proposal.drafts.tolist(), proposal.limits, proposal.calls)):
+        for position, (row, accepted, token, drafted, limit, calls, given) in enumerate(zip(
+                rows, accepted_counts, next_tokens.tolist(), proposal.drafts.tolist(), proposal.limits, proposal.calls,
+                logprobs)):
             tokens = drafted[:accepted] + [token]
             counted, eos = limit, self.eos(row)
             end = row.end(tokens[:accepted], eos)
@@ -430,7 +477,7 @@ class SpeculativeBatch(Batch):
             row.stats.accepted += accepted
             row.last = tokens[-1]
             new_tokens.append(tokens)
-            if (yield from row.emit(tokens, eos)):
+            if (yield from row.emit(tokens, eos, given)):
                 finished.add(position)
         self.drafter.settle(rows, proposal, new_tokens, accepted_counts, drafter_cache, seconds, warm)
         self.caches[0].trim([k - a for a in accepted_counts])
@@ -448,6 +495,10 @@ def batch_for(models, settings: Settings, batch_size: int) -> Batch:
     at a time or as many as auto finds worth it. Rows of that kind at other
     settings may join it: each keeps its own."""
     kind = settings.kind(models)
+    if kind.startswith(BEAMS):
+        from beams import BeamBatch  # a kind of Batch: it imports this module
+
+        return BeamBatch(models.target, batch_size, settings.num_beams)
     if kind == REGULAR:
         return RegularBatch(models.target, batch_size)
     if kind == LOOKUP:

@@ -22,7 +22,7 @@ from typing import Iterator
 import cpu  # before mlx.core
 
 import decoder
-from decoder import Request, batch_for, drive
+from decoder import Logprob, Request, batch_for, drive
 from errors import OptionError
 from loading import Models
 from model import T5
@@ -78,12 +78,17 @@ class Response:
     (the engine's: a round may decode past a stop string). The last response
     has token None, carries any text held back until the end, and says why
     generation stopped: finish_reason "stop" (the end of the text, or a stop
-    string) or "length" (max_tokens)."""
+    string) or "length" (max_tokens). With `logprobs=N` asked, `logprob`
+    is the token's decoder.Logprob: the target's log-probability of it,
+    before processors and temperature (vLLM's default), and the N most
+    likely tokens' (id, log-probability)."""
 
     text: str
     token: int | None
     stats: Stats
     finish_reason: str | None = None
+    logprob: Logprob | None = None
+    beams: list[tuple[str, float]] | None = None  # the last, with beam search: Generation.beams
 
 
 @dataclass
@@ -97,6 +102,8 @@ class Generation:
     tokens: list[int]
     stats: Stats
     finish_reason: str
+    logprobs: list[Logprob] | None = None  # each token's, with logprobs=N asked (Response.logprob)
+    beams: list[tuple[str, float]] | None = None  # beam search: the num_return_sequences best beams' texts and scores
 
 
 def settings_for(models: Models, options: dict) -> Settings:
@@ -158,7 +165,12 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     see drafting.PromptLookup; a draft model, if loaded, is not used),
     stop=() (strings the text ends before), ignore_eos=False (decode on to
     max_tokens), skip_special_tokens=False (True: no <extra_id_0>, </s> or
-    <pad> in the text); or settings=, a whole options.Settings, with any keywords
+    <pad> in the text), logprobs=None (N: each Response's logprob); the
+    processors repetition_penalty, presence_penalty, frequency_penalty,
+    min_tokens, no_repeat_ngram_size, stop_token_ids and logit_bias; beam
+    search, num_beams=1 (more: the target alone, greedy; its best beam is
+    the text), length_penalty=1.0, early_stopping=False (True, or "never"),
+    num_return_sequences=1 (batch_generate's Generation.beams); or settings=, a whole options.Settings, with any keywords
     over it. Options and the prompt are checked at the call, before any
     decoding: OptionError names one out of range."""
     settings = settings_for(models, options)
@@ -171,12 +183,14 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
             stream.add(token, finish)
             text += stream.take()
             for settled in stream.tokens[given : stream.settled]:
-                yield Response(text, settled, replace(request.stats))  # stats as they are now
+                logprob = request.logprobs[given] if settings.logprobs is not None else None
+                yield Response(text, settled, replace(request.stats), logprob=logprob)  # stats as they are now
                 text, given = "", given + 1
             if stream.finish_reason:
                 break
         learn_encoding_rate(models, settings, request.stats)
-        yield Response(text + stream.take(), None, replace(request.stats), stream.finish_reason)
+        yield Response(text + stream.take(), None, replace(request.stats), stream.finish_reason,
+                       beams=beam_texts(models, settings, request))
 
     return responses()
 
@@ -184,6 +198,12 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
 def generate(models: Models, prompt: str, **options) -> str:
     """The generated text; options as for stream_generate."""
     return "".join(response.text for response in stream_generate(models, prompt, **options))
+
+
+def beam_texts(models: Models, settings: Settings, request: Request) -> list[tuple[str, float]] | None:
+    """A beam search's best beams, as texts with their scores; None without beam search."""
+    return [(TextStream.of(models.tokenizer, settings).whole(tokens, finish), score)
+            for tokens, score, finish in request.sequences] or None
 
 
 def texts(batch, requests: list[Request], streams: dict) -> Iterator[Request]:
@@ -218,7 +238,10 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
         for request in texts(batch_for(models, settings, batch_size), requests, streams):
             stream = streams[id(request)]
             # stats as they are now: a row stopped by a stop string decodes on to the next round
-            done[id(request)] = Generation(stream.take(), stream.text_tokens, replace(request.stats), stream.finish_reason)
+            logprobs = request.logprobs[: stream.received] if settings.logprobs is not None else None
+            beams = beam_texts(models, settings, request)
+            done[id(request)] = Generation(stream.take(), stream.text_tokens, replace(request.stats), stream.finish_reason,
+                                           logprobs, beams)
             while next_out < len(requests) and id(requests[next_out]) in done:
                 yield done.pop(id(requests[next_out]))
                 next_out += 1

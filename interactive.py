@@ -48,21 +48,38 @@ def show_generation(models: Models, prompt: str, settings: Settings, out=None) -
     the generation with the statistics so far, and is raised again."""
     out = out or sys.stdout
     announce_encoding(models, prompt, settings)
-    pieces, stats = [], None
+    pieces, stats, logprobs, last = [], None, [], None
     try:
         for response in stream_generate(models, prompt, settings=settings):
             out.write(response.text)
             out.flush()
             pieces.append(response.text)
-            stats = response.stats
+            stats, last = response.stats, response
+            if response.logprob is not None:
+                logprobs.append((response.token, response.logprob))
     except KeyboardInterrupt:
         print(file=out)
         if stats is not None:
             print(stats_line(stats, settings.drafts(models)) + " [stopped]", file=out, flush=True)
         raise
     print(file=out)
+    for number, (text, score) in enumerate((last.beams or [])[1:], 2):
+        print(f"beam {number} (score {score:.3f}): {text}", file=out)
+    if logprobs:
+        print(logprob_table(models.tokenizer, logprobs), file=out)
     print(stats_line(stats, settings.drafts(models)), file=out)
     return "".join(pieces), stats
+
+
+def logprob_table(tokenizer, logprobs: list) -> str:
+    """Each output token's log-probability, and the most likely tokens', a line each."""
+    def shown(token: int) -> str:
+        return repr(tokenizer.decode([token]))
+
+    lines = ["token            logprob   most likely"]
+    for token, (logprob, top) in logprobs:
+        lines.append(f"{shown(token):<16} {logprob:8.3f}   " + "  ".join(f"{shown(t)} {v:.3f}" for t, v in top))
+    return "\n".join(lines)
 
 
 def show_batch(generations, count: int, speculative: bool, out=None) -> Stats:
@@ -142,6 +159,9 @@ def show_filled(prompt: str, output: str, out=None) -> None:
 # ---------------------------------------------------------------- the loop
 
 
+ALWAYS_SHOWN = ("num_draft", "delta", "temp", "top_k", "top_p", "max_tokens", "seed")
+
+
 def knob_lines() -> str:
     width = max(len(knob.flag) for knob in KNOBS.values()) + 4
     lines = [f"  :{knob.flag + (' N' if knob.type is int else ' X'):<{width}} {knob.help}"
@@ -177,11 +197,16 @@ class Session:
         return "\n".join(lines)
 
     def describe(self) -> str:
-        if self.settings.drafts(self.models):
+        if self.settings.num_beams > 1:
+            mode = f"beam search, {self.settings.num_beams} beams"
+        elif self.settings.drafts(self.models):
             mode = "speculative, prompt lookup" if self.settings.prompt_lookup else "speculative"
         else:
             mode = "regular" + ("" if self.models.draft is not None else " (no draft model)")
-        shown = [f"{knob.flag} {getattr(self.settings, name)}" for name, knob in KNOBS.items()]
+        # The drafting and sampling knobs always; the rest (processors, beams, logprobs) once changed.
+        default = Settings()
+        shown = [f"{knob.flag} {getattr(self.settings, name)}" for name, knob in KNOBS.items()
+                 if name in ALWAYS_SHOWN or getattr(self.settings, name) != getattr(default, name)]
         shown += [f"{option.flag} {getattr(self.settings, name)}" for name, option in LISTS.items()
                   if getattr(self.settings, name)]
         shown += [f"stop {self.settings.stop[0]!r}"] if self.settings.stop else []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from errors import ModelNotFound, T5Error, UsageError
-from generate import stream_batch_generate, stream_generate, warm_up
+from generate import batch_generate, stream_batch_generate, warm_up
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
 from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
@@ -200,6 +200,8 @@ def check_usage(args) -> Plan:
     if settings.speculative and not draft_model and not args.prompt_lookup:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     mode = "interactive" if args.interactive else "compare" if args.compare else "sweep" if args.sweep else "one-shot"
+    if settings.num_beams > 1 and mode in ("compare", "sweep"):
+        raise UsageError(f"--num-beams searches with the target alone: --{mode} measures speculative decoding")
     if args.json and mode != "one-shot":
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
     if args.prompts_file and mode in ("interactive", "compare"):
@@ -225,7 +227,8 @@ def check_usage(args) -> Plan:
 
 
 def load_models(plan: Plan, one_row: bool = False):
-    drafts = plan.settings.speculative or plan.mode == "sweep"  # --regular-decode loads no draft
+    # --regular-decode, and beam search, load no draft
+    drafts = (plan.settings.speculative and plan.settings.num_beams == 1) or plan.mode == "sweep"
     try:
         return load(plan.model, draft=plan.draft_model if drafts else None, verbose=True, one_row=one_row)
     except ModelNotFound as e:
@@ -241,14 +244,14 @@ def run(plan: Plan) -> int:
               batch_size=plan.batch_size)
         return 0
     # Regular decoding of one prompt at a time: each of the target's steps takes one row.
-    one_row = not settings.speculative and (not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)
+    one_row = not settings.speculative and settings.num_beams == 1 and (not plan.prompts or len(plan.prompts) == 1
+                                                                          or plan.batch_size == 1)
     models = load_models(plan, one_row)
     if plan.prompts:
         generations = stream_batch_generate(models, plan.prompts, batch_size=plan.batch_size, settings=settings)
         if plan.json:
             for generation in generations:
-                print(json.dumps({"text": generation.text, "tokens": generation.tokens, "stats": generation.stats.to_dict()}),
-                      flush=True)
+                print(json.dumps(json_record(generation)), flush=True)
         else:
             show_batch(generations, len(plan.prompts), settings.drafts(models))
     elif plan.mode == "interactive":
@@ -257,13 +260,20 @@ def run(plan: Plan) -> int:
         compare(models, plan.prompt, settings)
     elif plan.json:
         announce_encoding(models, plan.prompt, settings)
-        responses = list(stream_generate(models, plan.prompt, settings=settings))
-        tokens = [response.token for response in responses if response.token is not None]
-        text = "".join(response.text for response in responses)
-        print(json.dumps({"text": text, "tokens": tokens, "stats": responses[-1].stats.to_dict()}))
+        print(json.dumps(json_record(batch_generate(models, [plan.prompt], batch_size=1, settings=settings)[0])))
     else:
         show_one(models, plan)
     return 0
+
+
+def json_record(generation) -> dict:
+    """A generation as --json prints it: text, tokens and statistics; logprobs and beams when asked for."""
+    record = {"text": generation.text, "tokens": generation.tokens, "stats": generation.stats.to_dict()}
+    if generation.logprobs is not None:
+        record["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in generation.logprobs]
+    if generation.beams is not None:
+        record["beams"] = [{"text": text, "score": score} for text, score in generation.beams]
+    return record
 
 
 def show_one(models, plan: Plan) -> None:
@@ -275,7 +285,7 @@ def show_one(models, plan: Plan) -> None:
             print(f"Held-out prompt {DEMO_PROMPT} of {len(plan.examples)} (Python code, a span masked by <extra_id_0>):\n"
                   f"{plan.prompt}\n\nOutput:", flush=True)
     text, stats = show_generation(models, plan.prompt, plan.settings)
-    if plan.demo and plan.settings.speculative:
+    if plan.demo and plan.settings.drafts(models):
         show_speedup(models, plan.prompt, plan.settings, stats)
     show_filled(plan.prompt, text)
 

@@ -377,6 +377,13 @@ class DecoderCache:
         if self.cross_bias is not None:
             self.cross_bias = self.cross_bias[index, ..., cut]
 
+    def reorder(self, rows: list[int]) -> None:
+        """The self-attention caches of these rows, in this order, rows
+        repeated or dropped (beam search's beams, each the continuation of a
+        beam of the same prompt, whose cross-attention is the same)."""
+        for cache in self.self_attention:
+            cache.keep(rows)
+
     def extend(self, other: "DecoderCache") -> None:
         """Append other's rows (prompts encoded apart) after these. The
         shorter prompts' cross-attention keys are padded, and the padding masked."""

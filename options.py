@@ -22,6 +22,7 @@ AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth
 SEEDED_AUTO_DRAFTS = 5
 # Temperatures below this decode greedily (as vLLM's do): dividing logits by less overflows float32.
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's chat limit)
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Knob:
     values in a sweep. Errors name it as the caller's `label` does."""
 
     name: str
-    type: type  # int or float
+    type: type  # int, float or bool
     valid: Callable
     expected: str  # what `valid` accepts, for messages
     help: str
@@ -44,7 +45,11 @@ class Knob:
 
     def check(self, value, label: str | None = None):
         """value, if this knob takes it; OptionError otherwise."""
-        if (value is None and self.optional) or value in self.words:
+        if (value is None and self.optional) or (isinstance(value, str) and value in self.words):
+            return value
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})")
             return value
         kind = numbers.Real if self.type is float else numbers.Integral
         if not isinstance(value, kind) or isinstance(value, bool) or not self.valid(value):
@@ -57,6 +62,10 @@ class Knob:
             return None
         if text.strip().lower() in self.words:
             return text.strip().lower()
+        if self.type is bool:
+            if text.strip().lower() not in ("true", "false"):
+                raise OptionError(f"{label or self.name} must be {self.expected} (got '{text}')")
+            return text.strip().lower() == "true"
         try:
             return self.check(self.type(text), label)
         except (ValueError, OptionError):
@@ -82,6 +91,18 @@ KNOBS = {knob.name: knob for knob in [
     Knob("frequency_penalty", float, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
          "minus this for each time a token was output (OpenAI's rule; 0: off)"),
     Knob("min_tokens", int, lambda v: v >= 0, "an integer >= 0", "tokens before the end of text may come"),
+    Knob("logprobs", int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or none",
+         "give each output token's log-probability (the target's, before processors and temperature) and the N most "
+         "likely", optional=True),
+    Knob("num_beams", int, lambda v: v >= 1, "an integer >= 1",
+         "beam search with this many beams, the target alone (1: off)"),
+    Knob("length_penalty", float, lambda v: math.isfinite(v), "a finite number",
+         "beam search: a finished beam scores its log-probability over its length to this power"),
+    Knob("early_stopping", bool, lambda v: True, "true, false or never",
+         "beam search: true stops once num-beams beams finished; false when no better one looks likely; "
+         "never when none can be", words=("never",)),
+    Knob("num_return_sequences", int, lambda v: v >= 1, "an integer >= 1",
+         "beam search: the best beams returned, at most num-beams (without beam search: unused)"),
     Knob("no_repeat_ngram_size", int, lambda v: v >= 0, "an integer >= 0",
          "no n-gram of this many tokens twice in the output (transformers' rule; 0: off)"),
 ]}
@@ -131,6 +152,7 @@ REGULAR = "regular"  # the target alone
 LOOKUP = "lookup"  # drafts copied from the prompt and the output (drafting.LookupDrafter)
 DRAFT = "draft"  # the draft model's drafts, num_draft at a time
 AUTO_DRAFT = "auto"  # the draft model's drafts, as many as num-draft auto finds worth it
+BEAMS = "beams"  # beam search, the target alone; rows with as many beams share a batch (Settings.kind)
 
 
 @dataclass(frozen=True)
@@ -147,6 +169,11 @@ class Settings:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     no_repeat_ngram_size: int = 0
+    logprobs: int | None = None  # each token's log-probability and this many alternatives; None: none
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
     num_draft: int | str = 5  # or "auto"
     delta: float = 0.0
     speculative: bool = True  # with a draft loaded or prompt_lookup; False: the target alone
@@ -178,6 +205,14 @@ class Settings:
         if self.prompt_lookup and self.num_draft == AUTO:
             raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
                               "the longest draft")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise OptionError(f"num_return_sequences ({self.num_return_sequences}) is at most num_beams ({self.num_beams})")
+        if self.num_beams > 1:
+            refused = [name for name, asked in (("prompt lookup", self.prompt_lookup), ("num-draft auto", self.num_draft == AUTO),
+                                                ("sampling (temp > 0)", self.temp > 0), ("logprobs", self.logprobs is not None))
+                       if asked]
+            if refused:
+                raise OptionError(f"beam search decodes greedily with the target alone: it does not take {refused[0]}")
 
     @classmethod
     def of(cls, options: dict, base: "Settings | None" = None) -> "Settings":
@@ -192,7 +227,10 @@ class Settings:
 
     def kind(self, models) -> str:
         """How rows at these settings decode with these models (a target, and
-        a draft model or None): REGULAR, LOOKUP, DRAFT or AUTO_DRAFT."""
+        a draft model or None): REGULAR, LOOKUP, DRAFT, AUTO_DRAFT, or
+        BEAMS and the number of beams ("beams 4")."""
+        if self.num_beams > 1:
+            return f"{BEAMS} {self.num_beams}"
         if not self.speculative or (not self.prompt_lookup and models.draft is None):
             return REGULAR
         if self.prompt_lookup:
@@ -211,7 +249,7 @@ class Settings:
 
     def drafts(self, models) -> bool:
         """Whether decoding drafts and verifies (else the target decodes alone)."""
-        return self.kind(models) != REGULAR
+        return self.kind(models) in (LOOKUP, DRAFT, AUTO_DRAFT)
 
     def check_models(self, models) -> "Settings":
         """These settings, if the models can run them; OptionError otherwise."""

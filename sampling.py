@@ -126,6 +126,21 @@ def ngram_bans(tokens: mx.array, sizes: mx.array, longest: int, queries: int, vo
     return mx.zeros((B, queries, vocabulary)).at[rows, prefixes, banned].add(match.astype(mx.float32)) > 0
 
 
+def log_probabilities(logits: mx.array, chosen: mx.array, top: int):
+    """The model's own log-probabilities (raw logits (B, n, V), before any
+    processor or temperature) of the chosen tokens (B, n), and the `top` most
+    likely tokens' ids and log-probabilities, most likely first (B, n, top)."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logprobs, chosen[..., None].astype(mx.int32), axis=-1)[..., 0]
+    if top == 0:
+        return picked, None, None
+    ids = mx.argpartition(-logprobs, top - 1, axis=-1)[..., :top]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return picked, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
 def one_hot(tokens: mx.array, size: int) -> mx.array:
     """tokens (...) -> (..., size) float32 counts."""
     return (tokens[..., None] == mx.arange(size)).astype(mx.float32)

@@ -53,6 +53,14 @@ class Detokenizer:
         return after[len(before) :]
 
 
+def token_text(tokenizer, before: list[int], token: int) -> str:
+    """The text a token adds after the tokens `before` it (a few are enough:
+    a SentencePiece token's leading space shows only after another token)."""
+    context = before[-4:]
+    shown = tokenizer.decode(context, clean_up_tokenization_spaces=False)
+    return tokenizer.decode(context + [token], clean_up_tokenization_spaces=False)[len(shown) :]
+
+
 class TextStream:
     """One prompt's text as the engine decides its tokens (decoder.Event's
     token and finish reason, through `add`).
@@ -95,6 +103,13 @@ class TextStream:
             self.cut, self.finish_reason = self.taken + len(self.pending), "stop"
         elif finish is not None:
             self.finish_reason = finish
+
+    def whole(self, tokens: list[int], finish: str) -> str:
+        """The text of a whole output at once (a beam search's beams)."""
+        for token in tokens:
+            self.add(token)
+        self.add(None, finish)
+        return self.take()
 
     def take(self) -> str:
         """The text that can go out now: after the end, all that is left."""

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +29,7 @@ from serving import shapes
 from serving.engine import Engine, Job, QueueFull
 from serving.metrics import Metrics, Times
 from serving.schema import ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
-from text import TextStream
+from text import TextStream, token_text
 
 log = logging.getLogger("t5-server")
 
@@ -183,8 +183,10 @@ class Call:
 
     @property
     def usage(self) -> dict:
-        """Tokens the prompts took, and tokens whose text the client received."""
-        return shapes.usage(sum(len(job.request.ids) for job in self.jobs), sum(job.stream.received for job in self.jobs))
+        """Tokens the prompts took (each prompt once), and tokens whose text the client received (every beam returned)."""
+        prompts = {id(job.request.ids): len(job.request.ids) for job in self.jobs}
+        received = sum(sum(len(tokens) for tokens, _, _ in job.request.sequences) or job.stream.received for job in self.jobs)
+        return shapes.usage(sum(prompts.values()), received)
 
     def log(self) -> None:
         stats = self.stats
@@ -193,8 +195,8 @@ class Call:
 
 
 async def pieces(job: Job):
-    """(text, finish_reason) as the engine sends them, a piece a round; the
-    job is cancelled if this ends early."""
+    """(text, finish_reason, tokens settled) as the engine sends them, a
+    piece a round; the job is cancelled if this ends early."""
     try:
         while True:
             item = await job.out.get()
@@ -253,13 +255,14 @@ class Completions:
                            param=field)
         return settings
 
-    def encode(self, prompts: list[Prompt], truncate: int | None = None) -> list[list[int]]:
+    def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1) -> list[list[int]]:
         """Each prompt's ids: a text tokenized, ids checked against the
         vocabulary; then, with `truncate` (vLLM's truncate_prompt_tokens),
         only the last so many, as a long document is cut to fit."""
-        if len(prompts) > self.engine.max_queue:
-            raise ApiError(400, f"{len(prompts)} prompts are more than this server's queue holds "
-                                f"({self.engine.max_queue}): send them in smaller lists", param="prompt")
+        if len(prompts) * copies > self.engine.max_queue:
+            raise ApiError(400, f"{len(prompts) * copies} rows ({len(prompts)} prompts, {copies} each) are more than this "
+                                f"server's queue holds ({self.engine.max_queue}): send fewer prompts, or a smaller n",
+                           param="prompt")
         encoded = []
         for prompt in prompts:
             ids = self.ids(prompt)[-truncate:] if truncate else self.ids(prompt)
@@ -287,20 +290,33 @@ class Completions:
 
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
         settings = self.settings(body)
-        encoded = self.encode(body.prompts, body.truncate_prompt_tokens)
-        needed = sum(len(ids) + settings.max_tokens for ids in encoded)
+        copies = 1 if settings.num_beams > 1 else body.n  # jobs a prompt takes: n samples, or one search of n beams
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies)
+        needed = sum(len(ids) + settings.max_tokens for ids in encoded) * copies * settings.num_beams
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "
                                 f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
-        jobs = [Job(decoder.Request(ids, settings), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
-                    times=Times(arrived)) for ids in encoded]
+        jobs = [Job(decoder.Request(ids, copy_settings(settings, j)), TextStream.of(self.models.tokenizer, settings), loop,
+                    asyncio.Queue(), times=Times(arrived)) for ids in encoded for j in range(copies)]
         try:
             self.engine.submit(jobs)
         except QueueFull:
             raise ApiError(429, "the queue is full: try again shortly", "rate_limit_error", headers={"Retry-After": "1"})
         return jobs
+
+    def logprobs(self, job: Job, chat: bool, start: int, stop: int) -> dict | None:
+        """The logprobs of a job's tokens start..stop-1 in OpenAI's shape; None unless asked for."""
+        if job.request.settings.logprobs is None:
+            return None
+        tokenizer, tokens, shown = self.models.tokenizer, job.stream.tokens, []
+        for i in range(start, stop):
+            logprob, top = job.request.logprobs[i]
+            before = tokens[max(i - 4, 0) : i]
+            alternatives = [(token_text(tokenizer, before, t), v) for t, v in top]
+            shown.append((token_text(tokenizer, before, tokens[i]), logprob, alternatives))
+        return shapes.logprobs(chat, shown, job.stream.starts[start:stop])
 
     async def answer(self, request: Request, body: CompletionBody, chat: bool):
         call = Call(chat, self.jobs_for(body, request.state.arrived))
@@ -315,8 +331,12 @@ class Completions:
         try:
             choices = []
             for job in call.jobs:
-                text = "".join([piece async for piece, _ in pieces(job)])
-                choices.append((text, job.stream.finish_reason))
+                text = "".join([piece async for piece, _, _ in pieces(job)])
+                if job.request.sequences:  # beam search: the best beams, as texts (stop strings cut them as they cut text)
+                    choices += [(TextStream.of(self.models.tokenizer, job.request.settings).whole(tokens, finish), finish, None)
+                                for tokens, _, finish in job.request.sequences]
+                else:
+                    choices.append((text, job.stream.finish_reason, self.logprobs(job, call.chat, 0, job.stream.received)))
         finally:  # a job failed, or this was cancelled: the others stop too
             watcher.cancel()
             for job in call.jobs:
@@ -332,22 +352,34 @@ class Completions:
         def event(data: dict) -> str:
             return f"data: {json.dumps(data)}\n\n"
 
-        def chunk(index, text, finish, first=False, stats=None):
+        def chunk(index, text, finish, first=False, stats=None, given=None):
             return event(shapes.chunk(call.id, call.created, self.name, call.chat, index, text, finish, first=first,
-                                      stats=stats, with_usage=include_usage))
+                                      stats=stats, with_usage=include_usage, given=given))
 
         if call.chat:
             for i in range(len(call.jobs)):
                 yield chunk(i, None, None, first=True)
-        async for index, piece, finish in interleaved(call.jobs):
+        sent = [0] * len(call.jobs)  # each choice's tokens whose logprobs went out
+        async for index, piece, finish, settled in interleaved(call.jobs):
             if index is None:  # an error event
                 yield event(piece)
                 continue
-            yield chunk(index, piece, finish, stats=call.jobs[index].request.stats if finish else None)
+            job = call.jobs[index]
+            given = self.logprobs(job, call.chat, sent[index], settled)
+            sent[index] = settled
+            yield chunk(index, piece, finish, stats=job.request.stats if finish else None, given=given)
         if include_usage:
             yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
         yield "data: [DONE]\n\n"
         call.log()
+
+
+def copy_settings(settings: Settings, copy: int) -> Settings:
+    """The settings of a prompt's copy-th sample (n of them): a seed moves on by one a copy, so that seeded samples
+    differ and each is the one that seed gives alone."""
+    if copy == 0 or settings.seed is None:
+        return settings
+    return replace(settings, seed=(settings.seed + copy) % 2**64)
 
 
 class Events(StreamingResponse):
@@ -369,23 +401,23 @@ class Events(StreamingResponse):
 
 
 async def interleaved(jobs: list[Job]):
-    """(choice index, text, finish reason) from every job as each comes;
-    (None, error body, None) for a job that failed."""
+    """(choice index, text, finish reason, tokens settled) from every job as
+    each comes; (None, error body, None, None) for a job that failed."""
     if len(jobs) == 1:  # no tasks to interleave
         try:
-            async for piece, finish in pieces(jobs[0]):
-                yield 0, piece, finish
+            async for piece, finish, settled in pieces(jobs[0]):
+                yield 0, piece, finish, settled
         except ApiError as e:
-            yield None, shapes.error_body(e.message, e.type), None
+            yield None, shapes.error_body(e.message, e.type), None, None
         return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def drain(index: int, job: Job):
         try:
-            async for piece, finish in pieces(job):
-                await merged.put((index, piece, finish))
+            async for piece, finish, settled in pieces(job):
+                await merged.put((index, piece, finish, settled))
         except ApiError as e:
-            await merged.put((None, shapes.error_body(e.message, e.type), None))
+            await merged.put((None, shapes.error_body(e.message, e.type), None, None))
 
     tasks = [asyncio.create_task(drain(i, job)) for i, job in enumerate(jobs)]
     finished = asyncio.gather(*tasks)

@@ -30,8 +30,8 @@ class QueueFull(Exception):
 @dataclass(eq=False)
 class Job:
     """One prompt of one HTTP request: what the engine decodes for it, and
-    the pieces of text it sends back to the request's event loop:
-    (text, finish reason) a round, then None."""
+    the pieces of text it sends back to the request's event loop: (text,
+    finish reason, tokens settled so far) a round, then None."""
 
     request: Request
     stream: TextStream
@@ -57,7 +57,7 @@ class Job:
             return
         ready, finish = self.stream.take(), self.stream.finish_reason
         if ready or finish:
-            self.send((ready, finish))
+            self.send((ready, finish, self.stream.settled))
         if finish:
             self.end()
 

@@ -8,6 +8,7 @@ with.
 """
 
 from dataclasses import replace
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 from pydantic import model_validator
@@ -15,6 +16,7 @@ from pydantic import model_validator
 from options import AUTO, KNOBS, Settings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 16  # n, and beams
 # OpenAI's fields this server does not do: a request that sets one to anything but its default is refused, not ignored.
 UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                "function_call": ("none",), "suffix": ("",), "echo": (False,), "audio": (), "modalities": (["text"],),
@@ -70,7 +72,11 @@ class CompletionBody(BaseModel):
     stop: StrictStr | list[StrictStr] | None = Field(default=None, validate_default=True)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)  # choices per prompt: samples, or with use_beam_search the best beams
+    use_beam_search: StrictBool = False  # vLLM's: best_of beams (n if not given), the n best returned
+    best_of: StrictInt | None = Field(default=None, ge=1)
+    length_penalty: Number | None = None  # beam search (vLLM's, transformers' rule)
+    early_stopping: StrictBool | Literal["never"] | None = None
     num_draft: StrictInt | StrictStr | None = None
     delta: Number | None = None
     prompt_lookup: StrictBool | None = None
@@ -79,7 +85,7 @@ class CompletionBody(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # vLLM's: keep a prompt's last N tokens
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "min_tokens", "no_repeat_ngram_size")
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "no_repeat_ngram_size", "length_penalty")
     @classmethod
     def in_range(cls, value, info):
         knob = "max_tokens" if info.field_name == "max_completion_tokens" else info.field_name
@@ -114,12 +120,23 @@ class CompletionBody(BaseModel):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
         return [valid_unicode(stop, "a stop string") for stop in stops]
 
-    @field_validator("n")
-    @classmethod
-    def one_choice(cls, value):
-        if value != 1:
-            raise ValueError("n must be 1: ask again for more samples (with another seed)")
-        return value
+    @model_validator(mode="after")
+    def beams_or_samples(self):
+        if self.use_beam_search:
+            if self.beams < 2:
+                raise ValueError("use_beam_search needs best_of (the beams; n when not given) of at least 2")
+            if self.beams > MAX_CHOICES or self.n > self.beams:
+                raise ValueError(f"use_beam_search takes up to {MAX_CHOICES} beams (best_of), and n at most best_of")
+            if self.stream:
+                raise ValueError("beam search does not stream: its best beams are known only at the end")
+        elif self.best_of not in (None, self.n):
+            raise ValueError("best_of (more samples than returned) is not supported: use n, or use_beam_search")
+        return self
+
+    @property
+    def beams(self) -> int:
+        """The beams a beam search request asks for: best_of, or n when not given."""
+        return self.best_of or self.n
 
     @property
     def include_usage(self) -> bool:
@@ -137,6 +154,11 @@ class CompletionBody(BaseModel):
         return None if self.logit_bias is None else {int(key): bias for key, bias in self.logit_bias.items()}
 
     @property
+    def logprob_count(self) -> int | None:
+        """How many alternatives each token's logprobs list; None: no logprobs."""
+        return None
+
+    @property
     def most_tokens(self) -> int | None:
         """max_completion_tokens, or else max_tokens (None: the server's default)."""
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
@@ -148,7 +170,11 @@ class CompletionBody(BaseModel):
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                  "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
                  "no_repeat_ngram_size": self.no_repeat_ngram_size, "stop_token_ids": self.stop_token_ids,
-                 "logit_bias": self.token_biases}
+                 "logit_bias": self.token_biases, "logprobs": self.logprob_count, "length_penalty": self.length_penalty,
+                 "early_stopping": self.early_stopping}
+        if self.use_beam_search:  # the server's drafting defaults do not apply; a request's own drafting is refused
+            given = {"num_draft": 1, "prompt_lookup": False} | {k: v for k, v in given.items() if v is not None}
+            given |= {"num_beams": self.beams, "num_return_sequences": self.n}
         chosen = {name: value for name, value in given.items() if value is not None}
         return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                        skip_special_tokens=self.skip_special_tokens)
@@ -159,6 +185,16 @@ Prompt = StrictStr | list[StrictInt]  # text, or token ids as given (OpenAI's an
 
 class Completion(CompletionBody):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # the legacy completion's: this many alternatives for each token
+
+    @field_validator("logprobs")
+    @classmethod
+    def logprobs_in_range(cls, value):
+        return knob_value("logprobs", value)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -217,6 +253,23 @@ class Message(BaseModel):
 
 class ChatCompletion(CompletionBody):
     messages: list[Message]
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None  # alternatives for each token, with logprobs
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_logprobs_in_range(cls, value):
+        return knob_value("logprobs", value, "top_logprobs")
+
+    @model_validator(mode="after")
+    def top_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def a_user_speaks(self):

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from checkpoints import PROMPT
@@ -171,7 +172,14 @@ BAD = [
     ({"model": "t5-demo", "prompt": "x", "num_draft": 0}, None, "num_draft must be an integer >= 1 or auto"),
     ({"model": "t5-demo", "prompt": "x", "num_draft": "lots"}, None, "num_draft must be an integer >= 1 or auto"),
     ({"model": "t5-demo", "prompt": "x", "seed": -3}, None, "seed must be an integer in [0, 2**64)"),
-    ({"model": "t5-demo", "prompt": "x", "n": 2}, None, "n must be 1"),
+    ({"model": "t5-demo", "prompt": "x", "n": 0}, None, "n: Input should be greater than or equal to 1"),
+    ({"model": "t5-demo", "prompt": "x", "best_of": 3}, None, "best_of (more samples than returned) is not supported"),
+    ({"model": "t5-demo", "prompt": "x", "use_beam_search": True}, None, "use_beam_search needs best_of"),
+    ({"model": "t5-demo", "prompt": "x", "use_beam_search": True, "n": 2, "stream": True}, None, "does not stream"),
+    ({"model": "t5-demo", "prompt": "x", "use_beam_search": True, "n": 2, "prompt_lookup": True}, None,
+     "beam search decodes greedily with the target alone: it does not take prompt lookup"),
+    ({"model": "t5-demo", "prompt": "x", "use_beam_search": True, "n": 2, "temperature": 1}, None,
+     "it does not take sampling"),
     # OpenAI's fields for what this server cannot do: named, not ignored
     ({"model": "t5-demo", "prompt": "x", "echo": True}, None, "echo is not supported"),
     ({"model": "t5-demo", "prompt": "x", "suffix": "end"}, None, "suffix is not supported"),
@@ -610,3 +618,59 @@ def test_penalties_ride_on_requests_with_openais_and_vllms_names(server, models,
                           ({"99999": 1}, "below 2,100")):
         with pytest.raises(openai.BadRequestError, match=message):
             server.client().completions.create(model="t5-demo", prompt="x", logit_bias=bias)
+
+
+def test_logprobs_come_in_openais_shapes_whole_and_streamed(server, models, prompts):
+    """Completions: parallel lists whose tokens spell the text; chat: token
+    objects with their bytes and alternatives; streamed chunks carry the same
+    ones, each with its own tokens. Each value is the API's."""
+    client = server.client()
+    _, expected = zip(*[(r.token, r.logprob) for r in stream_generate(models, prompts[1], max_tokens=15, logprobs=2,
+                                                                       **EXACT, **TEXT) if r.token is not None])
+    reply = client.completions.create(model="t5-demo", prompt=prompts[1], max_tokens=15, logprobs=2, extra_body=EXACT)
+    given = reply.choices[0].logprobs
+    assert reply.choices[0].text.strip() in "".join(given.tokens)  # with the special tokens the text leaves out
+    np.testing.assert_allclose(given.token_logprobs, [lp for lp, _ in expected], atol=1e-4)
+    assert all(len(top) <= 3 and token in top for token, top in zip(given.tokens, given.top_logprobs))
+    assert given.text_offset == sorted(given.text_offset) and len(given.text_offset) == len(given.tokens)
+
+    messages = [{"role": "user", "content": prompts[1]}]
+    chat = client.chat.completions.create(model="t5-demo", messages=messages, max_tokens=15, logprobs=True, top_logprobs=2,
+                                          extra_body=EXACT)
+    content = chat.choices[0].logprobs.content
+    np.testing.assert_allclose([t.logprob for t in content], [lp for lp, _ in expected], atol=1e-4)
+    assert all(len(t.top_logprobs) == 2 and bytes(t.bytes).decode() == t.token for t in content)
+    assert [t.token for t in content] == given.tokens
+    chunks = list(client.chat.completions.create(model="t5-demo", messages=messages, max_tokens=15, logprobs=True,
+                                                 top_logprobs=2, stream=True, extra_body=EXACT))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model="t5-demo", messages=messages, max_tokens=5)
+    assert plain.choices[0].logprobs is None
+    for options, message in ((dict(top_logprobs=2), "top_logprobs needs logprobs"),
+                             (dict(logprobs=True, top_logprobs=21), "top_logprobs must be an integer in")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model="t5-demo", messages=messages, **options)
+
+
+def test_n_samples_of_one_prompt_are_choices_each_the_api_at_its_seed(server, models, prompts):
+    """n rows of one encoding; choice j is the sample seed + j gives alone."""
+    options = dict(max_tokens=15, temperature=1.0, seed=7)
+    reply = server.client().completions.create(model="t5-demo", prompt=prompts[2], n=3, **options, extra_body=EXACT)
+    texts = [choice.text for choice in sorted(reply.choices, key=lambda c: c.index)]
+    assert texts == [generate(models, prompts[2], max_tokens=15, temp=1.0, seed=7 + j, **EXACT, **TEXT) for j in range(3)]
+    assert len(set(texts)) > 1 and reply.usage.prompt_tokens == len(models.tokenizer.encode(prompts[2]))
+    chat = server.client().chat.completions.create(model="t5-demo", messages=[{"role": "user", "content": prompts[2]}], n=2,
+                                                   **options, extra_body=EXACT)
+    assert [c.index for c in chat.choices] == [0, 1] and [c.message.content for c in chat.choices] == texts[:2]
+
+
+def test_beam_search_answers_its_n_best_beams_as_the_api_finds_them(server, models, prompts):
+    options = dict(num_beams=4, num_return_sequences=2, length_penalty=0.8, max_tokens=20)
+    expected = batch_generate(models, prompts[:2], **options, speculative=False, **TEXT)
+    reply = server.client().completions.create(model="t5-demo", prompt=prompts[:2], n=2, max_tokens=20, best_of=4,
+                                               extra_body={"use_beam_search": True, "length_penalty": 0.8})
+    assert [c.text for c in reply.choices] == [text for g in expected for text, _ in g.beams]
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert expected[0].beams[0][0] != generate(models, prompts[0], max_tokens=20, speculative=False, **TEXT) or \
+        expected[1].beams[0][0] != generate(models, prompts[1], max_tokens=20, speculative=False, **TEXT)
