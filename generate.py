@@ -26,7 +26,7 @@ from decoder import Logprob, Request, batch_for, drive
 from errors import OptionError
 from loading import Models
 from model import T5
-from options import BATCH_SIZE, Settings, Stats
+from options import BATCH_SIZE, Settings, Stats, task_preset
 from text import TextStream
 
 TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
@@ -106,18 +106,20 @@ class Generation:
     beams: list[tuple[str, float]] | None = None  # beam search: the num_return_sequences best beams' texts and scores
 
 
-def settings_for(models: Models, options: dict) -> Settings:
-    """The options as Settings these models can run: keywords, over a whole
+def settings_for(models: Models, options: dict) -> tuple[Settings, str]:
+    """The options as Settings these models can run, and the prompts'
+    prefix: keywords, over a `task=`'s (options.task_preset), over a whole
     Settings given as `settings=` (what the command line passes). TypeError
     for models that are not loading.load's, OptionError for an option out of
-    range."""
+    range or a task the model's config does not name."""
     if not isinstance(models, Models):
         shown = f" {models!r}" if isinstance(models, str) else ""
         raise TypeError(f"models must be what loading.load returns (got {type(models).__name__}{shown}): "
                         "models = load(TARGET, draft=DRAFT)")
     options = dict(options)
-    base = options.pop("settings", None)
-    return Settings.of(options, base).check_models(models)
+    base, task = options.pop("settings", None), options.pop("task", None)
+    prefix, preset = task_preset(models.tasks, task) if task is not None else ("", {})
+    return Settings.of(preset | options, base).check_models(models), prefix
 
 
 def check_prompts(prompts: list[str]) -> None:
@@ -133,14 +135,14 @@ def check_prompts(prompts: list[str]) -> None:
             raise TypeError(f"prompts must be a list of strings (prompt {number} is {type(prompt).__name__})")
 
 
-def tokenize(models: Models, prompts: list[str]) -> list[list[int]]:
-    """Each prompt's ids. OptionError for an empty prompt; a warning for
-    prompts longer than T5 was trained on."""
+def tokenize(models: Models, prompts: list[str], prefix: str = "") -> list[list[int]]:
+    """Each prompt's ids, after a task's prefix. OptionError for an empty
+    prompt; a warning for prompts longer than T5 was trained on."""
     check_prompts(prompts)
     for number, prompt in enumerate(prompts, 1):
         if not prompt.strip():
             raise OptionError("the prompt is empty" if len(prompts) == 1 else f"prompt {number} of {len(prompts)} is empty")
-    ids = [models.tokenizer.encode(prompt) for prompt in prompts]
+    ids = [models.tokenizer.encode(prefix + prompt) for prompt in prompts]
     longest = max(len(i) for i in ids)
     if longest > TRAINED_LENGTH:
         which = "the prompt has" if len(ids) == 1 else f"{sum(len(i) > TRAINED_LENGTH for i in ids)} prompt(s) have up to"
@@ -149,10 +151,10 @@ def tokenize(models: Models, prompts: list[str]) -> list[list[int]]:
     return ids
 
 
-def one_prompt(models: Models, prompt: str) -> list[int]:
+def one_prompt(models: Models, prompt: str, prefix: str = "") -> list[int]:
     if not isinstance(prompt, str):
         raise TypeError(f"the prompt must be a string (got {type(prompt).__name__})")
-    return tokenize(models, [prompt])[0]
+    return tokenize(models, [prompt], prefix)[0]
 
 
 def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response]:
@@ -170,11 +172,13 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     min_tokens, no_repeat_ngram_size, stop_token_ids and logit_bias; beam
     search, num_beams=1 (more: the target alone, greedy; its best beam is
     the text), length_penalty=1.0, early_stopping=False (True, or "never"),
-    num_return_sequences=1 (batch_generate's Generation.beams); or settings=, a whole options.Settings, with any keywords
+    num_return_sequences=1 (batch_generate's Generation.beams); task=None
+    (a task the model's config names, "summarization" say: its prompt
+    prefix, and its options under those given); or settings=, a whole options.Settings, with any keywords
     over it. Options and the prompt are checked at the call, before any
     decoding: OptionError names one out of range."""
-    settings = settings_for(models, options)
-    request = Request(one_prompt(models, prompt), settings)
+    settings, prefix = settings_for(models, options)
+    request = Request(one_prompt(models, prompt, prefix), settings)
     stream = TextStream.of(models.tokenizer, settings)
 
     def responses():
@@ -228,9 +232,9 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
     the batch and waiting prompts take its place. Greedy at delta 0, each
     text equals `generate` on its prompt alone. Options as for
     stream_generate; they, batch_size and every prompt are checked at the call."""
-    settings = settings_for(models, options)
+    settings, prefix = settings_for(models, options)
     BATCH_SIZE.check(batch_size)
-    requests = [Request(ids, settings) for ids in tokenize(models, prompts)]
+    requests = [Request(ids, settings) for ids in tokenize(models, prompts, prefix)]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
 
     def generations():

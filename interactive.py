@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from errors import OptionError
 from generate import encoding_seconds, measure, stream_generate, warm_up
 from loading import Models
-from options import KNOBS, LISTS, Settings, Stats
+from options import KNOBS, LISTS, Settings, Stats, task_preset
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -168,6 +168,7 @@ def knob_lines() -> str:
              + (" (or none)" if knob.optional else "") for knob in KNOBS.values()]
     lines += [f"  :{option.flag + ' ...':<{width}} {option.help}: {option.metavar} (or none)" for option in LISTS.values()]
     lines.append(f"  :{'stop TEXT':<{width}} end the text before TEXT (or none)")
+    lines.append(f"  :{'task NAME':<{width}} a task the model's config names: its prefix and options (or none)")
     return "\n".join(lines)
 
 
@@ -179,6 +180,7 @@ class Session:
     settings: Settings
     examples: list[str] | None = None  # --demo's held-out prompts, for :demo N
     last_prompt: str | None = None
+    prefix: str = ""  # :task's, before every prompt
     out: object = field(default=None)
 
     def say(self, text: str) -> None:
@@ -221,6 +223,7 @@ class Session:
             self.say(str(e))
 
     def generate(self, prompt: str) -> None:
+        prompt = self.prefix + prompt
         self.last_prompt = prompt
         text, _ = show_generation(self.models, prompt, self.settings, self.out)
         show_filled(prompt, text, self.out)
@@ -259,9 +262,25 @@ class Session:
                 self.say(str(e))
         elif name == "stop":
             self.change(stop=() if value.lower() in ("", "none") else (value,))
+        elif name == "task":
+            self.task(value)
         else:
             self.say(f"unknown command ':{name}' (:help lists them)")
         return True
+
+    def task(self, name: str) -> None:
+        """A task the model's config names: its prefix before each prompt, its options over these; none: no prefix."""
+        if name.lower() in ("", "none"):
+            self.prefix = ""
+            self.say("no task: prompts as typed")
+            return
+        try:
+            self.prefix, preset = task_preset(self.models.tasks, name)
+        except OptionError as e:
+            self.say(str(e))
+            return
+        self.say(f"task {name}: prompts start {self.prefix!r}")
+        self.change(**preset)
 
     def run_example(self, number: str) -> None:
         if not self.examples:

@@ -208,6 +208,7 @@ class Models:
     draft_path: Path | None = None
     drafting: AutoDraft = field(default_factory=AutoDraft, repr=False)
     encoding_rate: float | None = None
+    tasks: dict = field(default_factory=dict)  # the target's config's task_specific_params (options.task_preset)
 
 
 def check_fit(path: Path, model: T5, tokenizer) -> None:
@@ -262,4 +263,6 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         if model is not None:
             model.compile_decoding()  # reads every weight
             check_fit(path, model, tokenizer)
-    return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve())
+    tasks = read_config(target_path).get("task_specific_params") or {}
+    return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve(),
+                  tasks=tasks)

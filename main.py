@@ -15,14 +15,14 @@ import argparse
 import json
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from errors import ModelNotFound, T5Error, UsageError
 from generate import batch_generate, stream_batch_generate, warm_up
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
 from loading import load
-from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
+from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings, task_preset
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{knob.flag}", type=str if knob.words else knob.type, help=knob.help + default + ")" * bool(default))
     for name, option in LISTS.items():
         p.add_argument(f"--{option.flag}", metavar=option.metavar, help=option.help)
+    p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
+                   "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
@@ -147,6 +149,8 @@ class Plan:
     deltas: list | None = None
     plot: str | None = None
     repeats: int = 1
+    task: str | None = None
+    given: frozenset = frozenset()  # the knobs given as flags, which a task's options do not override
 
 
 def knob_settings(args, defaults: dict) -> Settings:
@@ -222,8 +226,11 @@ def check_usage(args) -> Plan:
         prompts = examples if examples and args.prompt is None else [prompt]
     batch_size = args.batch_size or (SWEEP_BATCH_SIZE_DEFAULT if args.sweep else BATCH_SIZE_DEFAULT)
     model = args.model if args.model is not None else str(DEMO_DIR / "target") if args.demo else "t5-11b"
+    if args.task is not None and mode in ("compare", "sweep"):
+        raise UsageError(f"--task sets decoding options itself: --{mode} measures speculative decoding at yours")
+    given = frozenset(name for name in KNOBS if getattr(args, name) is not None)
     return Plan(settings, mode, model, None if args.prompt_lookup else draft_model, prompt, args.prompt is not None,
-                prompts, examples, batch_size, args.json, args.demo, **grid)
+                prompts, examples, batch_size, args.json, args.demo, **grid, task=args.task, given=given)
 
 
 def load_models(plan: Plan, one_row: bool = False):
@@ -247,6 +254,9 @@ def run(plan: Plan) -> int:
     one_row = not settings.speculative and settings.num_beams == 1 and (not plan.prompts or len(plan.prompts) == 1
                                                                           or plan.batch_size == 1)
     models = load_models(plan, one_row)
+    if plan.task is not None:
+        plan = with_task(models, plan)
+        settings = plan.settings
     if plan.prompts:
         generations = stream_batch_generate(models, plan.prompts, batch_size=plan.batch_size, settings=settings)
         if plan.json:
@@ -264,6 +274,14 @@ def run(plan: Plan) -> int:
     else:
         show_one(models, plan)
     return 0
+
+
+def with_task(models, plan: Plan) -> Plan:
+    """The plan with --task's prefix on its prompts and its options under the flags given."""
+    prefix, preset = task_preset(models.tasks, plan.task)
+    settings = replace(plan.settings, **{name: value for name, value in preset.items() if name not in plan.given})
+    prompts = [prefix + prompt for prompt in plan.prompts] if plan.prompts else None
+    return replace(plan, settings=settings.check_models(models), prompt=prefix + plan.prompt, prompts=prompts)
 
 
 def json_record(generation) -> dict:

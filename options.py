@@ -272,6 +272,30 @@ class Settings:
                          self.logit_bias, self.no_repeat_ngram_size, self.stop_token_ids if self.min_tokens else ())
 
 
+# transformers' generation parameters, as a model's config names them for a task, and the options they are here.
+# Lengths there count the decoder's start token; here, the tokens generated.
+TASK_PARAMETERS = {"num_beams": ("num_beams", 0), "length_penalty": ("length_penalty", 0),
+                   "early_stopping": ("early_stopping", 0), "no_repeat_ngram_size": ("no_repeat_ngram_size", 0),
+                   "repetition_penalty": ("repetition_penalty", 0), "min_length": ("min_tokens", -1),
+                   "max_length": ("max_tokens", -1), "min_new_tokens": ("min_tokens", 0),
+                   "max_new_tokens": ("max_tokens", 0)}
+
+
+def task_preset(tasks: dict, name: str) -> tuple[str, dict]:
+    """A task's prompt prefix and options, from a model's task_specific_params
+    (T5's: summarization, translation_en_to_de, ...), as transformers'
+    pipelines apply them. Parameters with no option here are left out."""
+    if name not in tasks:
+        known = ", ".join(sorted(tasks)) or "none"
+        raise OptionError(f"the model's config names no task {name!r} (its tasks: {known})")
+    params = tasks[name]
+    options = {ours: params[theirs] for theirs, (ours, _) in TASK_PARAMETERS.items() if theirs in params}
+    for theirs, (ours, shift) in TASK_PARAMETERS.items():
+        if shift and theirs in params:
+            options[ours] = max(params[theirs] + shift, 0 if ours == "min_tokens" else 1)
+    return params.get("prefix", ""), options
+
+
 def checked_bias(given) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (token id, bias) pairs, each checked as OpenAI checks them."""
     pairs = given.items() if isinstance(given, dict) else given

@@ -39,6 +39,10 @@ from serving.app import Access, Limits, create_app, ip_literal
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
+# Knobs a server sets for every request that gives none; not those that change an answer's shape (logprobs,
+# choices) or its decoding's kind (beams), which each request asks for in its own fields.
+SERVER_KNOBS = {name: knob for name, knob in KNOBS.items()
+                if name not in ("logprobs", "num_beams", "length_penalty", "early_stopping", "num_return_sequences")}
 CACHE_BUDGET = 2 * 2**30  # bytes of cache one request may hold, unless --max-request-tokens says otherwise
 
 
@@ -163,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=256, help="open connections; beyond, 503")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     library = Settings()
-    for name, knob in KNOBS.items():  # the requests' defaults
+    for name, knob in SERVER_KNOBS.items():  # the requests' defaults
         default = "" if "default" in knob.help else f" (default: {getattr(library, name)})"
         p.add_argument(f"--{knob.flag}", type=str if knob.words else knob.type,
                        help=f"{knob.help}, unless a request gives its own{default}")
@@ -173,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 def server_settings(args) -> Settings:
     """The requests' default settings, from the knob flags."""
     values = {}
-    for name, knob in KNOBS.items():
+    for name, knob in SERVER_KNOBS.items():
         given = getattr(args, name)
         if given is not None:
             values[name] = knob.parse(given, f"--{knob.flag}") if isinstance(given, str) else knob.check(given, f"--{knob.flag}")

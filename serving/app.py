@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import decoder
 from errors import OptionError
 from loading import Models
-from options import Settings, Stats
+from options import Settings, Stats, task_preset
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
 from serving.metrics import Metrics, Times
@@ -243,19 +243,28 @@ class Completions:
             raise ApiError(404, f"the model {model!r} does not exist here (GET /v1/models: {self.name!r})",
                            code="model_not_found", param="model")
 
-    def settings(self, body: CompletionBody) -> Settings:
+    def settings(self, body: CompletionBody) -> tuple[Settings, str]:
+        """The request's Settings (its options, over its task's, over the server's), and its task's prompt prefix."""
         self.check_model(body.model)
         try:
-            settings = body.settings(self.engine.defaults).check_models(self.models)
+            defaults, prefix = self.engine.defaults, ""
+            if body.task is not None:
+                prefix, preset = task_preset(self.models.tasks, body.task)
+                if preset.get("num_beams", 1) > 1:  # a task's beam search: as use_beam_search asks for one
+                    preset |= {"num_draft": 1, "prompt_lookup": False, "num_return_sequences": body.n}
+                defaults = replace(defaults, **preset)
+            settings = body.settings(defaults).check_models(self.models)
         except (OptionError, TypeError) as e:
             raise ApiError(400, str(e))
+        if settings.num_beams > 1 and body.stream:
+            raise ApiError(400, "beam search does not stream: its best beams are known only at the end", param="stream")
         if settings.max_tokens > self.limits.max_tokens:
             field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
             raise ApiError(400, f"{field} is {settings.max_tokens:,}, more than this server's {self.limits.max_tokens:,}",
                            param=field)
-        return settings
+        return settings, prefix
 
-    def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1) -> list[list[int]]:
+    def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1, prefix: str = "") -> list[list[int]]:
         """Each prompt's ids: a text tokenized, ids checked against the
         vocabulary; then, with `truncate` (vLLM's truncate_prompt_tokens),
         only the last so many, as a long document is cut to fit."""
@@ -265,7 +274,10 @@ class Completions:
                            param="prompt")
         encoded = []
         for prompt in prompts:
-            ids = self.ids(prompt)[-truncate:] if truncate else self.ids(prompt)
+            ids = self.ids(prefix + prompt if isinstance(prompt, str) else prompt)
+            if truncate and len(ids) > truncate:  # the prompt's last tokens, after the task's prefix whole
+                kept = self.ids(prefix, add_special_tokens=False) if prefix and isinstance(prompt, str) else []
+                ids = kept + self.ids(prompt)[-max(truncate - len(kept), 1):]
             if len(ids) > self.limits.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's "
                                     f"{self.limits.max_prompt_tokens:,} (truncate_prompt_tokens keeps its last ones)",
@@ -289,9 +301,9 @@ class Completions:
         return list(ids)
 
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
-        settings = self.settings(body)
+        settings, prefix = self.settings(body)
         copies = 1 if settings.num_beams > 1 else body.n  # jobs a prompt takes: n samples, or one search of n beams
-        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies)
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, prefix)
         needed = sum(len(ids) + settings.max_tokens for ids in encoded) * copies * settings.num_beams
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "

@@ -83,6 +83,7 @@ class CompletionBody(BaseModel):
     ignore_eos: StrictBool = False  # decode on to max_tokens (benchmarks)
     skip_special_tokens: StrictBool = True  # vLLM's default: no <extra_id_0>, </s> or <pad> in the text
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # vLLM's: keep a prompt's last N tokens
+    task: StrictStr | None = None  # a task the model's config names: its prefix, and its options under the request's
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "no_repeat_ngram_size", "length_penalty")
