@@ -127,7 +127,8 @@ class BeamBatch(Batch):
             continued = search.step(values[r], (top[r] // V).tolist(), (top[r] % V).tolist(), ends[r], row.settings.max_tokens,
                                     row.settings.length_penalty, row.settings.early_stopping)
             sources += [r * K + int(b) for b in continued]
-        self.caches[0].reorder(sources)
+        if sources != list(range(len(sources))):  # a beam left its place
+            self.caches[0].reorder(sources)
         if self.counts is not None:
             new = mx.array([beam[-1] for search in searches for beam in search.running])
             self.counts = self.counts[mx.array(sources)] + one_hot(new, V)

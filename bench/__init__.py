@@ -9,12 +9,12 @@ that makes its table from that data (harness.py). Runs of ours and of the
 references alternate, the references in processes of their own, and every
 result names the machine it ran on. Modules by family of measurement:
 decoding.py (regular, steps, speculative), batching.py (batch, serve),
-drafts.py (drafting, fresh, lookup), memory.py (quantized, sizes),
+drafts.py (drafting, fresh, lookup), controls.py (processors, beams), memory.py (quantized, sizes),
 long_inputs.py (encode, attention), blas.py; the checkpoints they run on are
 fixtures.py's, the references references.py's.
 """
 
-from bench import batching, blas, decoding, drafts, long_inputs, memory
+from bench import batching, blas, controls, decoding, drafts, long_inputs, memory
 
 # name -> (what it measures, run(args) -> data, render(data) -> Markdown), in the order docs/PERFORMANCE.md shows them
 COMMANDS = {
@@ -24,6 +24,8 @@ COMMANDS = {
     "drafting": ("num-draft auto", drafts.run_drafting, drafts.render_drafting),
     "fresh": ("In a fresh process", drafts.run_fresh, drafts.render_fresh),
     "lookup": ("Prompt lookup", drafts.run_lookup, drafts.render_lookup),
+    "processors": ("Logits processors", controls.run_processors, controls.render_processors),
+    "beams": ("Beam search", controls.run_beams, controls.render_beams),
     "batch": ("Batches", batching.run_batch, batching.render_batch),
     "serve": ("The server under load", batching.run_serve, batching.render_serve),
     "encode": ("Long prompts", long_inputs.run_encode, long_inputs.render_encode),

@@ -108,9 +108,10 @@ class Worker:
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
-    def run(self, prompt: list[int], tokens: int, min_tokens: int = 0) -> dict:
-        """One greedy generation: {"seconds", "tokens"} (EOS left out), and the worker's own counts."""
-        return self.ask({"prompt": prompt, "tokens": tokens, "min_tokens": min_tokens})
+    def run(self, prompt: list[int], tokens: int, min_tokens: int = 0, beams: int = 1) -> dict:
+        """One greedy generation (a beam search, with beams): {"seconds",
+        "tokens"} (EOS left out), and the worker's own counts."""
+        return self.ask({"prompt": prompt, "tokens": tokens, "min_tokens": min_tokens, "beams": beams})
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -138,12 +139,12 @@ def alternate(runs: dict, repeats: int, warm_up: bool = True) -> dict[str, Timin
     return {name: Timing(statistics.median(seconds[name]), seconds[name], outputs[name]) for name in runs}
 
 
-def worker_run(worker: Worker, prompts: list[list[int]], tokens: int, forced: bool = False):
+def worker_run(worker: Worker, prompts: list[list[int]], tokens: int, forced: bool = False, beams: int = 1):
     """A run of a worker over the prompts for `alternate`: (seconds,
     {tokens, drafted, accepted}), the last two counted by an assisted
     transformers worker (None otherwise)."""
     def run():
-        results = [worker.run(prompt, tokens, tokens if forced else 0) for prompt in prompts]
+        results = [worker.run(prompt, tokens, tokens if forced else 0, beams) for prompt in prompts]
         counted = "proposed" in results[0]
         return sum(result["seconds"] for result in results), {
             "tokens": [result["tokens"] for result in results],

@@ -18,7 +18,7 @@ from bench.harness import Worker
 
 def hf_worker(checkpoint: str, assistant: str | None, num_draft: int, cache_fix: bool) -> None:
     """Persistent transformers process: one greedy generation per input line
-    (JSON: prompt ids, max and min new tokens), assisted by `assistant` with a
+    (JSON: prompt ids, max and min new tokens, beams if not 1), assisted by `assistant` with a
     constant number of draft tokens if given. It counts the candidates the
     assistant proposed and the target accepted, round by round.
 
@@ -66,7 +66,8 @@ def hf_worker(checkpoint: str, assistant: str | None, num_draft: int, cache_fix:
         with torch.no_grad():
             start = time.perf_counter()
             out = model.generate(torch.tensor([request["prompt"]]), max_new_tokens=request["tokens"],
-                                 min_new_tokens=request["min_tokens"], do_sample=False, num_beams=1, **options)
+                                 min_new_tokens=request["min_tokens"], do_sample=False,
+                                 num_beams=request.get("beams", 1), **options)
             seconds = time.perf_counter() - start
         tokens = [t for t in out[0, 1:].tolist() if t != model.config.eos_token_id]
         print(json.dumps({"seconds": seconds, "tokens": tokens, **counts}), flush=True)
@@ -117,7 +118,7 @@ def ct2_worker(folder: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         start = time.perf_counter()
-        result = translator.translate_batch([[vocabulary[i] for i in request["prompt"]]], beam_size=1,
+        result = translator.translate_batch([[vocabulary[i] for i in request["prompt"]]], beam_size=request.get("beams", 1),
                                             max_decoding_length=request["tokens"],
                                             min_decoding_length=request["min_tokens"])
         seconds = time.perf_counter() - start
