@@ -181,6 +181,7 @@ class Session:
     examples: list[str] | None = None  # --demo's held-out prompts, for :demo N
     last_prompt: str | None = None
     prefix: str = ""  # :task's, before every prompt
+    before_task: dict = field(default_factory=dict)  # the options :task changed: (as they were, as it set them)
     out: object = field(default=None)
 
     def say(self, text: str) -> None:
@@ -269,18 +270,25 @@ class Session:
         return True
 
     def task(self, name: str) -> None:
-        """A task the model's config names: its prefix before each prompt, its options over these; none: no prefix."""
-        if name.lower() in ("", "none"):
+        """A task the model's config names: its prefix before each prompt, its
+        options over the session's (commands after it change them); none: no
+        prefix, and the options the task set back as they were."""
+        if name.lower() in ("", "none"):  # what a command has changed since stays
             self.prefix = ""
-            self.say("no task: prompts as typed")
+            self.change(**{key: old for key, (old, set_to) in self.before_task.items()
+                           if getattr(self.settings, key) == set_to})
+            self.before_task = {}
             return
         try:
-            self.prefix, preset = task_preset(self.models.tasks, name)
+            prefix, preset = task_preset(self.models.tasks, name)
+            settings = replace(self.settings, **preset).check_models(self.models)
         except OptionError as e:
             self.say(str(e))
             return
-        self.say(f"task {name}: prompts start {self.prefix!r}")
-        self.change(**preset)
+        self.before_task = {key: (getattr(self.settings, key), value) for key, value in preset.items()} | {
+            key: (old, preset.get(key, set_to)) for key, (old, set_to) in self.before_task.items()}
+        self.prefix, self.settings = prefix, settings
+        self.say(f"task {name}: prompts start {prefix!r}; {self.describe()}")
 
     def run_example(self, number: str) -> None:
         if not self.examples:

@@ -251,8 +251,8 @@ def run(plan: Plan) -> int:
               batch_size=plan.batch_size)
         return 0
     # Regular decoding of one prompt at a time: each of the target's steps takes one row.
-    one_row = not settings.speculative and settings.num_beams == 1 and (not plan.prompts or len(plan.prompts) == 1
-                                                                          or plan.batch_size == 1)
+    one_row = not settings.speculative and settings.num_beams == 1 and plan.task is None and (
+        not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)  # a task may search with beams
     models = load_models(plan, one_row)
     if plan.task is not None:
         plan = with_task(models, plan)

@@ -103,7 +103,7 @@ KNOBS = {knob.name: knob for knob in [
          "never when none can be", words=("never",)),
     Knob("num_return_sequences", int, lambda v: v >= 1, "an integer >= 1",
          "beam search: the best beams returned, at most num-beams (without beam search: unused)"),
-    Knob("no_repeat_ngram_size", int, lambda v: v >= 0, "an integer >= 0",
+    Knob("no_repeat_ngram_size", int, lambda v: 0 <= v <= 64, "an integer in [0, 64]",
          "no n-gram of this many tokens twice in the output (transformers' rule; 0: off)"),
 ]}
 

@@ -116,7 +116,8 @@ def ngram_bans(tokens: mx.array, sizes: mx.array, longest: int, queries: int, vo
     candidate = mx.arange(L)  # where a token that would be banned stands
     match = (candidate[None, None] < ends[None, :, None]) & (sizes[:, None, None] > 0) & (tokens[:, None] >= 0)
     for back in range(1, longest):  # the candidate's n - 1 tokens before it against the prefix's last n - 1
-        before = mx.concatenate([mx.full((B, back), -1, tokens.dtype), tokens[:, : L - back]], axis=1)
+        shift = min(back, L)  # a candidate this near the start has nothing so far before it
+        before = mx.concatenate([mx.full((B, shift), -1, tokens.dtype), tokens[:, : L - shift]], axis=1)
         last = tokens[:, mx.maximum(ends - back, 0)]
         same = (before[:, None] == last[:, :, None]) & (before[:, None] >= 0)
         match = match & (same | (back >= sizes)[:, None, None])

@@ -53,12 +53,13 @@ class Detokenizer:
         return after[len(before) :]
 
 
-def token_text(tokenizer, before: list[int], token: int) -> str:
+def token_text(tokenizer, before: list[int], token: int, skip_special_tokens: bool = False) -> str:
     """The text a token adds after the tokens `before` it (a few are enough:
     a SentencePiece token's leading space shows only after another token)."""
     context = before[-4:]
-    shown = tokenizer.decode(context, clean_up_tokenization_spaces=False)
-    return tokenizer.decode(context + [token], clean_up_tokenization_spaces=False)[len(shown) :]
+    shown = tokenizer.decode(context, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    whole = tokenizer.decode(context + [token], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    return whole[len(shown) :]
 
 
 class TextStream:

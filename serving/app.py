@@ -185,7 +185,7 @@ class Call:
     def usage(self) -> dict:
         """Tokens the prompts took (each prompt once), and tokens whose text the client received (every beam returned)."""
         prompts = {id(job.request.ids): len(job.request.ids) for job in self.jobs}
-        received = sum(sum(len(tokens) for tokens, _, _ in job.request.sequences) or job.stream.received for job in self.jobs)
+        received = sum(sum(beam.received for beam in job.beams) if job.beams else job.stream.received for job in self.jobs)
         return shapes.usage(sum(prompts.values()), received)
 
     def log(self) -> None:
@@ -251,11 +251,19 @@ class Completions:
             if body.task is not None:
                 prefix, preset = task_preset(self.models.tasks, body.task)
                 if preset.get("num_beams", 1) > 1:  # a task's beam search: as use_beam_search asks for one
-                    preset |= {"num_draft": 1, "prompt_lookup": False, "num_return_sequences": body.n}
+                    if body.n > preset["num_beams"]:
+                        raise ApiError(400, f"n ({body.n}) is more than task {body.task}'s {preset['num_beams']} beams",
+                                       param="n")
+                    preset |= BEAM_DEFAULTS | {"num_return_sequences": body.n}
                 defaults = replace(defaults, **preset)
+            if body.use_beam_search:
+                defaults = replace(defaults, **BEAM_DEFAULTS)
             settings = body.settings(defaults).check_models(self.models)
         except (OptionError, TypeError) as e:
             raise ApiError(400, str(e))
+        if settings.num_beams == 1 and (body.length_penalty is not None or body.early_stopping is not None):
+            raise ApiError(400, "length_penalty and early_stopping go with beam search (use_beam_search)",
+                           param="length_penalty" if body.length_penalty is not None else "early_stopping")
         if settings.num_beams > 1 and body.stream:
             raise ApiError(400, "beam search does not stream: its best beams are known only at the end", param="stream")
         if settings.max_tokens > self.limits.max_tokens:
@@ -323,11 +331,12 @@ class Completions:
         if job.request.settings.logprobs is None:
             return None
         tokenizer, tokens, shown = self.models.tokenizer, job.stream.tokens, []
+        skip = job.request.settings.skip_special_tokens  # special tokens show as "" when the text leaves them out
         for i in range(start, stop):
             logprob, top = job.request.logprobs[i]
             before = tokens[max(i - 4, 0) : i]
-            alternatives = [(token_text(tokenizer, before, t), v) for t, v in top]
-            shown.append((token_text(tokenizer, before, tokens[i]), logprob, alternatives))
+            alternatives = [(token_text(tokenizer, before, t, skip), v) for t, v in top]
+            shown.append((token_text(tokenizer, before, tokens[i], skip), logprob, alternatives))
         return shapes.logprobs(chat, shown, job.stream.starts[start:stop])
 
     async def answer(self, request: Request, body: CompletionBody, chat: bool):
@@ -345,8 +354,9 @@ class Completions:
             for job in call.jobs:
                 text = "".join([piece async for piece, _, _ in pieces(job)])
                 if job.request.sequences:  # beam search: the best beams, as texts (stop strings cut them as they cut text)
-                    choices += [(TextStream.of(self.models.tokenizer, job.request.settings).whole(tokens, finish), finish, None)
-                                for tokens, _, finish in job.request.sequences]
+                    for tokens, _, finish in job.request.sequences:
+                        job.beams.append(TextStream.of(self.models.tokenizer, job.request.settings))
+                        choices.append((job.beams[-1].whole(tokens, finish), job.beams[-1].finish_reason, None))
                 else:
                     choices.append((text, job.stream.finish_reason, self.logprobs(job, call.chat, 0, job.stream.received)))
         finally:  # a job failed, or this was cancelled: the others stop too
@@ -384,6 +394,10 @@ class Completions:
             yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
         yield "data: [DONE]\n\n"
         call.log()
+
+
+# A beam search's defaults over the server's: greedy, no drafts (a request's own sampling or drafting is refused).
+BEAM_DEFAULTS = {"temp": 0.0, "num_draft": 1, "prompt_lookup": False}
 
 
 def copy_settings(settings: Settings, copy: int) -> Settings:

@@ -42,6 +42,7 @@ class Job:
     error: str | None = None
     times: Times = field(default_factory=Times)
     counted: bool = False  # its end is in the metrics
+    beams: list[TextStream] = field(default_factory=list)  # beam search: each beam returned, its text made whole
 
     def cancel(self) -> None:
         """Its caller is gone: the row leaves at the next round (a job whose text has ended stays as it is)."""

@@ -173,8 +173,7 @@ class CompletionBody(BaseModel):
                  "no_repeat_ngram_size": self.no_repeat_ngram_size, "stop_token_ids": self.stop_token_ids,
                  "logit_bias": self.token_biases, "logprobs": self.logprob_count, "length_penalty": self.length_penalty,
                  "early_stopping": self.early_stopping}
-        if self.use_beam_search:  # the server's drafting defaults do not apply; a request's own drafting is refused
-            given = {"num_draft": 1, "prompt_lookup": False} | {k: v for k, v in given.items() if v is not None}
+        if self.use_beam_search:  # over defaults the server made greedy and draftless (app.BEAM_DEFAULTS)
             given |= {"num_beams": self.beams, "num_return_sequences": self.n}
         chosen = {name: value for name, value in given.items() if value is not None}
         return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,

@@ -180,13 +180,15 @@ BAD = [
      "beam search decodes greedily with the target alone: it does not take prompt lookup"),
     ({"model": "t5-demo", "prompt": "x", "use_beam_search": True, "n": 2, "temperature": 1}, None,
      "it does not take sampling"),
+    ({"model": "t5-demo", "prompt": "x", "length_penalty": 2.0}, None, "length_penalty and early_stopping go with beam search"),
+    ({"model": "t5-demo", "prompt": "x", "no_repeat_ngram_size": 65}, None, "no_repeat_ngram_size must be an integer in [0, 64]"),
     # OpenAI's fields for what this server cannot do: named, not ignored
     ({"model": "t5-demo", "prompt": "x", "echo": True}, None, "echo is not supported"),
     ({"model": "t5-demo", "prompt": "x", "suffix": "end"}, None, "suffix is not supported"),
     ({"model": "t5-demo", "prompt": "x", "response_format": {"type": "json_object"}}, None, "response_format is not supported"),
     ({"model": "t5-demo", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, None,
      "tools is not supported"),
-    ({"model": "t5-demo", "prompt": "x", "no_repeat_ngram_size": -1}, None, "no_repeat_ngram_size must be an integer >= 0"),
+    ({"model": "t5-demo", "prompt": "x", "no_repeat_ngram_size": -1}, None, "no_repeat_ngram_size must be an integer in [0, 64]"),
     ({"model": "t5-demo", "prompt": "x", "stop_token_ids": [10**9]}, None, "stop_token_ids must be token ids below"),
     ({"model": "t5-demo", "prompt": "x", "stop_token_ids": ["3"]}, None, "stop_token_ids.0: Input should be a valid integer"),
     ({"model": "t5-demo", "prompt": "   "}, None, "the prompt is empty"),
@@ -672,5 +674,15 @@ def test_beam_search_answers_its_n_best_beams_as_the_api_finds_them(server, mode
                                                extra_body={"use_beam_search": True, "length_penalty": 0.8})
     assert [c.text for c in reply.choices] == [text for g in expected for text, _ in g.beams]
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    # a stop string cuts every beam, and says so, and usage counts what the client got
+    cut = server.client().completions.create(model="t5-demo", prompt=prompts[1], n=2, max_tokens=20, best_of=3, stop=["path"],
+                                             extra_body={"use_beam_search": True})
+    whole = server.client().completions.create(model="t5-demo", prompt=prompts[1], n=2, max_tokens=20, best_of=3,
+                                               extra_body={"use_beam_search": True})
+    for short, full in zip(cut.choices, whole.choices):
+        assert full.text.startswith(short.text)
+        assert short.finish_reason == ("stop" if "path" in full.text else full.finish_reason)
+    assert any("path" in c.text for c in whole.choices), "a beam must hold the stop string for this to test anything"
+    assert cut.usage.completion_tokens < whole.usage.completion_tokens
     assert expected[0].beams[0][0] != generate(models, prompts[0], max_tokens=20, speculative=False, **TEXT) or \
         expected[1].beams[0][0] != generate(models, prompts[1], max_tokens=20, speculative=False, **TEXT)

@@ -11,15 +11,30 @@ STATS = Stats(prompt_tokens=5, generated=7, target_calls=3, drafted=8, accepted=
 def test_a_completion_parses_as_openais_completion_and_chat_completion():
     used = shapes.usage(5, 7)
     assert used == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
-    text = shapes.completion("cmpl-1", 10, "t5", False, [("Hallo", "stop"), ("Welt", "length")], used, STATS)
+    text = shapes.completion("cmpl-1", 10, "t5", False, [("Hallo", "stop", None), ("Welt", "length", None)], used, STATS)
     parsed = types.Completion.model_validate(text)
     assert [(c.index, c.text, c.finish_reason) for c in parsed.choices] == [(0, "Hallo", "stop"), (1, "Welt", "length")]
     assert parsed.object == "text_completion" and parsed.usage.total_tokens == 12
     chat = types.chat.ChatCompletion.model_validate(
-        shapes.completion("chatcmpl-1", 10, "t5", True, [("Hi", "stop")], used, STATS))
+        shapes.completion("chatcmpl-1", 10, "t5", True, [("Hi", "stop", None)], used, STATS))
     assert chat.choices[0].message.content == "Hi" and chat.choices[0].message.role == "assistant"
     assert text["speculative"] == {"drafted": 8, "accepted": 6, "acceptance_rate": 0.75, "drafts_per_round": 2.667,
                                    "target_calls": 3, "tokens_per_second": 17.5, "encoding_seconds": 0.1}
+
+
+def test_logprobs_parse_as_openais_completion_and_chat_logprobs():
+    tokens = [("Hal", -0.5, [("Hal", -0.5), ("Hel", -1.5)]), ("lo", -0.1, [("lo", -0.1), ("la", -3.0)])]
+    legacy = shapes.logprobs(False, tokens, [0, 3])
+    parsed = types.Completion.model_validate(shapes.completion("cmpl-1", 10, "t5", False, [("Hallo", "stop", legacy)],
+                                                                shapes.usage(1, 2), STATS))
+    given = parsed.choices[0].logprobs
+    assert given.tokens == ["Hal", "lo"] and given.token_logprobs == [-0.5, -0.1] and given.text_offset == [0, 3]
+    assert given.top_logprobs[0] == {"Hal": -0.5, "Hel": -1.5}
+    chat = types.chat.ChatCompletion.model_validate(shapes.completion(
+        "chatcmpl-1", 10, "t5", True, [("Hallo", "stop", shapes.logprobs(True, tokens, [0, 3]))], shapes.usage(1, 2), STATS))
+    content = chat.choices[0].logprobs.content
+    assert [(t.token, t.logprob, bytes(t.bytes)) for t in content] == [("Hal", -0.5, b"Hal"), ("lo", -0.1, b"lo")]
+    assert [(t.token, t.logprob) for t in content[1].top_logprobs] == [("lo", -0.1), ("la", -3.0)]
 
 
 def test_chunks_parse_as_openais_chunks_and_only_the_last_carries_the_statistics():

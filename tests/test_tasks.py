@@ -84,12 +84,22 @@ def test_the_command_line_the_loop_and_the_server_take_a_task(tasked, capsys):
     assert session.settings.num_beams == 4 and session.prefix == "summarize: "
     session.generate(PROMPT)
     assert expected in out.getvalue()
+    session.command(":task none")  # the task's options go back, but what a command set since stays
+    assert session.prefix == "" and session.settings == Settings(speculative=False, max_tokens=15)
+    session = Session(models, Settings(num_draft="auto"), out=out)
+    session.command(":task summarization")  # beams refuse num-draft auto: nothing changes
+    assert session.prefix == "" and session.settings == Settings(num_draft="auto")
+    assert "does not take num-draft auto" in out.getvalue()
 
-    server = ServerProcess("--model", str(folder), "--served-model-name", "t")
+    # a server that samples by default: a task's beams (and use_beam_search's) search greedily all the same
+    server = ServerProcess("--model", str(folder), "--served-model-name", "t", "--temp", "0.7")
     try:
         reply = httpx.post(server.url + "/v1/completions", json={"model": "t", "prompt": PROMPT, "task": "summarization",
                                                                  "max_tokens": 15, "skip_special_tokens": False}).json()
         assert reply["choices"][0]["text"] == expected
+        beams = httpx.post(server.url + "/v1/completions", json={"model": "t", "prompt": PROMPT, "use_beam_search": True,
+                                                                 "best_of": 3, "max_tokens": 10}).json()
+        assert beams["choices"][0]["text"] == generate(models, PROMPT, num_beams=3, max_tokens=10, skip_special_tokens=True)
         refused = httpx.post(server.url + "/v1/completions", json={"model": "t", "prompt": PROMPT, "task": "poetry"})
         assert refused.status_code == 400 and "names no task 'poetry'" in refused.json()["error"]["message"]
     finally:
