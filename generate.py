@@ -178,6 +178,8 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     over it. Options and the prompt are checked at the call, before any
     decoding: OptionError names one out of range."""
     settings, prefix = settings_for(models, options)
+    if settings.n > 1:
+        raise OptionError(f"n={settings.n}: stream_generate and generate give one output; batch_generate gives n")
     request = Request(one_prompt(models, prompt, prefix), settings)
     stream = TextStream.of(models.tokenizer, settings)
 
@@ -227,14 +229,15 @@ def texts(batch, requests: list[Request], streams: dict) -> Iterator[Request]:
 
 def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int = 8, **options) -> Iterator[Generation]:
     """Decode prompts batch_size at a time and yield each one's Generation
-    in input order, as soon as it and every prompt before it are done. Rows
+    (n of them, with n=) in input order, as soon as it and every prompt before it are done. Rows
     move independently: each accepts its own drafts, a finished row leaves
     the batch and waiting prompts take its place. Greedy at delta 0, each
     text equals `generate` on its prompt alone. Options as for
     stream_generate; they, batch_size and every prompt are checked at the call."""
     settings, prefix = settings_for(models, options)
     BATCH_SIZE.check(batch_size)
-    requests = [Request(ids, settings) for ids in tokenize(models, prompts, prefix)]
+    # n outputs of each prompt: its rows join together, and the prompt is encoded once
+    requests = [Request(ids, copy) for ids in tokenize(models, prompts, prefix) for copy in settings.copies()]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
 
     def generations():

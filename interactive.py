@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from errors import OptionError
-from generate import encoding_seconds, measure, stream_generate, warm_up
+from generate import encoding_seconds, measure, stream_batch_generate, stream_generate, warm_up
 from loading import Models
 from options import KNOBS, LISTS, Settings, Stats, task_preset
 
@@ -82,13 +82,15 @@ def logprob_table(tokenizer, logprobs: list) -> str:
     return "\n".join(lines)
 
 
-def show_batch(generations, count: int, speculative: bool, out=None) -> Stats:
-    """Each prompt's text and statistics line as it comes (in input order),
-    then the whole run's throughput; the summed statistics."""
+def show_batch(generations, count: int, speculative: bool, out=None, per_prompt: int = 1) -> Stats:
+    """Each prompt's text (per_prompt of them, n outputs) and statistics line
+    as it comes (in input order), then the whole run's throughput; the summed
+    statistics."""
     started, total = time.perf_counter(), Stats()
-    for number, generation in enumerate(generations, 1):
-        print(f"--- prompt {number} of {count}\n{generation.text}\n{stats_line(generation.stats, speculative)}",
-              file=out, flush=True)
+    for number, generation in enumerate(generations):
+        prompt, output = divmod(number, per_prompt)
+        which = f"prompt {prompt + 1} of {count}" + (f", output {output + 1} of {per_prompt}" if per_prompt > 1 else "")
+        print(f"--- {which}\n{generation.text}\n{stats_line(generation.stats, speculative)}", file=out, flush=True)
         total += generation.stats
     seconds = time.perf_counter() - started
     print(f"--- {count} prompts: {total.generated} tokens in {seconds:.2f} s ({total.generated / seconds:.1f} tokens/s)",
@@ -226,6 +228,10 @@ class Session:
     def generate(self, prompt: str) -> None:
         prompt = self.prefix + prompt
         self.last_prompt = prompt
+        if self.settings.n > 1:  # n outputs, decoded together
+            generations = stream_batch_generate(self.models, [prompt], batch_size=self.settings.n, settings=self.settings)
+            show_batch(generations, 1, self.settings.drafts(self.models), self.out, per_prompt=self.settings.n)
+            return
         text, _ = show_generation(self.models, prompt, self.settings, self.out)
         show_filled(prompt, text, self.out)
 

@@ -204,6 +204,8 @@ def check_usage(args) -> Plan:
     if settings.speculative and not draft_model and not args.prompt_lookup:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     mode = "interactive" if args.interactive else "compare" if args.compare else "sweep" if args.sweep else "one-shot"
+    if settings.n > 1 and mode in ("compare", "sweep"):
+        raise UsageError(f"--n gives several outputs of a prompt: --{mode} times one")
     if settings.num_beams > 1 and mode in ("compare", "sweep"):
         raise UsageError(f"--num-beams searches with the target alone: --{mode} measures speculative decoding")
     if args.json and mode != "one-shot":
@@ -251,19 +253,21 @@ def run(plan: Plan) -> int:
               batch_size=plan.batch_size)
         return 0
     # Regular decoding of one prompt at a time: each of the target's steps takes one row.
-    one_row = not settings.speculative and settings.num_beams == 1 and plan.task is None and (
+    one_row = not settings.speculative and settings.num_beams == 1 and settings.n == 1 and plan.task is None and (
         not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)  # a task may search with beams
     models = load_models(plan, one_row)
     if plan.task is not None:
         plan = with_task(models, plan)
         settings = plan.settings
-    if plan.prompts:
-        generations = stream_batch_generate(models, plan.prompts, batch_size=plan.batch_size, settings=settings)
+    if plan.prompts or (settings.n > 1 and plan.mode == "one-shot"):  # n outputs of one prompt: a batch of them
+        prompts = plan.prompts or [plan.prompt]
+        batch_size = plan.batch_size if plan.prompts else settings.n
+        generations = stream_batch_generate(models, prompts, batch_size=batch_size, settings=settings)
         if plan.json:
             for generation in generations:
                 print(json.dumps(json_record(generation)), flush=True)
         else:
-            show_batch(generations, len(plan.prompts), settings.drafts(models))
+            show_batch(generations, len(prompts), settings.drafts(models), per_prompt=settings.n)
     elif plan.mode == "interactive":
         Session(models, settings, plan.examples).run(first_prompt=plan.prompt if plan.prompt_given else None)
     elif plan.mode == "compare":

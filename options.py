@@ -23,6 +23,7 @@ SEEDED_AUTO_DRAFTS = 5
 # Temperatures below this decode greedily (as vLLM's do): dividing logits by less overflows float32.
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's chat limit)
+MAX_SAMPLES = 16  # n: outputs of one prompt
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ KNOBS = {knob.name: knob for knob in [
     Knob("logprobs", int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or none",
          "give each output token's log-probability (the target's, before processors and temperature) and the N most "
          "likely", optional=True),
+    Knob("n", int, lambda v: 1 <= v <= MAX_SAMPLES, f"an integer in [1, {MAX_SAMPLES}]",
+         "outputs of each prompt (batch_generate, the server's n): one encoding, n rows, output j seeded seed + j"),
     Knob("num_beams", int, lambda v: v >= 1, "an integer >= 1",
          "beam search with this many beams, the target alone (1: off)"),
     Knob("length_penalty", float, lambda v: math.isfinite(v), "a finite number",
@@ -170,6 +173,7 @@ class Settings:
     min_tokens: int = 0
     no_repeat_ngram_size: int = 0
     logprobs: int | None = None  # each token's log-probability and this many alternatives; None: none
+    n: int = 1  # outputs of each prompt (Settings.copies)
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -207,6 +211,8 @@ class Settings:
                               "the longest draft")
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise OptionError(f"num_return_sequences ({self.num_return_sequences}) is at most num_beams ({self.num_beams})")
+        if self.num_beams > 1 and self.n > 1:
+            raise OptionError("beam search returns its best beams as num_return_sequences, not n")
         if self.num_beams > 1:
             refused = [name for name, asked in (("prompt lookup", self.prompt_lookup), ("num-draft auto", self.num_draft == AUTO),
                                                 ("sampling (temp > 0)", self.temp > 0), ("logprobs", self.logprobs is not None))
@@ -224,6 +230,14 @@ class Settings:
         if base is not None and not isinstance(base, Settings):
             raise TypeError(f"settings must be an options.Settings (got {type(base).__name__})")
         return cls(**options) if base is None else replace(base, **options)
+
+    def copies(self) -> list["Settings"]:
+        """The settings of each of a prompt's n outputs: a seed moves on by
+        one a copy, so that seeded outputs differ, and each is the one its
+        seed gives alone."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else (self.seed + j) % 2**64) for j in range(self.n)]
 
     def kind(self, models) -> str:
         """How rows at these settings decode with these models (a target, and

@@ -42,7 +42,7 @@ log = logging.getLogger("t5-server")
 # Knobs a server sets for every request that gives none; not those that change an answer's shape (logprobs,
 # choices) or its decoding's kind (beams), which each request asks for in its own fields.
 SERVER_KNOBS = {name: knob for name, knob in KNOBS.items()
-                if name not in ("logprobs", "num_beams", "length_penalty", "early_stopping", "num_return_sequences")}
+                if name not in ("logprobs", "n", "num_beams", "length_penalty", "early_stopping", "num_return_sequences")}
 CACHE_BUDGET = 2 * 2**30  # bytes of cache one request may hold, unless --max-request-tokens says otherwise
 
 

@@ -318,8 +318,8 @@ class Completions:
                                 f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
-        jobs = [Job(decoder.Request(ids, copy_settings(settings, j)), TextStream.of(self.models.tokenizer, settings), loop,
-                    asyncio.Queue(), times=Times(arrived)) for ids in encoded for j in range(copies)]
+        jobs = [Job(decoder.Request(ids, copy), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
+                    times=Times(arrived)) for ids in encoded for copy in replace(settings, n=copies).copies()]
         try:
             self.engine.submit(jobs)
         except QueueFull:
@@ -398,14 +398,6 @@ class Completions:
 
 # A beam search's defaults over the server's: greedy, no drafts (a request's own sampling or drafting is refused).
 BEAM_DEFAULTS = {"temp": 0.0, "num_draft": 1, "prompt_lookup": False}
-
-
-def copy_settings(settings: Settings, copy: int) -> Settings:
-    """The settings of a prompt's copy-th sample (n of them): a seed moves on by one a copy, so that seeded samples
-    differ and each is the one that seed gives alone."""
-    if copy == 0 or settings.seed is None:
-        return settings
-    return replace(settings, seed=(settings.seed + copy) % 2**64)
 
 
 class Events(StreamingResponse):

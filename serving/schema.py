@@ -13,10 +13,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 from pydantic import model_validator
 
-from options import AUTO, KNOBS, Settings
+from options import AUTO, KNOBS, MAX_SAMPLES, Settings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-MAX_CHOICES = 16  # n, and beams
+MAX_CHOICES = MAX_SAMPLES  # n, and beams
 # OpenAI's fields this server does not do: a request that sets one to anything but its default is refused, not ignored.
 UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                "function_call": ("none",), "suffix": ("",), "echo": (False,), "audio": (), "modalities": (["text"],),

@@ -233,3 +233,26 @@ def test_the_readme_api_example_runs_from_a_script_outside_the_repository(tmp_pa
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "<extra_id_0>" in done.stdout and "warning" not in done.stderr.lower(), done.stderr
+
+
+def test_n_outputs_of_a_prompt_share_one_encoding_and_each_is_what_its_seed_gives_alone(demo_pair, demo_prompts,
+                                                                                         monkeypatch, capsys):
+    encoded_rows = []
+    encode = demo_pair.target.encode
+    monkeypatch.setattr(demo_pair.target, "encode", lambda tokens, mask=None: encoded_rows.append(len(tokens)) or
+                        encode(tokens, mask))
+    options = dict(temp=1.0, seed=5, max_tokens=12, speculative=False)
+    generations = batch_generate(demo_pair, demo_prompts[:2], n=3, batch_size=6, **options)
+    assert encoded_rows == [2]  # six rows, two prompts encoded
+    monkeypatch.undo()
+    texts = [g.text for g in generations]
+    for j in range(3):
+        assert texts[j] == generate(demo_pair, demo_prompts[0], **{**options, "seed": 5 + j})
+        assert texts[3 + j] == generate(demo_pair, demo_prompts[1], **{**options, "seed": 5 + j})
+    assert len(set(texts[:3])) > 1
+    with pytest.raises(OptionError, match="batch_generate gives n"):
+        generate(demo_pair, demo_prompts[0], n=2)
+    assert main.main(["--demo", "--json", "--n", "3", "--temp", "1", "--seed", "5", "--max-tokens", "12",
+                      "--regular-decode", "--prompt", demo_prompts[0]]) == 0
+    assert [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()] == texts[:3]
+    assert main.main(["--demo", "--compare", "--n", "2"]) == 2

@@ -171,10 +171,12 @@ def test_sampling_with_penalties_follows_the_penalized_target_distribution(tiny_
     assert chi_square_passes(seconds, expected), (seconds / seconds.sum(), expected)
 
 
-PROCESSORS = dict(no_repeat_ngram_size=2, repetition_penalty=1.3, min_tokens=5, stop_token_ids=(3,), logit_bias={2099: -100})
-FLAGS = ["--no-repeat-ngram-size", "2", "--repetition-penalty", "1.3", "--min-tokens", "5", "--stop-token-ids", "3",
-         "--logit-bias", "2099=-100"]
-COMMANDS = [":no-repeat-ngram-size 2", ":repetition-penalty 1.3", ":min-tokens 5", ":stop-token-ids 3", ":logit-bias 2099=-100"]
+PROCESSORS = dict(no_repeat_ngram_size=2, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, min_tokens=5,
+                  stop_token_ids=(3,), logit_bias={2099: -100})
+FLAGS = ["--no-repeat-ngram-size", "2", "--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.2",
+         "--min-tokens", "5", "--stop-token-ids", "3", "--logit-bias", "2099=-100"]
+COMMANDS = [":no-repeat-ngram-size 2", ":repetition-penalty 1.3", ":presence-penalty 0.5", ":frequency-penalty 0.2",
+            ":min-tokens 5", ":stop-token-ids 3", ":logit-bias 2099=-100"]
 
 
 def test_the_command_line_takes_every_processor_as_the_api_does(pair, capsys):
@@ -199,3 +201,16 @@ def test_the_loop_has_a_command_for_every_processor_and_clears_a_list_with_none(
     assert session.settings.stop_token_ids == () and session.settings.stop == ()
     session.command(":stop-token-ids three")
     assert ":stop-token-ids takes ID[,ID...] (got 'three')" in out.getvalue()
+
+
+def test_the_loop_shows_logprobs_and_n_outputs(pair):
+    out = io.StringIO()
+    session = Session(pair, Settings(max_tokens=6, speculative=False), out=out)
+    session.command(":logprobs 2")
+    session.generate(main.demo_prompts()[0])
+    assert "token            logprob   most likely" in out.getvalue()
+    session.command(":logprobs none")
+    session.command(":n 2")
+    session.command(":temp 1")
+    session.generate(main.demo_prompts()[0])
+    assert "--- prompt 1 of 1, output 2 of 2" in out.getvalue()
