@@ -29,7 +29,7 @@ import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from decoder import Batch, Row
+from decoder import TOKENS_BLOCK, Batch, Row
 from model import T5, DecoderCache
 from sampling import one_hot
 
@@ -147,5 +147,6 @@ class BeamBatch(Batch):
         """Each beam's start token and tokens, padded on the left with -1, for no_repeat_ngram_size."""
         if not self.penalties.needs_tokens:
             return None
-        start, longest = self.model.args.decoder_start_token_id, max(len(s.running[0]) for s in searches)
-        return mx.array([[-1] * (longest - len(beam)) + [start] + beam for search in searches for beam in search.running])
+        start = self.model.args.decoder_start_token_id
+        longest = -(-(max(len(s.running[0]) for s in searches) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
+        return mx.array([[-1] * (longest - 1 - len(beam)) + [start] + beam for search in searches for beam in search.running])

@@ -49,6 +49,7 @@ Logprob = tuple[float, list[tuple[int, float]]]
 
 
 Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, finish reason or None)
+TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: no_repeat_ngram_size's graph, once a block
 
 
 def encode_for(models: list[T5], prompts: list[list[int]]) -> list[DecoderCache]:
@@ -225,7 +226,7 @@ class Batch:
         if self.penalties is None or not self.penalties.needs_tokens:
             return None
         start = self.models[0].args.decoder_start_token_id
-        longest = max(len(row.output) for row in rows) + 1
+        longest = -(-(max(len(row.output) for row in rows) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
         seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [start] + row.output for row in rows])
         return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)
 
@@ -291,12 +292,14 @@ class RegularBatch(Batch):
         self.queued = self.queued_logits = None
         if self.counts is not None:  # on the device, before current is read
             self.counts = self.counts + one_hot(current, self.vocabulary)
+        logprobs = None
+        if self.top_logprobs is not None:  # queued before the next step, so that reading them waits for this one only
+            logprobs = log_probabilities(logits[:, None], current[:, None], self.top_logprobs)
+            mx.async_eval(*(a for a in logprobs if a is not None))
         if any(row.produced + 1 < row.settings.max_tokens for row in self.rows):  # else no row reads it
             self.queued, self.queued_logits = self.step(current, self.caches[0], self.sampling, self.penalties,
                                                         self.counts, self.tokens(self.rows, current[:, None]))
-        logprobs = [None] * len(self.rows)
-        if self.top_logprobs is not None:
-            logprobs = logprob_lists(*log_probabilities(logits[:, None], current[:, None], self.top_logprobs))
+        logprobs = [None] * len(self.rows) if logprobs is None else logprob_lists(*logprobs)
         finished = set()
         for position, (row, value, given) in enumerate(zip(self.rows, current.tolist(), logprobs)):
             row.stats.target_calls += 1

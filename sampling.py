@@ -106,6 +106,7 @@ def _penalize(logits, counts, positions, repetition, presence, frequency, min_to
     return mx.where(early[..., None] & ends[:, None], -mx.inf, logits)
 
 
+@mx.compile  # some 25 operations in one graph, traced again only as the tokens' width grows (Batch.tokens)
 def ngram_bans(tokens: mx.array, sizes: mx.array, longest: int, queries: int, vocabulary: int) -> mx.array:
     """(B, queries, V) True where a token would repeat an n-gram: for each of
     the last `queries` prefixes of each row of tokens (B, L, padded on the

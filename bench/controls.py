@@ -32,8 +32,8 @@ def stats_run(models, prompts: list[list[int]], settings):
 
 def run_processors(args) -> dict:
     """Forced lengths (ignore_eos), each processor against none, alternating:
-    regular and speculative decoding (--num-draft) on the demo pair, regular
-    on T5-large shapes; then, to EOS, speculative decoding with
+    regular and speculative decoding (--num-draft) on the demo pair and the
+    benchmark pair, regular on T5-large shapes (one prompt); then, to EOS, speculative decoding with
     repetition_penalty 1.2 against without on the trained pairs, whose
     acceptance the penalty changes."""
     from loading import Models, load, load_model, load_tokenizer
@@ -42,11 +42,14 @@ def run_processors(args) -> dict:
     tokenizer = load_tokenizer(DEMO / "target")
     prompts = [tokenizer.encode(text) for text in fixtures.held_out_prompts(args.prompts or 3)]
     demo = load(DEMO / "target", draft=DEMO / "draft")
+    pair = fixtures.benchmark_pair(args.dir)
+    benchmark = Models(load_model(pair["target"]), load_model(pair["draft"]))
     large_dir = fixtures.converted(fixtures.build_large(args.dir / "t5-large-random"), args.dir / "t5-large-random-mlx")
     large = Models(load_model(large_dir, one_row=True))
     data = {"tokens": args.tokens, "repeats": args.repeats, "num_draft": args.num_draft, "prompts": len(prompts),
             "shapes": {}}
     for label, models, kinds in (("the demo target (8.4 M parameters)", demo, ("regular", "speculative")),
+                                 ("the benchmark pair's target (220 M)", benchmark, ("regular", "speculative")),
                                  ("T5-large shapes (738 M)", large, ("regular",))):
         shape = data["shapes"][label] = {}
         for kind in kinds:
@@ -58,8 +61,7 @@ def run_processors(args) -> dict:
             shape[kind] = {name: {"tokens_per_second": t.output.generated / t.median,
                                   "ms_per_round": t.median / t.output.target_calls * 1e3,
                                   "acceptance": t.output.acceptance_rate} for name, t in timings.items()}
-    pair = fixtures.benchmark_pair(args.dir)
-    trained = {"demo pair": demo, "benchmark pair": Models(load_model(pair["target"]), load_model(pair["draft"]))}
+    trained = {"demo pair": demo, "benchmark pair": benchmark}
     data["penalized"] = {}
     for label, models in trained.items():
         runs = {name: stats_run(models, prompts, Settings(max_tokens=args.tokens, num_draft=args.num_draft, **options))
