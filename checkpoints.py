@@ -179,3 +179,43 @@ def exact_first_token_distribution(hf_model, prompt, temp, top_p, after: tuple =
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0) / probs[mask].sum()
     return probs
+
+
+# ---------------------------------------------------------------- the other families
+
+# model_type -> (config class, model class, its decoder's start token, the config's own switches), and the
+# init_std and seed whose greedy output varies (asserted where used)
+FAMILY_CHECKPOINTS = {
+    "bart": ("BartConfig", "BartForConditionalGeneration", 2, {}, 2.0, 6),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", 2, {"scale_embedding": True}, 1.0, 5),
+    "marian": ("MarianConfig", "MarianMTModel", 1, {"activation_function": "swish"}, 2.0, 3),
+    "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", 2, {}, 2.0, 6),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", 1, {}, 3.0, 0),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", 0, {}, 2.0, 9),  # T5's layout: initializer_factor
+}
+
+
+def family_checkpoint(kind: str, folder: Path, tokenizer: Path, seed: int | None = None, layers: int = 2):
+    """A random checkpoint of `kind` (the BART family's with pad 1 and EOS 2,
+    as theirs; umT5's with T5's), saved to folder as transformers saves it,
+    with the test tokenizer's files beside it (ids are what the tests compare)."""
+    import transformers
+
+    config_class, model_class, start, switches, std, default_seed = FAMILY_CHECKPOINTS[kind]
+    if kind == "umt5":  # v1.1's layout, a relative position bias in every layer
+        config = transformers.UMT5Config(vocab_size=1104, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_heads=4,
+                                         initializer_factor=std, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+                                         feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
+    else:
+        config = getattr(transformers, config_class)(
+            vocab_size=1104, d_model=64, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256, init_std=std,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+            forced_eos_token_id=None, decoder_start_token_id=start, **switches)
+    torch.manual_seed(default_seed if seed is None else seed)
+    model = getattr(transformers, model_class)(config).eval()
+    model.save_pretrained(str(folder))
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            (folder / name).write_bytes((tokenizer / name).read_bytes())
+    return model

@@ -37,6 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+import families
 from errors import ConversionError, LoadError
 from loading import FORMAT_KEY, could_be_hub_id, read_config
 from model import T5, ModelArgs
@@ -61,23 +62,6 @@ CONFIG_FILES = ["config.json", "generation_config.json"]
 SAFETENSORS_PATTERNS = ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
 TORCH_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json"]
 
-# Hugging Face name -> our name: the one mapping table.
-RENAMES = [
-    (r"^(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.",
-     r"\1.relative_attention_bias.embeddings."),
-    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"encoder.layers.\1.attention."),
-    (r"^encoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"encoder.layers.\1.attention_norm."),
-    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.", r"encoder.layers.\1.ffn."),
-    (r"^encoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"encoder.layers.\1.ffn_norm."),
-    (r"^decoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"decoder.layers.\1.self_attention."),
-    (r"^decoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"decoder.layers.\1.self_attention_norm."),
-    (r"^decoder\.block\.(\d+)\.layer\.1\.EncDecAttention\.", r"decoder.layers.\1.cross_attention."),
-    (r"^decoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"decoder.layers.\1.cross_attention_norm."),
-    (r"^decoder\.block\.(\d+)\.layer\.2\.DenseReluDense\.", r"decoder.layers.\1.ffn."),
-    (r"^decoder\.block\.(\d+)\.layer\.2\.layer_norm\.", r"decoder.layers.\1.ffn_norm."),
-    (r"^(encoder|decoder)\.final_layer_norm\.", r"\1.final_norm."),
-    (r"^(shared|lm_head)\.weight$", r"\1.weight"),
-]
 # Quantized: every projection, the embedding and a separate head. The
 # relative-position bias tables and the norms stay in float.
 QUANTIZED = re.compile(r"(\.(q|k|v|o|wi|wi_0|wi_1|wo)|^shared|^lm_head)\.weight$")
@@ -95,15 +79,9 @@ class Quantization:
         return bool(QUANTIZED.search(name)) and shape[-1] % self.group_size == 0
 
 
-# Copies of the shared embedding some checkpoints store instead of (or besides) it.
-EMBEDDING_ALIASES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
-
-
 def rename(hf_name: str) -> str | None:
-    for pattern, replacement in RENAMES:
-        if re.match(pattern, hf_name):
-            return re.sub(pattern, replacement, hf_name)
-    return None
+    """A T5 checkpoint's weight name as ours (the demo's training writes Hugging Face's names with it)."""
+    return families.T5_FAMILY.rename(hf_name)
 
 
 # ---------------------------------------------------------------- sources
@@ -151,9 +129,7 @@ def read_source_config(folder: Path) -> dict:
         q = config["quantization"]
         raise ConversionError(f"{folder} is already quantized ({q.get('bits')}-bit): quantize a float conversion "
                               "or the original checkpoint instead")
-    model_type = config.get("model_type")
-    if model_type not in ("t5", "mt5"):
-        raise ConversionError(f"{folder} holds a '{model_type}' model, not T5 (only T5, FLAN-T5 and mT5 convert)")
+    families.family_of(config)  # a model type it takes
     return config
 
 
@@ -292,15 +268,10 @@ def release_pages(storage) -> None:
 # ---------------------------------------------------------------- mapping
 
 
-def output_config(config: dict, has_lm_head: bool, dtype: str, weight_names: list[str], source: str,
+def output_config(config: dict, args: ModelArgs, dtype: str, weight_names: list[str], source: str,
                   quantization: Quantization | None) -> dict:
-    # transformers >= 5 always writes tie_word_embeddings=True and keeps the
-    # v1.0 head scaling in scale_decoder_outputs; older configs signal both
-    # with tie_word_embeddings (False for v1.1).
-    scale = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True) is not False)
-    out = dict(config)
-    out["tie_word_embeddings"] = not has_lm_head
-    out["scale_decoder_outputs"] = bool(scale)
+    """The source's config, with the model's arguments as the family set them (loading needs no families.py)."""
+    out = dict(config) | asdict(args)
     if FORMAT_KEY in config:  # converted again: keep the original checkpoint's name
         source = config[FORMAT_KEY].get("source", source)
     out[FORMAT_KEY] = {"dtype": dtype, "source": source, "weight_files": weight_names}
@@ -309,37 +280,64 @@ def output_config(config: dict, has_lm_head: bool, dtype: str, weight_names: lis
     return out
 
 
-def plan(reader, config: dict) -> tuple[dict, ModelArgs]:
-    """Our name -> the source's name for every weight, checked against the model's shapes.
-    The source is a Hugging Face checkpoint, or a folder this program wrote."""
+class Weights:
+    """A checkpoint's weights under our names, as the model takes them: read
+    one at a time (`reader`: the source's name -> its tensor), transformed by
+    the family (a scaled projection, a reshaped bias), or computed (a
+    position table the checkpoint may not store)."""
+
+    def __init__(self, reader, sources: dict[str, str], family: families.Family, args: ModelArgs, tables: dict):
+        self.reader, self.sources, self.family, self.args, self.tables = reader, sources, family, args, tables
+        self.names = list(sources) + list(tables)
+
+    def shape(self, name: str) -> list[int]:
+        if name in self.tables:
+            return list(self.tables[name].shape)
+        shape = list(self.reader.shape(self.sources[name]))
+        return [math.prod(shape)] if name == "final_logits_bias" else shape
+
+    def tensor(self, name: str) -> mx.array:
+        if name in self.tables:
+            return mx.array(self.tables[name])
+        return self.family.transform(name, self.reader.tensor(self.sources[name]), self.args)
+
+
+def plan(reader, config: dict) -> tuple[Weights, ModelArgs]:
+    """Our name -> the source's weight for every weight, checked against the model's shapes.
+    The source is a Hugging Face checkpoint of a family families.py knows, or a folder this program wrote."""
     names = set(reader.names())
+    ours_already = FORMAT_KEY in config
+    family = families.T5_FAMILY if ours_already else families.family_of(config)
     untied = config.get("tie_word_embeddings") is False or config.get("scale_decoder_outputs") is False
     has_lm_head = untied and "lm_head.weight" in names
     if config.get("tie_word_embeddings") is False and not has_lm_head:
         raise ConversionError("the config says the output head is untied (tie_word_embeddings false), "
                               "but the checkpoint has no lm_head.weight")
-    mapping = {}
-    embedding = next((n for n in EMBEDDING_ALIASES if n in names), None)
+    args = ModelArgs.from_dict({**config, **({} if ours_already else family.arguments(config)),
+                                "tie_word_embeddings": not has_lm_head})
+    tables = {} if ours_already else family.tables(config, args)
+    sources = {}
+    embedding = next((n for n in family.embeddings if n in names), None)
     if embedding is None:
         raise ConversionError("the checkpoint has no token embedding (shared.weight)")
-    mapping["shared.weight"] = embedding
+    sources["shared.weight"] = embedding
     for source_name in sorted(names):
-        ours = source_name if FORMAT_KEY in config else rename(source_name)
-        if ours is None or ours == "shared.weight" or (ours == "lm_head.weight" and not has_lm_head):
+        ours = source_name if ours_already else family.rename(source_name)
+        if ours is None or ours in tables or ours == "shared.weight" or (ours == "lm_head.weight" and not has_lm_head):
             continue
-        mapping[ours] = source_name
-
-    args = ModelArgs.from_dict({**config, "tie_word_embeddings": not has_lm_head})
+        sources[ours] = source_name
+    weights = Weights(reader, sources, family, args, tables)
     expected = {name: list(p.shape) for name, p in tree_flatten(T5(args).parameters())}
-    missing = sorted(set(expected) - set(mapping))
+    missing = sorted(set(expected) - set(weights.names))
     if missing:
         raise ConversionError(f"the checkpoint does not match its config: no weight for {missing[0]} ({len(missing)} missing)")
-    for ours, hf_name in mapping.items():
+    for ours in weights.names:
+        source = sources.get(ours, "a computed table")
         if ours not in expected:
-            raise ConversionError(f"unexpected weight {hf_name}: does the config match the checkpoint?")
-        if list(reader.shape(hf_name)) != expected[ours]:
-            raise ConversionError(f"{hf_name} has shape {reader.shape(hf_name)}, the config implies {expected[ours]}")
-    return mapping, args
+            raise ConversionError(f"unexpected weight {source}: does the config match the checkpoint?")
+        if weights.shape(ours) != expected[ours]:
+            raise ConversionError(f"{source} has shape {weights.shape(ours)}, the config implies {expected[ours]}")
+    return weights, args
 
 
 # ---------------------------------------------------------------- writing
@@ -371,10 +369,10 @@ def nbytes(name: str, shape: list[int], dtype, quantization: Quantization | None
     return sum(dt.size * math.prod(s) for _, dt, s in outputs(name, shape, dtype, quantization))
 
 
-def shard(mapping: dict, reader, dtype, quantization: Quantization | None) -> list[list[str]]:
+def shard(weights: Weights, dtype, quantization: Quantization | None) -> list[list[str]]:
     shards, size = [[]], 0
-    for name in mapping:
-        size_of = nbytes(name, reader.shape(mapping[name]), dtype, quantization)
+    for name in weights.names:
+        size_of = nbytes(name, weights.shape(name), dtype, quantization)
         if shards[-1] and size + size_of > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -383,11 +381,11 @@ def shard(mapping: dict, reader, dtype, quantization: Quantization | None) -> li
     return shards
 
 
-def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, quantization, progress) -> None:
+def write_shard(path: Path, names: list[str], weights: Weights, dtype, quantization, progress) -> None:
     """A safetensors file written tensor by tensor: the header needs only shapes."""
     header, offset = {}, 0
     for name in names:
-        for out_name, out_dtype, shape in outputs(name, reader.shape(mapping[name]), dtype, quantization):
+        for out_name, out_dtype, shape in outputs(name, weights.shape(name), dtype, quantization):
             size = out_dtype.size * math.prod(shape)
             header[out_name] = {"dtype": SAFETENSORS_DTYPE[out_dtype], "shape": shape, "data_offsets": [offset, offset + size]}
             offset += size
@@ -398,8 +396,8 @@ def write_shard(path: Path, names: list[str], mapping: dict, reader, dtype, quan
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
         for name in names:
-            arrays = converted(name, reader.tensor(mapping[name]), dtype, quantization)
-            for (out_name, _, shape), array in zip(outputs(name, reader.shape(mapping[name]), dtype, quantization), arrays):
+            arrays = converted(name, weights.tensor(name), dtype, quantization)
+            for (out_name, _, shape), array in zip(outputs(name, weights.shape(name), dtype, quantization), arrays):
                 assert list(array.shape) == shape, (out_name, array.shape, shape)
                 if array.dtype == mx.bfloat16:  # numpy has no bfloat16: write its bits
                     array = array.view(mx.uint16)
@@ -474,11 +472,11 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
     tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
     if not tokenizer_files:
         raise ConversionError(f"{source} has no tokenizer files (spiece.model or tokenizer.json)")
-    mapping, args = plan(reader, config)
+    weights, args = plan(reader, config)
     dtype = DTYPES[dtype_name]
     if quantization is not None:
-        kept = [name for name in mapping
-                if QUANTIZED.search(name) and not quantization.applies(name, reader.shape(mapping[name]))]
+        kept = [name for name in weights.names
+                if QUANTIZED.search(name) and not quantization.applies(name, weights.shape(name))]
         if kept:
             print(f"note: {len(kept)} weight(s) stay in {dtype_name}, their input dimension not a multiple of "
                   f"{quantization.group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}", file=sys.stderr)
@@ -493,22 +491,22 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
     except OSError as e:
         raise ConversionError(f"cannot write {out}: {e.strerror or e}")
     try:
-        shards = shard(mapping, reader, dtype, quantization)
-        total = sum(nbytes(name, reader.shape(mapping[name]), dtype, quantization) for name in mapping)
+        shards = shard(weights, dtype, quantization)
+        total = sum(nbytes(name, weights.shape(name), dtype, quantization) for name in weights.names)
         names = ["model.safetensors"] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]
         what = f"{quantization.bits}-bit" if quantization else dtype_name
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"Converting to {what}") as progress:
             for file_name, shard_names in zip(names, shards):
-                write_shard(partial / file_name, shard_names, mapping, reader, dtype, quantization, progress)
+                write_shard(partial / file_name, shard_names, weights, dtype, quantization, progress)
         for file in tokenizer_files + [source / "generation_config.json"]:
             if file.is_file():
                 shutil.copy(file, partial / file.name)
         if not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
             write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.
-        result = output_config(config, not args.tie_word_embeddings, dtype_name, names, model, quantization)
+        result = output_config(config, args, dtype_name, names, model, quantization)
         (partial / "config.json").write_text(json.dumps(result, indent=2))
         (partial / OWNER).unlink()
         check_output(out, force)  # again: the output may have appeared meanwhile

@@ -1,9 +1,13 @@
-"""The T5 encoder-decoder in MLX, with the caches incremental decoding needs.
+"""The encoder-decoder in MLX, with the caches incremental decoding needs.
 
 One module per piece of the paper: relative position bias, attention, the
-feed-forward block, encoder and decoder layers. Covers every public T5 flavour:
-v1.0 (ReLU, head tied to the embedding and scaled by d_model**-0.5) and
-v1.1 / FLAN-T5 / mT5 (gated GELU, separate head, no scaling).
+feed-forward block, encoder and decoder layers. T5 is the default: v1.0
+(ReLU, head tied to the embedding and scaled by d_model**-0.5) and v1.1 /
+FLAN-T5 / mT5 (gated GELU, separate head, no scaling). The other families
+are configurations of the same modules, ModelArgs' switches (families.py
+reads them off a checkpoint's config): umT5's relative bias in every layer;
+the BART family's position tables, LayerNorms before or after each block,
+biases in every projection and on the logits.
 
 Decoding state is explicit: `DecoderCache` holds, per decoder layer, a growing
 self-attention `KVCache` (trimmable, for speculative rollback) and the
@@ -41,6 +45,17 @@ class ModelArgs:
     decoder_start_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 0
+    # What sets a family apart (families.py reads them off a checkpoint's config); these defaults are T5's.
+    positions: str = "relative"  # T5's bucketed bias; "relative per layer" (umT5); "absolute": a table added to the embeddings
+    position_offset: int = 0  # absolute: the table's row for position 0 (BART's and mBART's tables start at 2)
+    max_positions: int = 0  # absolute: the table's rows
+    norm: str = "rms"  # "rms" (T5's, no bias) or "layer" (LayerNorm)
+    pre_norm: bool = True  # each block normalises its input (T5, mBART, Pegasus, NLLB), or its sum with it (BART, Marian)
+    final_norm: bool = True  # a norm after each stack's last layer
+    embedding_norm: bool = False  # a norm after the embeddings (BART's and mBART's layernorm_embedding)
+    embedding_scale: float = 1.0  # the embeddings times this (sqrt(d_model) where a config says scale_embedding)
+    linear_bias: bool = False  # every projection has a bias (the BART family)
+    logits_bias: bool = False  # a bias added to the logits (final_logits_bias)
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
@@ -56,7 +71,14 @@ _ACTIVATIONS = {
     "gelu_new": nn.gelu_approx,  # tanh approximation
     "gelu_pytorch_tanh": nn.gelu_approx,
     "silu": nn.silu,
+    "swish": nn.silu,  # Marian's name for it
 }
+
+
+def make_norm(args: "ModelArgs") -> nn.Module:
+    if args.norm == "layer":
+        return nn.LayerNorm(args.d_model, eps=args.layer_norm_epsilon)
+    return nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
 
 class RelativePositionBias(nn.Module):
@@ -122,10 +144,12 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = args.num_heads
         inner = args.num_heads * args.d_kv
-        self.q = nn.Linear(args.d_model, inner, bias=False)
-        self.k = nn.Linear(args.d_model, inner, bias=False)
-        self.v = nn.Linear(args.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, args.d_model, bias=False)
+        # Scale 1 (attention.py): T5 folds 1/sqrt(d_kv) into its initialisation, and convert.py into the
+        # queries' projection for the families that scale (families.py).
+        self.q = nn.Linear(args.d_model, inner, bias=args.linear_bias)
+        self.k = nn.Linear(args.d_model, inner, bias=args.linear_bias)
+        self.v = nn.Linear(args.d_model, inner, bias=args.linear_bias)
+        self.o = nn.Linear(inner, args.d_model, bias=args.linear_bias)
 
     def split_heads(self, x: mx.array, rows: int | None = None) -> mx.array:
         """(B, L, inner), or (B * L, inner) given rows=B -> (B, heads, L, d_kv)."""
@@ -167,12 +191,13 @@ class FeedForward(nn.Module):
         # Hugging Face maps "gated-gelu" to the tanh approximation ("gelu_new").
         name = "gelu_new" if args.feed_forward_proj == "gated-gelu" else args.feed_forward_proj.split("-")[-1]
         self.act = _ACTIVATIONS[name]
+        bias = args.linear_bias
         if self.gated:
-            self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
-            self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
+            self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=bias)
+            self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=bias)
         else:
-            self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
-        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
+            self.wi = nn.Linear(args.d_model, args.d_ff, bias=bias)
+        self.wo = nn.Linear(args.d_ff, args.d_model, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         hidden = self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))
@@ -190,16 +215,19 @@ def clamp_float16(x: mx.array) -> mx.array:
 class EncoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.pre_norm = args.pre_norm
+        self.attention_norm = make_norm(args)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.ffn_norm = make_norm(args)
         self.ffn = FeedForward(args)
+        if args.positions == "relative per layer":
+            self.relative_attention_bias = RelativePositionBias(args, bidirectional=True)
 
     def __call__(self, x: mx.array, bias_of, chunks: list[tuple[int, int]], lanes: tuple = ()) -> mx.array:
         """Keys and values for the whole input, then each chunk of rows on
         its own lane: attention over every key, the output projection and the
         FFN. bias_of(first, last): the attention bias of those rows."""
-        h = self.attention_norm(x)
+        h = self.attention_norm(x) if self.pre_norm else x
         keys_values = []
         for i, (first, last) in enumerate(chunks):
             with cpu.lane(lanes, i):
@@ -212,25 +240,34 @@ class EncoderLayer(nn.Module):
                 chunk_bias = lambda a, b, first=first: bias_of(first + a, first + b)  # noqa: E731
                 y = x[:, first:last] + self.attention.over_prompt(h[:, first:last], (keys, values), chunk_bias,
                                                                   cpu.from_lane(lanes, i))
-                y = clamp_float16(y)
-                out.append(clamp_float16(y + self.ffn(self.ffn_norm(y))))
+                if self.pre_norm:
+                    y = clamp_float16(y)
+                    out.append(clamp_float16(y + self.ffn(self.ffn_norm(y))))
+                else:  # the sums normalised
+                    y = self.attention_norm(y)
+                    out.append(self.ffn_norm(y + self.ffn(y)))
         return mx.concatenate(out, axis=1)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.self_attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.pre_norm = args.pre_norm
+        self.self_attention_norm = make_norm(args)
         self.self_attention = Attention(args)
-        self.cross_attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.cross_attention_norm = make_norm(args)
         self.cross_attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.ffn_norm = make_norm(args)
         self.ffn = FeedForward(args)
+        if args.positions == "relative per layer":
+            self.relative_attention_bias = RelativePositionBias(args, bidirectional=False)
 
     def __call__(self, x, positions, self_bias, keys, values, cross_keys_values, cross_bias):
         """The new positions' states x (B * L, d_model), at `positions` (B, L):
         their keys and values are written into the self-attention storage
         (B, heads, capacity, d_kv), which the layer returns with its output."""
+        if not self.pre_norm:
+            return self.post_norm(x, positions, self_bias, keys, values, cross_keys_values, cross_bias)
         h = self.self_attention_norm(x)
         new_keys_values = self.self_attention.project_keys_values(h, positions.shape[0])
         keys, values = (write(storage, positions, new) for storage, new in zip((keys, values), new_keys_values))
@@ -238,6 +275,14 @@ class DecoderLayer(nn.Module):
         h = self.cross_attention(self.cross_attention_norm(x), cross_keys_values, cross_bias, "cross")
         x = clamp_float16(x + h)
         return clamp_float16(x + self.ffn(self.ffn_norm(x))), keys, values
+
+    def post_norm(self, x, positions, self_bias, keys, values, cross_keys_values, cross_bias):
+        """The layer as BART and Marian have it: each sum with the block's input normalised."""
+        new_keys_values = self.self_attention.project_keys_values(x, positions.shape[0])
+        keys, values = (write(storage, positions, new) for storage, new in zip((keys, values), new_keys_values))
+        x = self.self_attention_norm(x + self.self_attention(x, (keys, values), self_bias, "self"))
+        x = self.cross_attention_norm(x + self.cross_attention(x, cross_keys_values, cross_bias, "cross"))
+        return self.ffn_norm(x + self.ffn(x)), keys, values
 
 
 def write(storage: mx.array, positions: mx.array, new: mx.array) -> mx.array:
@@ -418,37 +463,77 @@ def padding_bias(mask: mx.array | None, dtype) -> mx.array | None:
     return mx.where(mask.astype(mx.bool_), 0.0, -mx.inf)[:, None, None, :].astype(dtype)
 
 
-class Encoder(nn.Module):
-    def __init__(self, args: ModelArgs):
+def embedded(stack: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
+    """A stack's token embeddings x (..., d_model) at `positions` (...) as its
+    first layer takes them: scaled, the positions' table added, normalised,
+    as the family has it (none of it for T5)."""
+    args = stack.args
+    if args.embedding_scale != 1.0:
+        x = x * args.embedding_scale
+    if args.positions == "absolute":
+        x = x + stack.positions(positions + args.position_offset)
+    if args.embedding_norm:
+        x = stack.embedding_norm(x)
+    return x
+
+
+class Stack(nn.Module):
+    """What the encoder and the decoder share: the positions (T5's relative
+    bias, here or in each layer, or a table), the embeddings' norm, the layers
+    and the final norm."""
+
+    def __init__(self, args: ModelArgs, layer, count: int, bidirectional: bool):
         super().__init__()
-        self.relative_attention_bias = RelativePositionBias(args, bidirectional=True)
-        self.layers = [EncoderLayer(args) for _ in range(args.num_layers)]
-        self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.args = args
+        if args.positions == "relative":
+            self.relative_attention_bias = RelativePositionBias(args, bidirectional=bidirectional)
+        elif args.positions == "absolute":
+            self.positions = nn.Embedding(args.max_positions, args.d_model)
+        if args.embedding_norm:
+            self.embedding_norm = make_norm(args)
+        self.layers = [layer(args) for _ in range(count)]
+        if args.final_norm:
+            self.final_norm = make_norm(args)
+
+    def finish(self, x: mx.array) -> mx.array:
+        return self.final_norm(x) if self.args.final_norm else x
+
+
+class Encoder(Stack):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, EncoderLayer, args.num_layers, bidirectional=True)
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> mx.array:
         """Rows go through in chunks and attention in blocks of queries
         (row_chunks, attention_blocks), so that memory grows with the input's
         length, not with its square."""
-        L = x.shape[1]
-        by_distance = self.relative_attention_bias.by_distance(L)
+        B, L = x.shape[:2]
+        x = embedded(self, x, mx.arange(L))
         padding = padding_bias(mask, x.dtype)
+        heads = self.args.num_heads
 
-        def bias_of(first: int, last: int) -> mx.array:
-            bias = bias_rows(by_distance, first, last, L)
-            return bias if padding is None else bias + padding
+        def biases(relative: RelativePositionBias | None):
+            """bias_of(first, last), the bias of rows first..last-1 of every head (B or 1, heads, rows, L)."""
+            if relative is None:  # absolute positions: the padding alone
+                no_padding = mx.zeros((1, 1, 1, L), x.dtype)
+                return lambda a, b: mx.broadcast_to(no_padding if padding is None else padding, (B, heads, b - a, L))
+            by_distance = relative.by_distance(L)
+
+            def bias_of(first: int, last: int) -> mx.array:
+                bias = bias_rows(by_distance, first, last, L)
+                return bias if padding is None else bias + padding
+            return bias_of
 
         chunks = row_chunks(L, len(lanes))
+        shared = biases(getattr(self, "relative_attention_bias", None)) if self.args.positions != "relative per layer" else None
         for layer in self.layers:
-            x = layer(x, bias_of, chunks, lanes)
-        return self.final_norm(x)
+            x = layer(x, shared or biases(layer.relative_attention_bias), chunks, lanes)
+        return self.finish(x)
 
 
-class Decoder(nn.Module):
+class Decoder(Stack):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.relative_attention_bias = RelativePositionBias(args, bidirectional=False)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_decoder_layers)]
-        self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        super().__init__(args, DecoderLayer, args.num_decoder_layers, bidirectional=False)
 
     def __call__(self, x, positions, keys, values, cross_keys_values, cross_bias):
         """The new tokens' embeddings x (B * L, d_model) at positions (B, L),
@@ -457,15 +542,24 @@ class Decoder(nn.Module):
         row's stale or empty positions, so the shapes (and the compiled graph)
         change only when the storage grows by a block."""
         capacity = keys[0].shape[2]
-        bias = self.relative_attention_bias(positions, capacity)
+        x = embedded(self, x, positions.reshape(-1))
         unseen = mx.arange(capacity) > positions[..., None]
-        bias = mx.where(unseen[:, None], mx.array(-mx.inf, bias.dtype), bias)
+
+        def masked(relative: RelativePositionBias | None) -> mx.array:
+            if relative is None:  # absolute positions: the mask alone
+                return mx.where(unseen[:, None], mx.array(-mx.inf, x.dtype), mx.array(0, x.dtype))
+            bias = relative(positions, capacity)
+            return mx.where(unseen[:, None], mx.array(-mx.inf, bias.dtype), bias)
+
+        per_layer = self.args.positions == "relative per layer"
+        bias = None if per_layer else masked(getattr(self, "relative_attention_bias", None))
         new_keys, new_values = [], []
         for layer, k, v, cross_kv in zip(self.layers, keys, values, cross_keys_values):
-            x, k, v = layer(x, positions, bias, k, v, cross_kv, cross_bias)
+            layer_bias = masked(layer.relative_attention_bias) if per_layer else bias
+            x, k, v = layer(x, positions, layer_bias, k, v, cross_kv, cross_bias)
             new_keys.append(k)
             new_values.append(v)
-        return self.final_norm(x), new_keys, new_values
+        return self.finish(x), new_keys, new_values
 
 
 class T5(nn.Module):
@@ -479,6 +573,8 @@ class T5(nn.Module):
         self.decoder = Decoder(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+        if args.logits_bias:
+            self.final_logits_bias = mx.zeros((args.vocab_size,))
         self._compiled_step = None  # compile_decoding sets it
         self._paused = None  # the compiled step while `compiled` is switched off
         self.cold_steps = 0  # decode steps that ran a shape for the first time, or traced it (compile_decoding)
@@ -553,6 +649,8 @@ class T5(nn.Module):
         if self.args.scale_decoder_outputs:
             x = x * self.args.d_model**-0.5
         logits = self.shared.as_linear(x) if self.args.tie_word_embeddings else self.lm_head(x)
+        if self.args.logits_bias:
+            logits = logits + self.final_logits_bias
         return logits.reshape(B, L, -1), keys, values
 
     def compile_decoding(self) -> "T5":

@@ -242,7 +242,7 @@ def make_untied_config_without_head(path: Path, tokenizer_dir) -> Path:
         ("not/a/valid id!", "there is no folder not/a/valid id! here (and it is not a Hugging Face hub id"),
         ("mlx_models/t5-11b", "there is no folder mlx_models/t5-11b here"),  # never tried as a download
         ("empty folder", "holds no T5 checkpoint"),
-        ("bert folder", "'bert' model, not T5"),
+        ("bert folder", "a 'bert' model is not one this converts (it takes: t5, mt5, umt5, bart"),
         ("truncated", "truncated or corrupt"),
         ("hub id offline", "hub is unreachable"),
         ("already quantized", "is already quantized"),

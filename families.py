@@ -1,0 +1,183 @@
+"""The encoder-decoder families convert.py takes, each a configuration of model.py's one model.
+
+A `Family` says, for the checkpoints whose config names one of its
+model_types: which of model.ModelArgs' switches its config sets, how its
+weight names map to ours, and what a checkpoint does not store as we use
+it: position tables computed from a formula, the queries' scaling folded
+into their projection (our attention scales by 1, as T5's), the logits'
+bias as a vector.
+
+- T5 and its descendants (v1.0, v1.1, FLAN-T5, mT5, ByT5, MADLAD-400, UL2:
+  model_type t5 or mt5; umT5, whose layers each have their own relative
+  position bias);
+- the BART family, one layout with a handful of switches: BART and mBART
+  (learned positions from row 2, a norm after the embeddings), Marian and
+  Pegasus (sinusoidal positions), M2M-100 and NLLB (sinusoidal, from row
+  2); BART and Marian normalise each block's output, the others its input.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from errors import ConversionError
+
+# ---------------------------------------------------------------- T5
+
+T5_LAYERS = (
+    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"encoder.layers.\1.attention."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"encoder.layers.\1.attention_norm."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.", r"encoder.layers.\1.ffn."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"encoder.layers.\1.ffn_norm."),
+    (r"^decoder\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"decoder.layers.\1.self_attention."),
+    (r"^decoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"decoder.layers.\1.self_attention_norm."),
+    (r"^decoder\.block\.(\d+)\.layer\.1\.EncDecAttention\.", r"decoder.layers.\1.cross_attention."),
+    (r"^decoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"decoder.layers.\1.cross_attention_norm."),
+    (r"^decoder\.block\.(\d+)\.layer\.2\.DenseReluDense\.", r"decoder.layers.\1.ffn."),
+    (r"^decoder\.block\.(\d+)\.layer\.2\.layer_norm\.", r"decoder.layers.\1.ffn_norm."),
+    (r"^(encoder|decoder)\.final_layer_norm\.", r"\1.final_norm."),
+    (r"^(shared|lm_head)\.weight$", r"\1.weight"),
+)
+T5_RENAMES = ((r"^(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.",
+               r"\1.relative_attention_bias.embeddings."),) + T5_LAYERS
+UMT5_RENAMES = ((r"^(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.",
+                 r"\1.layers.\2.relative_attention_bias.embeddings."),) + T5_LAYERS  # every layer its own
+
+
+def t5_arguments(config: dict) -> dict:
+    # transformers >= 5 always writes tie_word_embeddings=True and keeps the v1.0 head scaling in
+    # scale_decoder_outputs; older configs signal both with tie_word_embeddings (False for v1.1).
+    scale = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True) is not False)
+    return {"scale_decoder_outputs": bool(scale)} | ({"positions": "relative per layer"} if config.get("model_type") == "umt5"
+                                                     else {})
+
+
+# ---------------------------------------------------------------- BART
+
+_MODEL = r"^(?:model\.)?"  # BartForConditionalGeneration's prefix; BartModel's checkpoints have none
+BART_RENAMES = (
+    (_MODEL + r"shared\.weight$", r"shared.weight"),
+    (_MODEL + r"(encoder|decoder)\.embed_positions\.weight$", r"\1.positions.weight"),
+    (_MODEL + r"(encoder|decoder)\.layernorm_embedding\.", r"\1.embedding_norm."),
+    (_MODEL + r"(encoder|decoder)\.layer_norm\.", r"\1.final_norm."),
+    (_MODEL + r"encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.", r"encoder.layers.\1.attention.\2."),
+    (_MODEL + r"encoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"encoder.layers.\1.attention.o."),
+    (_MODEL + r"encoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"encoder.layers.\1.attention_norm."),
+    (_MODEL + r"decoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.", r"decoder.layers.\1.self_attention.\2."),
+    (_MODEL + r"decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"decoder.layers.\1.self_attention.o."),
+    (_MODEL + r"decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"decoder.layers.\1.self_attention_norm."),
+    (_MODEL + r"decoder\.layers\.(\d+)\.encoder_attn\.([qkv])_proj\.", r"decoder.layers.\1.cross_attention.\2."),
+    (_MODEL + r"decoder\.layers\.(\d+)\.encoder_attn\.out_proj\.", r"decoder.layers.\1.cross_attention.o."),
+    (_MODEL + r"decoder\.layers\.(\d+)\.encoder_attn_layer_norm\.", r"decoder.layers.\1.cross_attention_norm."),
+    (_MODEL + r"(encoder|decoder)\.layers\.(\d+)\.fc1\.", r"\1.layers.\2.ffn.wi."),
+    (_MODEL + r"(encoder|decoder)\.layers\.(\d+)\.fc2\.", r"\1.layers.\2.ffn.wo."),
+    (_MODEL + r"(encoder|decoder)\.layers\.(\d+)\.final_layer_norm\.", r"\1.layers.\2.ffn_norm."),
+    (r"^final_logits_bias$", r"final_logits_bias"),
+    (r"^lm_head\.weight$", r"lm_head.weight"),
+)
+
+# model_type -> (normalises each block's input, learned positions, positions' first row, a norm after the embeddings)
+BART_KINDS = {"bart": (False, True, 2, True), "mbart": (True, True, 2, True), "marian": (False, False, 0, False),
+              "pegasus": (True, False, 0, False), "m2m_100": (True, False, 2, False)}
+
+
+def bart_arguments(config: dict) -> dict:
+    kind = config["model_type"]
+    pre_norm, learned, offset, embedding_norm = BART_KINDS[kind]
+    d_model, heads = config["d_model"], config["encoder_attention_heads"]
+    if (config.get("decoder_attention_heads", heads), config.get("decoder_ffn_dim", config["encoder_ffn_dim"])) != \
+            (heads, config["encoder_ffn_dim"]):
+        raise ConversionError("the encoder and the decoder differ in heads or FFN width: not a model this converts")
+    if kind == "marian" and config.get("share_encoder_decoder_embeddings", True) is False:
+        raise ConversionError("this Marian model has separate source and target vocabularies: not one this converts")
+    return {"vocab_size": config["vocab_size"], "d_model": d_model, "d_kv": d_model // heads, "num_heads": heads,
+            "d_ff": config["encoder_ffn_dim"], "num_layers": config["encoder_layers"],
+            "num_decoder_layers": config["decoder_layers"], "layer_norm_epsilon": 1e-5,
+            "feed_forward_proj": config.get("activation_function", "gelu"),
+            "tie_word_embeddings": config.get("tie_word_embeddings", True), "scale_decoder_outputs": False,
+            "positions": "absolute", "position_offset": offset,
+            "max_positions": config["max_position_embeddings"] + offset, "norm": "layer", "pre_norm": pre_norm,
+            "final_norm": pre_norm, "embedding_norm": embedding_norm,
+            "embedding_scale": math.sqrt(d_model) if config.get("scale_embedding") else 1.0, "linear_bias": True,
+            "logits_bias": kind != "m2m_100"}
+
+
+def sinusoidal(rows: int, dim: int) -> np.ndarray:
+    """Marian's and Pegasus' table: sines of every other frequency, then their cosines."""
+    position = np.arange(rows)[:, None] / np.power(10000, 2 * (np.arange(dim) // 2) / dim)[None]
+    half = dim // 2 + dim % 2
+    table = np.empty((rows, dim))
+    table[:, :half], table[:, half:] = np.sin(position[:, 0::2]), np.cos(position[:, 1::2])
+    return table.astype(np.float32)
+
+
+def fairseq_sinusoidal(rows: int, dim: int, padding_row: int) -> np.ndarray:
+    """M2M-100's and NLLB's table (fairseq's): sines then cosines of half the
+    frequencies, computed in float32 as transformers computes them; the
+    padding's row zero."""
+    half = dim // 2
+    frequencies = np.exp(np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1)))
+    angles = np.arange(rows, dtype=np.float32)[:, None] * frequencies[None]
+    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+    if dim % 2:
+        table = np.concatenate([table, np.zeros((rows, 1), np.float32)], axis=1)
+    table[padding_row] = 0
+    return table.astype(np.float32)
+
+
+def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
+    """The sinusoidal families' position tables, which checkpoints may or may not store."""
+    kind = config["model_type"]
+    if BART_KINDS[kind][1]:  # learned: in the checkpoint
+        return {}
+    if kind == "m2m_100":
+        table = fairseq_sinusoidal(args.max_positions, args.d_model, config["pad_token_id"])
+    else:
+        table = sinusoidal(args.max_positions, args.d_model)
+    return {"encoder.positions.weight": table, "decoder.positions.weight": table}
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    renames: tuple  # (pattern, replacement): a checkpoint's weight name -> ours
+    arguments: Callable[[dict], dict]  # config -> model.ModelArgs' fields that differ from the config's own
+    embeddings: tuple[str, ...]  # the names a checkpoint may store the shared embedding under
+    tables: Callable = lambda config, args: {}  # config, ModelArgs -> weights computed, not read
+    scaled_queries: bool = False  # scores times d_kv**-0.5: folded into the queries' projection
+
+    def rename(self, name: str) -> str | None:
+        for pattern, replacement in self.renames:
+            if re.match(pattern, name):
+                return re.sub(pattern, replacement, name)
+        return None
+
+    def transform(self, ours: str, array, args):
+        """A checkpoint's weight as ours uses it."""
+        if self.scaled_queries and re.search(r"(attention|self_attention|cross_attention)\.q\.(weight|bias)$", ours):
+            return array * args.d_kv**-0.5
+        if ours == "final_logits_bias":
+            return array.reshape(-1)
+        return array
+
+
+T5_EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+T5_FAMILY = Family("T5", T5_RENAMES, t5_arguments, T5_EMBEDDINGS)
+UMT5_FAMILY = Family("umT5", UMT5_RENAMES, t5_arguments, T5_EMBEDDINGS)
+BART_FAMILY = Family("BART", BART_RENAMES, bart_arguments,
+                     ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+                      "shared.weight"), bart_tables, scaled_queries=True)
+FAMILIES = {"t5": T5_FAMILY, "mt5": T5_FAMILY, "umt5": UMT5_FAMILY} | {kind: BART_FAMILY for kind in BART_KINDS}
+
+
+def family_of(config: dict) -> Family:
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConversionError(f"a '{model_type}' model is not one this converts (it takes: {', '.join(FAMILIES)})")
+    return FAMILIES[model_type]

@@ -1,0 +1,67 @@
+"""The families beside T5, each a configuration of model.py's one model: greedy output equal to transformers', token
+for token, and speculative decoding exact with a draft of the same family."""
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
+
+import convert
+from decoder import Request
+from loading import Models, load_model
+from options import Settings
+from support import decode
+
+PROMPTS = [[5, 17, 300, 41, 99, 7, 250, 13, 600, 88, 2], [44, 9, 512, 3, 77, 2], [900, 31, 8, 8, 100, 64, 12, 2]]
+# (the BART family's EOS is 2; umT5's, 1, ends its prompts' second token instead: no matter to the model)
+
+
+class Family:
+    def __init__(self, kind, hf_model, mlx_dir, draft_dir):
+        self.kind, self.hf_model, self.mlx_dir, self.draft_dir = kind, hf_model, mlx_dir, draft_dir
+
+
+@pytest.fixture(scope="session", params=list(FAMILY_CHECKPOINTS))
+def family(request, tmp_path_factory, tokenizer_dir):
+    """A random checkpoint of the family and a draft of it (another seed, one layer), converted to float32;
+    well-conditioned: its greedy output varies and each choice wins by a margin rounding cannot cross."""
+    kind, root = request.param, tmp_path_factory.mktemp(request.param)
+    hf_model = family_checkpoint(kind, root / "hf", tokenizer_dir)
+    family_checkpoint(kind, root / "draft-hf", tokenizer_dir, seed=1, layers=1)
+    for name in ("hf", "draft-hf"):
+        convert.convert(str(root / name), root / f"{name}-mlx", "float32", force=False)
+    for prompt in PROMPTS:
+        output = reference_greedy(hf_model, prompt, 30)
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([prompt]),
+                              decoder_input_ids=torch.tensor([[hf_model.config.decoder_start_token_id] + output])).logits[0]
+        top2 = logits.topk(2, dim=-1).values
+        assert ((top2[:, 0] - top2[:, 1]) / logits.abs().max(dim=-1).values).min() > 1e-3
+    assert len(set(reference_greedy(hf_model, PROMPTS[0], 30))) >= 8, "the fixture's greedy output must vary"
+    return Family(kind, hf_model, root / "hf-mlx", root / "draft-hf-mlx")
+
+
+def test_logits_match_transformers(family):
+    import mlx.core as mx
+
+    model = load_model(family.mlx_dir)
+    prompt, decoded = PROMPTS[0], [family.hf_model.config.decoder_start_token_id, 7, 300, 12]
+    cache = model.make_cache(model.encode(mx.array([prompt])))
+    ours = np.array(model.decode(mx.array([decoded]), cache))
+    with torch.no_grad():
+        theirs = family.hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([decoded])).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
+
+
+def test_greedy_output_equals_transformers(family):
+    models = Models(load_model(family.mlx_dir))
+    for prompt in PROMPTS:
+        assert decode(models, prompt, Settings(max_tokens=30, speculative=False)) == reference_greedy(family.hf_model, prompt, 30)
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 4, 7])
+def test_speculative_decoding_at_delta_0_equals_regular(family, num_draft):
+    models = Models(load_model(family.mlx_dir), load_model(family.draft_dir))
+    for prompt in PROMPTS:
+        regular = decode(models, prompt, Settings(max_tokens=30, speculative=False))
+        assert decode(models, prompt, Settings(max_tokens=30, num_draft=num_draft, delta=0)) == regular
