@@ -7,7 +7,6 @@ import torch
 from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
 
 import convert
-from decoder import Request
 from loading import Models, load_model
 from options import Settings
 from support import decode
