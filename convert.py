@@ -130,6 +130,15 @@ def read_source_config(folder: Path) -> dict:
         raise ConversionError(f"{folder} is already quantized ({q.get('bits')}-bit): quantize a float conversion "
                               "or the original checkpoint instead")
     families.family_of(config)  # a model type it takes
+    generation = folder / "generation_config.json"
+    if generation.is_file():  # transformers 5 keeps the tokens generate forces there
+        try:
+            defaults = json.loads(generation.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{generation} is damaged ({e})")
+        for key in ("forced_bos_token_id", "forced_eos_token_id", "decoder_start_token_id"):
+            if config.get(key) is None and defaults.get(key) is not None:
+                config[key] = defaults[key]
     return config
 
 

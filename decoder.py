@@ -174,7 +174,7 @@ class Batch:
                 mine.extend(theirs)
         else:
             self.caches = caches
-        if self.counts is not None or any(row.settings.penalties != Penalties() for row in rows):
+        if self.counts is not None or any(self.row_penalties(row) != Penalties() for row in rows):
             # Rows without penalties count from here on, and never read their counts.
             old = self.counts if self.counts is not None else mx.zeros((len(self.rows) * self.width, self.vocabulary))
             self.counts = mx.concatenate([old, mx.zeros((len(rows) * self.width, self.vocabulary))])
@@ -198,7 +198,7 @@ class Batch:
             else:
                 self.caches = []
             self._sampling = self._penalties = None
-            penalized = any(row.settings.penalties != Penalties() for row in self.rows)
+            penalized = any(self.row_penalties(row) != Penalties() for row in self.rows)
             self.counts = self.counts[mx.array(cache_rows)] if penalized and self.counts is not None else None
         return kept
 
@@ -216,9 +216,14 @@ class Batch:
     def penalties(self) -> RowPenalties | None:
         if self._penalties is None:
             args = self.models[0].args
-            penalties = [row.settings.penalties for row in self.rows for _ in range(self.width)]
+            penalties = [self.row_penalties(row) for row in self.rows for _ in range(self.width)]
             self._penalties = (RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size),)
         return self._penalties[0]
+
+    def row_penalties(self, row: Row) -> Penalties:
+        """A row's Penalties, with the tokens its model's config forces (BART's
+        first token, the end of text at max_tokens)."""
+        return forced(row.settings, self.models[0].args)
 
     def tokens(self, rows: list[Row], then: mx.array | None = None) -> mx.array | None:
         """What no_repeat_ngram_size reads, when a row has it: each row's start
@@ -279,7 +284,7 @@ class RegularBatch(Batch):
         start = mx.array([self.model.args.decoder_start_token_id] * len(rows))
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
         args = self.model.args
-        penalties = RowPenalties.of([row.settings.penalties for row in rows], args.decoder_start_token_id, args.eos_token_id,
+        penalties = RowPenalties.of([self.row_penalties(row) for row in rows], args.decoder_start_token_id, args.eos_token_id,
                                     args.vocab_size)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
         seen = start[:, None] if penalties is not None and penalties.needs_tokens else None
@@ -321,6 +326,18 @@ def logprob_lists(picked: mx.array, ids: mx.array | None, values: mx.array | Non
     if ids is None:
         return [[(lp, []) for lp in row] for row in picked]
     return [[(lp, list(zip(i, v))) for lp, i, v in zip(*row)] for row in zip(picked, ids.tolist(), values.tolist())]
+
+
+def forced(settings: Settings, args) -> Penalties:
+    """The settings' Penalties with what the model's config forces: its first
+    output token (forced_bos_token_id) and the end of text as the last
+    (forced_eos_token_id), as transformers' generate forces them."""
+    penalties = settings.penalties
+    if args.forced_bos_token_id is not None:
+        penalties = replace(penalties, forced_first=args.forced_bos_token_id)
+    if args.forced_eos_token_id is not None:
+        penalties = replace(penalties, forced_end_at=settings.max_tokens - 1)
+    return penalties
 
 
 def greedy_accept(scores: mx.array, drafts: mx.array, delta, best: mx.array) -> mx.array:

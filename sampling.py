@@ -31,7 +31,10 @@ class Penalties:
     (token, bias) pairs, added to those tokens' logits (OpenAI's
     logit_bias); and any token that would complete an n-gram of
     `no_repeat_ngram` tokens already in the output (the start token
-    included) masked (transformers' NoRepeatNGramLogitsProcessor)."""
+    included) masked (transformers' NoRepeatNGramLogitsProcessor); the
+    first output token forced, and the end of text at a position, as
+    transformers' ForcedBOS- and ForcedEOSTokenLogitsProcessor force them
+    (the forced token's logit 0, every other -inf)."""
 
     repetition: float = 1.0
     presence: float = 0.0
@@ -40,6 +43,8 @@ class Penalties:
     bias: tuple[tuple[int, float], ...] = ()
     no_repeat_ngram: int = 0
     ends: tuple[int, ...] = ()  # tokens besides the end of text that end a row (stop_token_ids)
+    forced_first: int | None = None  # the first output token, whatever the logits (forced_bos_token_id)
+    forced_end_at: int | None = None  # the output position where the end of text is forced (forced_eos_token_id)
 
 
 class RowPenalties:
@@ -60,6 +65,10 @@ class RowPenalties:
             self.ends = dense(penalties, vocabulary, lambda p: [(eos, 1.0)] + [(t, 1.0) for t in p.ends]) > 0
         self.ngram = mx.array([p.no_repeat_ngram for p in penalties])
         self.longest_ngram = max(p.no_repeat_ngram for p in penalties)
+        self.forced_first, self.forced_end_at = (
+            mx.array([-1 if getattr(p, name) is None else getattr(p, name) for p in penalties])
+            for name in ("forced_first", "forced_end_at"))
+        self.eos = eos
 
     @classmethod
     def of(cls, penalties: list[Penalties], start: int, eos: int, vocabulary: int) -> "RowPenalties | None":
@@ -79,7 +88,7 @@ class RowPenalties:
         on the left with -1, the n positions deciding what follows its last
         n prefixes (lengths L - n + 1 to L)."""
         logits = _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
-                           self.bias, self.ends, self.start)
+                           self.bias, self.ends, self.start, self.forced_first, self.forced_end_at, self.eos)
         if self.needs_tokens:
             logits = mx.where(ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1]),
                               -mx.inf, logits)
@@ -96,14 +105,20 @@ def dense(penalties: list[Penalties], vocabulary: int, pairs) -> mx.array:
 
 
 @mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
-def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, start):
+def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, start, forced_first,
+              forced_end_at, eos):
     logits = logits.astype(mx.float32)
-    seen = (counts > 0) | (mx.arange(logits.shape[-1]) == start)
+    vocabulary = mx.arange(logits.shape[-1])
+    seen = (counts > 0) | (vocabulary == start)
     repetition = repetition[:, None, None]
     logits = mx.where(seen, mx.where(logits > 0, logits / repetition, logits * repetition), logits)
     logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]
     early = positions < min_tokens[:, None]
-    return mx.where(early[..., None] & ends[:, None], -mx.inf, logits)
+    logits = mx.where(early[..., None] & ends[:, None], -mx.inf, logits)
+    first = ((positions == 0) & (forced_first[:, None] >= 0))[..., None]
+    logits = mx.where(first, mx.where(vocabulary == forced_first[:, None, None], 0.0, -mx.inf), logits)
+    last = (positions == forced_end_at[:, None])[..., None]
+    return mx.where(last, mx.where(vocabulary == eos, 0.0, -mx.inf), logits)
 
 
 @mx.compile  # some 25 operations in one graph, traced again only as the tokens' width grows (Batch.tokens)

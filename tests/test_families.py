@@ -64,3 +64,32 @@ def test_speculative_decoding_at_delta_0_equals_regular(family, num_draft):
     for prompt in PROMPTS:
         regular = decode(models, prompt, Settings(max_tokens=30, speculative=False))
         assert decode(models, prompt, Settings(max_tokens=30, num_draft=num_draft, delta=0)) == regular
+
+
+def test_the_tokens_a_config_forces_are_forced_as_transformers_forces_them(family, tmp_path):
+    """forced_bos_token_id (BART's first token; mBART's and NLLB's target
+    language) and forced_eos_token_id (the end of text as the last token),
+    read from the checkpoint's generation config: greedy output equal to
+    transformers' generate, and speculative decoding's to regular decoding's."""
+    import json
+    import shutil
+
+    config = family.hf_model.config
+    source = tmp_path / "hf"
+    family.hf_model.save_pretrained(str(source))
+    for file in ("tokenizer.json", "spiece.model"):
+        if (family.mlx_dir / file).is_file():
+            shutil.copy(family.mlx_dir / file, source / file)
+    eos = config.eos_token_id
+    (source / "generation_config.json").write_text(json.dumps({"forced_bos_token_id": 77, "forced_eos_token_id": eos}))
+    convert.convert(str(source), tmp_path / "mlx", "float32", force=False)
+    models = Models(load_model(tmp_path / "mlx"), load_model(family.draft_dir))
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = family.hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=1,
+                                           forced_bos_token_id=77, forced_eos_token_id=eos, min_new_tokens=0)
+        expected = [t for t in out[0, 1:].tolist() if t != eos]
+        regular = decode(models, prompt, Settings(max_tokens=12, speculative=False))
+        assert regular == expected and regular[0] == 77
+        for num_draft in (1, 3):
+            assert decode(models, prompt, Settings(max_tokens=12, num_draft=num_draft, delta=0)) == regular
