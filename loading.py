@@ -225,6 +225,27 @@ def check_fit(path: Path, model: T5, tokenizer) -> None:
                       "it decodes several times slower than float32 (convert with --dtype float32)", RuntimeWarning, stacklevel=3)
 
 
+SPECIAL_TOKENS = ("decoder_start_token_id", "eos_token_id", "pad_token_id", "forced_bos_token_id", "forced_eos_token_id")
+
+
+def tokenizer_difference(target_config: dict, target_tokenizer, draft_config: dict, draft_tokenizer) -> str | None:
+    """The first way a draft's tokens differ from its target's, by what they
+    are, not by name: the output vocabulary's size, the special tokens the
+    configs name, then each token of the vocabularies."""
+    if draft_config["vocab_size"] != target_config["vocab_size"]:
+        return f"it has {draft_config['vocab_size']:,} output tokens, the target {target_config['vocab_size']:,}"
+    for key in SPECIAL_TOKENS:
+        if draft_config.get(key) != target_config.get(key):
+            return f"its {key} is {draft_config.get(key)}, the target's {target_config.get(key)}"
+    theirs, ours = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    for token, index in sorted(theirs.items(), key=lambda item: item[1]):
+        if ours.get(token) != index:
+            where = "has no such token" if token not in ours else f"has it as {ours[token]}"
+            return f"the target's token {index} is {token!r}, which the draft's tokenizer {where}"
+    extra = sorted(set(ours) - set(theirs), key=ours.get)
+    return f"its tokenizer has {extra[0]!r} ({ours[extra[0]]}), the target's none" if extra else None
+
+
 _warned_slow_blas = False
 
 
@@ -240,11 +261,10 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
     draft_path = resolve(draft, "draft") if draft is not None else None
     tokenizer = load_tokenizer(target_path)
     if draft_path is not None:
-        target_vocab, draft_vocab = read_config(target_path)["vocab_size"], read_config(draft_path)["vocab_size"]
-        if draft_vocab != target_vocab:
-            raise LoadError(f"{draft} has {draft_vocab} output tokens, {target} {target_vocab}: not a draft for it")
-        if load_tokenizer(draft_path).get_vocab() != tokenizer.get_vocab():
-            raise LoadError(f"{draft} and {target} have different tokenizers: the draft must share the target's")
+        difference = tokenizer_difference(read_config(target_path), tokenizer, read_config(draft_path),
+                                          load_tokenizer(draft_path))
+        if difference:
+            raise LoadError(f"{draft} is not a draft for {target}: {difference} (a draft must share the target's tokenizer)")
     if cpu.SLOW and not _warned_slow_blas:  # once per process, whatever the warning filters say
         _warned_slow_blas = True
         advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""

@@ -93,3 +93,29 @@ def test_the_tokens_a_config_forces_are_forced_as_transformers_forces_them(famil
         assert regular == expected and regular[0] == 77
         for num_draft in (1, 3):
             assert decode(models, prompt, Settings(max_tokens=12, num_draft=num_draft, delta=0)) == regular
+
+
+def test_a_draft_whose_tokens_differ_is_refused_naming_the_first_difference(family, tmp_path):
+    """Checked by what the tokens are, not by the models' names: a special
+    token the configs name, or one piece of the vocabulary."""
+    import json
+    import shutil
+
+    from errors import LoadError
+    from loading import load
+
+    draft = tmp_path / "draft"
+    shutil.copytree(family.draft_dir, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    piece, score = tokenizer["model"]["vocab"][500]
+    tokenizer["model"]["vocab"][500] = [piece + "x", score]  # one piece another
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(LoadError, match=f"the target's token 500 is {piece!r}, which the draft's tokenizer has no such token"):
+        load(family.mlx_dir, draft=draft)
+    config = json.loads((family.draft_dir / "config.json").read_text())
+    shutil.copy(family.draft_dir / "tokenizer.json", draft / "tokenizer.json")
+    (draft / "config.json").write_text(json.dumps(config | {"eos_token_id": 7}))
+    with pytest.raises(LoadError, match=f"its eos_token_id is 7, the target's {config['eos_token_id']}"):
+        load(family.mlx_dir, draft=draft)
+    (draft / "config.json").write_text(json.dumps(config))
+    assert load(family.mlx_dir, draft=draft).draft is not None
