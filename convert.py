@@ -57,7 +57,8 @@ def default_dtype() -> str:
 
 SHARD_BYTES = 4 << 30
 
-TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"]
+TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "sentencepiece.bpe.model"]  # BART's, mBART's and NLLB's
 CONFIG_FILES = ["config.json", "generation_config.json"]
 SAFETENSORS_PATTERNS = ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
 TORCH_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json"]
@@ -516,6 +517,9 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
             write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.
         result = output_config(config, args, dtype_name, names, model, quantization)
+        marked = families.languages(read_json(source / "tokenizer_config.json"))
+        if marked:  # how the tokenizer marks languages, for --src-lang and --tgt-lang
+            result["languages"] = marked
         (partial / "config.json").write_text(json.dumps(result, indent=2))
         (partial / OWNER).unlink()
         check_output(out, force)  # again: the output may have appeared meanwhile
@@ -539,11 +543,25 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
 
 
 def write_tokenizer_json(source: Path, path: Path) -> None:
-    """A tokenizer.json for a checkpoint that has only spiece.model, through
-    transformers (which converts SentencePiece models)."""
+    """A tokenizer.json for a checkpoint that has only spiece.model (or
+    another tokenizer's own files), through transformers (which converts
+    SentencePiece models)."""
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(str(source)).backend_tokenizer.save(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise ConversionError(f"{source}'s tokenizer ({type(tokenizer).__name__}) has no fast form to write as "
+                              "tokenizer.json: its models do not convert yet")
+    tokenizer.backend_tokenizer.save(str(path))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's object; {} when there is none (or it is not one)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def default_out(model: str, quantization: Quantization | None = None) -> Path:

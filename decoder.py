@@ -330,11 +330,13 @@ def logprob_lists(picked: mx.array, ids: mx.array | None, values: mx.array | Non
 
 def forced(settings: Settings, args) -> Penalties:
     """The settings' Penalties with what the model's config forces: its first
-    output token (forced_bos_token_id) and the end of text as the last
-    (forced_eos_token_id), as transformers' generate forces them."""
+    output token (forced_bos_token_id, or the settings' own: a target
+    language) and the end of text as the last (forced_eos_token_id), as
+    transformers' generate forces them."""
     penalties = settings.penalties
-    if args.forced_bos_token_id is not None:
-        penalties = replace(penalties, forced_first=args.forced_bos_token_id)
+    first = args.forced_bos_token_id if settings.forced_bos_token_id is None else settings.forced_bos_token_id
+    if first is not None:
+        penalties = replace(penalties, forced_first=first)
     if args.forced_eos_token_id is not None:
         penalties = replace(penalties, forced_end_at=settings.max_tokens - 1)
     return penalties

@@ -140,6 +140,26 @@ def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
     return {"encoder.positions.weight": table, "decoder.positions.weight": table}
 
 
+# ---------------------------------------------------------------- languages
+
+# A multilingual tokenizer's class -> its language codes' pattern, and where the source language's code goes:
+# before the text (then the text, then EOS) or after the text's EOS. The target language is the first token
+# decoding outputs (forced_bos_token_id).
+LANGUAGES = {"NllbTokenizer": (r"^[a-z]{3}_[A-Z][a-z]{3}$", "before"),
+             "M2M100Tokenizer": (r"^__[a-z_]{2,8}__$", "before"),
+             "MBart50Tokenizer": (r"^[a-z]{2}_[A-Z]{2}$", "before"),
+             "MBartTokenizer": (r"^[a-z]{2}_[A-Z]{2}$", "after")}
+
+
+def languages(tokenizer_config: dict) -> dict | None:
+    """How a tokenizer marks languages, by its class (tokenizer_config.json's): {"pattern", "source"} or None."""
+    name = (tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
+    if name not in LANGUAGES:
+        return None
+    pattern, where = LANGUAGES[name]
+    return {"pattern": pattern, "source": where}
+
+
 # ---------------------------------------------------------------- the table
 
 

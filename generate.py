@@ -106,12 +106,40 @@ class Generation:
     beams: list[tuple[str, float]] | None = None  # beam search: the num_return_sequences best beams' texts and scores
 
 
-def settings_for(models: Models, options: dict) -> tuple[Settings, str]:
-    """The options as Settings these models can run, and the prompts'
-    prefix: keywords, over a `task=`'s (options.task_preset), over a whole
-    Settings given as `settings=` (what the command line passes). TypeError
-    for models that are not loading.load's, OptionError for an option out of
-    range or a task the model's config does not name."""
+@dataclass(frozen=True)
+class PromptForm:
+    """How a prompt's text becomes ids: after a task's prefix, and with a
+    multilingual model's source-language code where its tokenizer puts it."""
+
+    prefix: str = ""
+    language: int | None = None  # the source language's token
+
+    def ids(self, models: Models, text: str, keep: int | None = None) -> list[int]:
+        """The text's ids in this form; at most `keep` of them (the prefix
+        and the language whole, the text's last tokens), when given."""
+        ids = self.marked(models, models.tokenizer.encode(self.prefix + text, add_special_tokens=self.language is None))
+        if keep is None or len(ids) <= keep:
+            return ids
+        head = models.tokenizer.encode(self.prefix, add_special_tokens=False) if self.prefix else []
+        text_ids = models.tokenizer.encode(text, add_special_tokens=self.language is None)
+        room = max(keep - len(head) - (2 if self.language is not None else 0), 1)
+        return self.marked(models, head + text_ids[-room:])
+
+    def marked(self, models: Models, ids: list[int]) -> list[int]:
+        """ids with the source language's code and the end of text, where the tokenizer puts them."""
+        if self.language is None:
+            return ids
+        ids = ids + [models.target.args.eos_token_id]
+        return [self.language] + ids if models.languages.source == "before" else ids + [self.language]
+
+
+def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
+    """The options as Settings these models can run, and the prompts' form:
+    keywords, over a `task=`'s (options.task_preset), over a whole Settings
+    given as `settings=` (what the command line passes). TypeError for
+    models that are not loading.load's, OptionError for an option out of
+    range, a task the model's config does not name, or a language it does
+    not know."""
     if not isinstance(models, Models):
         shown = f" {models!r}" if isinstance(models, str) else ""
         raise TypeError(f"models must be what loading.load returns (got {type(models).__name__}{shown}): "
@@ -119,7 +147,9 @@ def settings_for(models: Models, options: dict) -> tuple[Settings, str]:
     options = dict(options)
     base, task = options.pop("settings", None), options.pop("task", None)
     prefix, preset = task_preset(models.tasks, task) if task is not None else ("", {})
-    return Settings.of(preset | options, base).check_models(models), prefix
+    settings = Settings.of(preset | options, base).check_models(models)
+    source = None if settings.src_lang is None else models.languages.code(settings.src_lang, "source")
+    return settings, PromptForm(prefix, source)
 
 
 def check_prompts(prompts: list[str]) -> None:
@@ -135,14 +165,14 @@ def check_prompts(prompts: list[str]) -> None:
             raise TypeError(f"prompts must be a list of strings (prompt {number} is {type(prompt).__name__})")
 
 
-def tokenize(models: Models, prompts: list[str], prefix: str = "") -> list[list[int]]:
-    """Each prompt's ids, after a task's prefix. OptionError for an empty
+def tokenize(models: Models, prompts: list[str], form: PromptForm = PromptForm()) -> list[list[int]]:
+    """Each prompt's ids, in the prompts' form. OptionError for an empty
     prompt; a warning for prompts longer than T5 was trained on."""
     check_prompts(prompts)
     for number, prompt in enumerate(prompts, 1):
         if not prompt.strip():
             raise OptionError("the prompt is empty" if len(prompts) == 1 else f"prompt {number} of {len(prompts)} is empty")
-    ids = [models.tokenizer.encode(prefix + prompt) for prompt in prompts]
+    ids = [form.ids(models, prompt) for prompt in prompts]
     longest = max(len(i) for i in ids)
     if longest > TRAINED_LENGTH:
         which = "the prompt has" if len(ids) == 1 else f"{sum(len(i) > TRAINED_LENGTH for i in ids)} prompt(s) have up to"
@@ -151,10 +181,10 @@ def tokenize(models: Models, prompts: list[str], prefix: str = "") -> list[list[
     return ids
 
 
-def one_prompt(models: Models, prompt: str, prefix: str = "") -> list[int]:
+def one_prompt(models: Models, prompt: str, form: PromptForm = PromptForm()) -> list[int]:
     if not isinstance(prompt, str):
         raise TypeError(f"the prompt must be a string (got {type(prompt).__name__})")
-    return tokenize(models, [prompt], prefix)[0]
+    return tokenize(models, [prompt], form)[0]
 
 
 def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response]:
@@ -174,13 +204,14 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     the text), length_penalty=1.0, early_stopping=False (True, or "never"),
     num_return_sequences=1 (batch_generate's Generation.beams); task=None
     (a task the model's config names, "summarization" say: its prompt
-    prefix, and its options under those given); or settings=, a whole options.Settings, with any keywords
+    prefix, and its options under those given); src_lang and tgt_lang (a
+    multilingual model's language codes, "eng_Latn" say); or settings=, a whole options.Settings, with any keywords
     over it. Options and the prompt are checked at the call, before any
     decoding: OptionError names one out of range."""
-    settings, prefix = settings_for(models, options)
+    settings, form = settings_for(models, options)
     if settings.n > 1:
         raise OptionError(f"n={settings.n}: stream_generate and generate give one output; batch_generate gives n")
-    request = Request(one_prompt(models, prompt, prefix), settings)
+    request = Request(one_prompt(models, prompt, form), settings)
     stream = TextStream.of(models.tokenizer, settings)
 
     def responses():
@@ -234,10 +265,10 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
     the batch and waiting prompts take its place. Greedy at delta 0, each
     text equals `generate` on its prompt alone. Options as for
     stream_generate; they, batch_size and every prompt are checked at the call."""
-    settings, prefix = settings_for(models, options)
+    settings, form = settings_for(models, options)
     BATCH_SIZE.check(batch_size)
     # n outputs of each prompt: its rows join together, and the prompt is encoded once
-    requests = [Request(ids, copy) for ids in tokenize(models, prompts, prefix) for copy in settings.copies()]
+    requests = [Request(ids, copy) for ids in tokenize(models, prompts, form) for copy in settings.copies()]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
 
     def generations():

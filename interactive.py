@@ -171,6 +171,7 @@ def knob_lines() -> str:
     lines += [f"  :{option.flag + ' ...':<{width}} {option.help}: {option.metavar} (or none)" for option in LISTS.values()]
     lines.append(f"  :{'stop TEXT':<{width}} end the text before TEXT (or none)")
     lines.append(f"  :{'task NAME':<{width}} a task the model's config names: its prefix and options (or none)")
+    lines.append(f"  :{'src-lang CODE':<{width}} a multilingual model's prompt language; :tgt-lang CODE, the output's")
     return "\n".join(lines)
 
 
@@ -215,6 +216,8 @@ class Session:
         shown += [f"{option.flag} {getattr(self.settings, name)}" for name, option in LISTS.items()
                   if getattr(self.settings, name)]
         shown += [f"stop {self.settings.stop[0]!r}"] if self.settings.stop else []
+        shown += [f"{name.replace('_', '-')} {getattr(self.settings, name)}" for name in ("src_lang", "tgt_lang")
+                  if getattr(self.settings, name)]
         return f"mode {mode}, " + ", ".join(shown)
 
     def change(self, **changes) -> None:
@@ -271,6 +274,8 @@ class Session:
             self.change(stop=() if value.lower() in ("", "none") else (value,))
         elif name == "task":
             self.task(value)
+        elif name in ("src-lang", "tgt-lang"):
+            self.change(**{name.replace("-", "_"): None if value.lower() in ("", "none") else value})
         else:
             self.say(f"unknown command ':{name}' (:help lists them)")
         return True

@@ -10,6 +10,7 @@ tokenizer. Every problem a user can fix is a `LoadError` naming what to do.
 
 import json
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from drafting import AutoDraft
-from errors import LoadError, ModelNotFound
+from errors import LoadError, ModelNotFound, OptionError
 from model import T5, ModelArgs
 
 FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
@@ -209,6 +210,32 @@ class Models:
     drafting: AutoDraft = field(default_factory=AutoDraft, repr=False)
     encoding_rate: float | None = None
     tasks: dict = field(default_factory=dict)  # the target's config's task_specific_params (options.task_preset)
+    languages: "Languages | None" = None  # a multilingual target's language codes
+
+
+@dataclass(frozen=True)
+class Languages:
+    """A multilingual model's language codes (code -> token id), and where
+    a prompt's source-language code goes: "before" its text, or "after" its
+    end of text (convert.py records which, from the tokenizer's class)."""
+
+    codes: dict
+    source: str
+
+    @classmethod
+    def of(cls, config: dict, tokenizer) -> "Languages | None":
+        marked = config.get("languages")
+        if not marked:
+            return None
+        pattern = re.compile(marked["pattern"])
+        codes = {token: index for token, index in tokenizer.get_vocab().items() if pattern.match(token)}
+        return cls(codes, marked["source"]) if codes else None
+
+    def code(self, name: str, which: str) -> int:
+        """A code's token id; OptionError naming the codes there are."""
+        if name not in self.codes:
+            raise OptionError(f"unknown {which} language {name!r} (this model's: {', '.join(sorted(self.codes))})")
+        return self.codes[name]
 
 
 def check_fit(path: Path, model: T5, tokenizer) -> None:
@@ -283,6 +310,6 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         if model is not None:
             model.compile_decoding()  # reads every weight
             check_fit(path, model, tokenizer)
-    tasks = read_config(target_path).get("task_specific_params") or {}
+    config = read_config(target_path)
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve(),
-                  tasks=tasks)
+                  tasks=config.get("task_specific_params") or {}, languages=Languages.of(config, tokenizer))

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{knob.flag}", type=str if knob.words else knob.type, help=knob.help + default + ")" * bool(default))
     for name, option in LISTS.items():
         p.add_argument(f"--{option.flag}", metavar=option.metavar, help=option.help)
+    p.add_argument("--src-lang", help="a multilingual model's code for the prompt's language (NLLB's eng_Latn, mBART-50's "
+                   "en_XX, M2M-100's __en__): an unknown one lists the model's")
+    p.add_argument("--tgt-lang", help="and for the output's language, its first token")
     p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
                    "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
@@ -171,7 +174,8 @@ def knob_settings(args, defaults: dict) -> Settings:
     lists = {name: option.parse(getattr(args, name), f"--{option.flag}") for name, option in LISTS.items()
              if getattr(args, name) is not None}
     return Settings(**{name: knob.check(values[name], f"--{knob.flag}") for name, knob in KNOBS.items()}, **lists,
-                    speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup, stop=tuple(args.stop or ()))
+                    speculative=not args.regular_decode, prompt_lookup=args.prompt_lookup, stop=tuple(args.stop or ()),
+                    src_lang=args.src_lang, tgt_lang=args.tgt_lang)
 
 
 def sweep_grid(args) -> dict:

@@ -187,10 +187,16 @@ class Settings:
     ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
     skip_special_tokens: bool = False  # leave special tokens (<extra_id_0>, </s>, <pad>) out of the text
     logit_bias: dict | tuple = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
+    forced_bos_token_id: int | None = None  # tgt_lang's token, set by check_models: the first output token
+    src_lang: str | None = None  # a multilingual model's language codes: the prompt's ("eng_Latn", "en_XX", ...)
+    tgt_lang: str | None = None  # and the output's
 
     def __post_init__(self):
         for name, knob in KNOBS.items():
             knob.check(getattr(self, name))
+        for name in ("src_lang", "tgt_lang"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise OptionError(f"{name} must be a language code (got {getattr(self, name)!r})")
         for name in ("speculative", "prompt_lookup", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be True or False (got {getattr(self, name)!r})")
@@ -274,7 +280,14 @@ class Settings:
             raise OptionError(f"logit_bias's keys must be token ids below {vocabulary:,}")
         if any(token >= vocabulary for token in self.stop_token_ids):
             raise OptionError(f"stop_token_ids must be token ids below {vocabulary:,}")
-        return self
+        if self.src_lang is None and self.tgt_lang is None:
+            return self if self.forced_bos_token_id is None else replace(self, forced_bos_token_id=None)
+        if models.languages is None:
+            raise OptionError("this model's tokenizer marks no languages: it takes no src-lang or tgt-lang")
+        if self.src_lang is not None:
+            models.languages.code(self.src_lang, "source")
+        target = None if self.tgt_lang is None else models.languages.code(self.tgt_lang, "target")
+        return replace(self, forced_bos_token_id=target)
 
     @property
     def sampling(self) -> Sampling:

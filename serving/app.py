@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import decoder
 from errors import OptionError
+from generate import PromptForm
 from loading import Models
 from options import Settings, Stats, task_preset
 from serving import shapes
@@ -272,20 +273,23 @@ class Completions:
                            param=field)
         return settings, prefix
 
-    def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1, prefix: str = "") -> list[list[int]]:
-        """Each prompt's ids: a text tokenized, ids checked against the
-        vocabulary; then, with `truncate` (vLLM's truncate_prompt_tokens),
-        only the last so many, as a long document is cut to fit."""
+    def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1,
+               form: PromptForm = PromptForm()) -> list[list[int]]:
+        """Each prompt's ids: a text tokenized in the request's form (a
+        task's prefix, a source language), ids checked against the
+        vocabulary; with `truncate` (vLLM's truncate_prompt_tokens), only
+        the last so many, as a long document is cut to fit."""
         if len(prompts) * copies > self.engine.max_queue:
             raise ApiError(400, f"{len(prompts) * copies} rows ({len(prompts)} prompts, {copies} each) are more than this "
                                 f"server's queue holds ({self.engine.max_queue}): send fewer prompts, or a smaller n",
                            param="prompt")
         encoded = []
         for prompt in prompts:
-            ids = self.ids(prefix + prompt if isinstance(prompt, str) else prompt)
-            if truncate and len(ids) > truncate:  # the prompt's last tokens, after the task's prefix whole
-                kept = self.ids(prefix, add_special_tokens=False) if prefix and isinstance(prompt, str) else []
-                ids = kept + self.ids(prompt)[-max(truncate - len(kept), 1):]
+            if isinstance(prompt, str):
+                ids = self.text_ids(prompt, form, truncate)
+            else:
+                ids = self.known(prompt, "prompt")
+                ids = ids[-truncate:] if truncate else ids
             if len(ids) > self.limits.max_prompt_tokens:
                 raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's "
                                     f"{self.limits.max_prompt_tokens:,} (truncate_prompt_tokens keeps its last ones)",
@@ -293,11 +297,12 @@ class Completions:
             encoded.append(ids)
         return encoded
 
-    def ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            return self.known(prompt, "prompt")
+    def text_ids(self, text: str, form: PromptForm = PromptForm(), keep: int | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
         try:
-            return self.models.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if not add_special_tokens:
+                return self.models.tokenizer.encode(text, add_special_tokens=False)
+            return form.ids(self.models, text, keep)
         except Exception as e:  # the Rust tokenizer's errors have no common type
             raise ApiError(400, f"the prompt could not be tokenized ({str(e).splitlines()[0]})", param="prompt")
 
@@ -311,7 +316,8 @@ class Completions:
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
         settings, prefix = self.settings(body)
         copies = 1 if settings.num_beams > 1 else body.n  # jobs a prompt takes: n samples, or one search of n beams
-        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, prefix)
+        source = None if settings.src_lang is None else self.models.languages.code(settings.src_lang, "source")
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, PromptForm(prefix, source))
         needed = sum(len(ids) + settings.max_tokens for ids in encoded) * copies * settings.num_beams
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "
@@ -476,7 +482,7 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     async def tokenize(body: Tokenize):
         """vLLM's: the prompt's ids as a completion would take them (the server's prompt limit beside them)."""
         completions.check_model(body.model)
-        ids = completions.ids(body.text, body.add_special_tokens)
+        ids = completions.text_ids(body.text, add_special_tokens=body.add_special_tokens)
         strings = [models.tokenizer.decode([token]) for token in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": limits.max_prompt_tokens, "tokens": ids, "token_strs": strings}
 

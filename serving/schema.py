@@ -84,6 +84,8 @@ class CompletionBody(BaseModel):
     skip_special_tokens: StrictBool = True  # vLLM's default: no <extra_id_0>, </s> or <pad> in the text
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # vLLM's: keep a prompt's last N tokens
     task: StrictStr | None = None  # a task the model's config names: its prefix, and its options under the request's
+    src_lang: StrictStr | None = None  # a multilingual model's language codes: the prompt's
+    tgt_lang: StrictStr | None = None  # and the answer's
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "top_p", "seed", "delta", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "no_repeat_ngram_size", "length_penalty")
@@ -172,7 +174,7 @@ class CompletionBody(BaseModel):
                  "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
                  "no_repeat_ngram_size": self.no_repeat_ngram_size, "stop_token_ids": self.stop_token_ids,
                  "logit_bias": self.token_biases, "logprobs": self.logprob_count, "length_penalty": self.length_penalty,
-                 "early_stopping": self.early_stopping}
+                 "early_stopping": self.early_stopping, "src_lang": self.src_lang, "tgt_lang": self.tgt_lang}
         if self.use_beam_search:  # over defaults the server made greedy and draftless (app.BEAM_DEFAULTS)
             given |= {"num_beams": self.beams, "num_return_sequences": self.n}
         chosen = {name: value for name, value in given.items() if value is not None}

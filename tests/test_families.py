@@ -1,12 +1,15 @@
 """The families beside T5, each a configuration of model.py's one model: greedy output equal to transformers', token
 for token, and speculative decoding exact with a draft of the same family."""
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
 
 import convert
+from conftest import ROOT
+from serving.process import ServerProcess
 from loading import Models, load_model
 from options import Settings
 from support import decode
@@ -119,3 +122,67 @@ def test_a_draft_whose_tokens_differ_is_refused_naming_the_first_difference(fami
         load(family.mlx_dir, draft=draft)
     (draft / "config.json").write_text(json.dumps(config))
     assert load(family.mlx_dir, draft=draft).draft is not None
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory, tokenizer_dir):
+    """An NLLB-like checkpoint (M2M-100's layout) whose tokenizer has three language codes, converted."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("nllb")
+    hf_model = family_checkpoint("m2m_100", root / "hf", tokenizer_dir)
+    tokenizer = Tokenizer.from_file(str(root / "hf" / "tokenizer.json"))
+    tokenizer.add_special_tokens(["eng_Latn", "fra_Latn", "deu_Latn"])  # ids 1100-1102, inside the model's 1104
+    tokenizer.save(str(root / "hf" / "tokenizer.json"))
+    (root / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "NllbTokenizerFast"}))
+    convert.convert(str(root / "hf"), root / "mlx", "float32", force=False)
+    return hf_model, root / "mlx"
+
+
+def test_source_and_target_languages_are_marked_as_nllbs_tokenizer_and_generate_mark_them(multilingual, capsys):
+    """The prompt as [source code] text [EOS], the target's code forced as
+    the first token: transformers' generate with forced_bos_token_id on the
+    same ids; an unknown code lists the model's; the command line and the
+    server take them too."""
+    import json
+
+    import main
+    from checkpoints import PROMPT
+    from errors import OptionError
+    from generate import generate
+    from loading import load
+
+    hf_model, folder = multilingual
+    models = load(folder)
+    assert models.languages.codes == {"eng_Latn": 1100, "fra_Latn": 1101, "deu_Latn": 1102}
+    ids = [1101] + models.tokenizer.encode(PROMPT, add_special_tokens=False) + [2]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=15, do_sample=False, num_beams=1, forced_bos_token_id=1102)
+    expected = [t for t in out[0, 1:].tolist() if t != 2]
+    ours = [r.token for r in generate_stream(models, PROMPT, src_lang="fra_Latn", tgt_lang="deu_Latn") if r.token is not None]
+    assert ours == expected and ours[0] == 1102
+    with pytest.raises(OptionError, match="unknown target language 'xx' \\(this model's: deu_Latn, eng_Latn, fra_Latn\\)"):
+        generate(models, PROMPT, tgt_lang="xx")
+    with pytest.raises(OptionError, match="marks no languages"):
+        generate(load(ROOT / "demo" / "target"), PROMPT, src_lang="eng_Latn")
+    assert main.main(["--model", str(folder), "--regular-decode", "--json", "--prompt", PROMPT, "--max-tokens", "15",
+                      "--src-lang", "fra_Latn", "--tgt-lang", "deu_Latn"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == expected
+    server = ServerProcess("--model", str(folder), "--served-model-name", "m")
+    try:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 15, "src_lang": "fra_Latn", "tgt_lang": "deu_Latn",
+                "skip_special_tokens": False, "logprobs": 0}
+        reply = httpx.post(server.url + "/v1/completions", json=body).json()
+        assert reply["choices"][0]["text"] == models.tokenizer.decode(expected)
+        refused = httpx.post(server.url + "/v1/completions", json=body | {"src_lang": "klingon"})
+        assert refused.status_code == 400 and "unknown source language 'klingon'" in refused.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def generate_stream(models, prompt, **options):
+    from generate import stream_generate
+
+    return stream_generate(models, prompt, max_tokens=15, speculative=False, **options)
