@@ -513,11 +513,15 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         for file in tokenizer_files + [source / "generation_config.json"]:
             if file.is_file():
                 shutil.copy(file, partial / file.name)
-        if not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
+        tokenizer_config = read_json(source / "tokenizer_config.json")
+        in_bytes = tokenizer_config.get("tokenizer_class") == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
+        if not in_bytes and not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
             write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.
         result = output_config(config, args, dtype_name, names, model, quantization)
-        marked = families.languages(read_json(source / "tokenizer_config.json"))
+        if in_bytes:
+            result["tokenizer"] = {"kind": "bytes", "extra_ids": tokenizer_config.get("extra_ids", 125)}
+        marked = families.languages(tokenizer_config)
         if marked:  # how the tokenizer marks languages, for --src-lang and --tgt-lang
             result["languages"] = marked
         (partial / "config.json").write_text(json.dumps(result, indent=2))

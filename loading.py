@@ -172,10 +172,53 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
 
+class ByteTokenizer:
+    """ByT5's tokenizer, which has no vocabulary file: a text's UTF-8 bytes,
+    each its value + 3 (after pad, EOS and unk), and the sentinels
+    <extra_id_N> after the bytes; as transformers' ByT5Tokenizer encodes
+    and decodes (an incomplete character decodes as nothing)."""
+
+    specials = ("<pad>", "</s>", "<unk>")
+
+    def __init__(self, extra_ids: int = 125):
+        self.extra = {f"<extra_id_{i}>": 259 + i for i in range(extra_ids)}
+        names = {**{name: i for i, name in enumerate(self.specials)}, **self.extra}
+        self.pattern = re.compile("|".join(f"\\s*{re.escape(n)}\\s*" if n in self.specials else re.escape(n)
+                                           for n in sorted(names, key=len, reverse=True)))
+        self.names, self.by_id = names, {i: name for name, i in names.items()}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids, at = [], 0
+        for found in self.pattern.finditer(text):  # pad, EOS and unk take the spaces around them, as transformers'
+            ids += [b + 3 for b in text[at : found.start()].encode("utf-8")] + [self.names[found.group().strip()]]
+            at = found.end()
+        ids += [b + 3 for b in text[at:].encode("utf-8")]
+        return ids + [1] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_) -> str:
+        out = b""
+        for i in ids:
+            if 3 <= i < 259:
+                out += bytes([i - 3])
+            elif i in self.by_id and not skip_special_tokens:
+                out += self.by_id[i].encode("utf-8")
+        return out.decode("utf-8", errors="ignore")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**{chr(b): b + 3 for b in range(256)}, **self.names}
+
+    def __len__(self) -> int:
+        return 259 + len(self.extra)
+
+
 def load_tokenizer(folder: str | Path):
-    """The folder's tokenizer: from tokenizer.json (convert.py writes one);
-    for a folder with only spiece.model, transformers' (a slower start)."""
+    """The folder's tokenizer: from tokenizer.json (convert.py writes one),
+    bytes for ByT5 (its config says so); for a folder with only
+    spiece.model, transformers' (a slower start)."""
     folder = Path(folder)
+    marked = read_config(folder).get("tokenizer") if (folder / "config.json").is_file() else None
+    if marked and marked.get("kind") == "bytes":
+        return ByteTokenizer(marked.get("extra_ids", 125))
     if (folder / "tokenizer.json").is_file():
         try:
             return Tokenizer(folder / "tokenizer.json")

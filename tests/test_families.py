@@ -186,3 +186,36 @@ def generate_stream(models, prompt, **options):
     from generate import stream_generate
 
     return stream_generate(models, prompt, max_tokens=15, speculative=False, **options)
+
+
+def test_byt5_converts_with_a_byte_tokenizer_and_decodes_as_transformers(tmp_path):
+    """ByT5 has no vocabulary file: its tokens are bytes. The conversion
+    says so, loading makes the byte tokenizer, and a prompt's text gives
+    transformers' greedy tokens on ByT5Tokenizer's ids, and its text."""
+    import json
+
+    from checkpoints import make_checkpoint, t5_config
+    from transformers import ByT5Tokenizer
+
+    from generate import batch_generate
+    from loading import load
+
+    tokenizer_files = tmp_path / "tokenizer"
+    tokenizer_files.mkdir()
+    (tokenizer_files / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer", "extra_ids": 125}))
+    hf_model = make_checkpoint(tmp_path / "hf", t5_config(vocab_size=384, feed_forward_proj="gated-gelu"), 3,
+                               tokenizer_files, untied_head=True)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    models = load(tmp_path / "mlx")
+    reference = ByT5Tokenizer()
+    prompt = "Übersetze: héllo <extra_id_0> wörld"
+    ids = reference(prompt).input_ids
+    expected = reference_greedy(hf_model, ids, 30)
+    assert len(set(expected)) >= 8, "the fixture's greedy output must vary"
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([[0] + expected])).logits[0]
+    top2 = logits.topk(2, dim=-1).values
+    assert ((top2[:, 0] - top2[:, 1]) / logits.abs().max(dim=-1).values).min() > 1e-3
+    generation = batch_generate(models, [prompt], max_tokens=30, speculative=False)[0]
+    assert generation.tokens == expected
+    assert generation.text == reference.decode(expected)
