@@ -203,7 +203,7 @@ def test_byt5_converts_with_a_byte_tokenizer_and_decodes_as_transformers(tmp_pat
     tokenizer_files = tmp_path / "tokenizer"
     tokenizer_files.mkdir()
     (tokenizer_files / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer", "extra_ids": 125}))
-    hf_model = make_checkpoint(tmp_path / "hf", t5_config(vocab_size=384, feed_forward_proj="gated-gelu"), 3,
+    hf_model = make_checkpoint(tmp_path / "hf", t5_config(vocab_size=384, feed_forward_proj="gated-gelu"), 7,
                                tokenizer_files, untied_head=True)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     models = load(tmp_path / "mlx")
