@@ -174,7 +174,10 @@ def tokenize(models: Models, prompts: list[str], form: PromptForm = PromptForm()
             raise OptionError("the prompt is empty" if len(prompts) == 1 else f"prompt {number} of {len(prompts)} is empty")
     ids = [form.ids(models, prompt) for prompt in prompts]
     longest = max(len(i) for i in ids)
-    if longest > TRAINED_LENGTH:
+    limit = models.target.longest_input
+    if limit is not None and longest > limit:
+        raise OptionError(f"a prompt has {longest:,} tokens: this model's positions stop at {limit:,}")
+    if limit is None and longest > TRAINED_LENGTH:
         which = "the prompt has" if len(ids) == 1 else f"{sum(len(i) > TRAINED_LENGTH for i in ids)} prompt(s) have up to"
         warnings.warn(f"{which} {longest:,} tokens, more than the {TRAINED_LENGTH} T5 was trained on: "
                       "the output may suffer", RuntimeWarning, stacklevel=4)

@@ -583,6 +583,12 @@ class T5(nn.Module):
         self._run = set()  # the shapes run op by op so far
 
     @property
+    def longest_input(self) -> int | None:
+        """The most positions a prompt, or an output, may take: an absolute
+        positions table's rows past its offset; None for relative positions."""
+        return self.args.max_positions - self.args.position_offset if self.args.positions == "absolute" else None
+
+    @property
     def cache_bytes_per_token(self) -> int:
         """What a row's cache holds for each of its tokens in every decoder
         layer: a prompt token's cross-attention keys and values, or an output

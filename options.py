@@ -275,7 +275,9 @@ class Settings:
         """These settings, if the models can run them; OptionError otherwise."""
         if self.num_draft == AUTO and models.draft is None:
             raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
-        vocabulary = models.target.args.vocab_size
+        vocabulary, longest = models.target.args.vocab_size, models.target.longest_input
+        if longest is not None and self.max_tokens > longest:
+            raise OptionError(f"max_tokens is {self.max_tokens:,}: this model's positions stop at {longest:,}")
         if any(token >= vocabulary for token, _ in self.logit_bias):
             raise OptionError(f"logit_bias's keys must be token ids below {vocabulary:,}")
         if any(token >= vocabulary for token in self.stop_token_ids):

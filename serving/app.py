@@ -290,9 +290,10 @@ class Completions:
             else:
                 ids = self.known(prompt, "prompt")
                 ids = ids[-truncate:] if truncate else ids
-            if len(ids) > self.limits.max_prompt_tokens:
-                raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's "
-                                    f"{self.limits.max_prompt_tokens:,} (truncate_prompt_tokens keeps its last ones)",
+            most = min(self.limits.max_prompt_tokens, self.models.target.longest_input or self.limits.max_prompt_tokens)
+            if len(ids) > most:
+                raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's {most:,} "
+                                    "(truncate_prompt_tokens keeps its last ones)",
                                code="context_length_exceeded", param="prompt")
             encoded.append(ids)
         return encoded

@@ -9,6 +9,7 @@ from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
 
 import convert
 from conftest import ROOT
+from decoder import Request
 from serving.process import ServerProcess
 from loading import Models, load_model
 from options import Settings
@@ -219,3 +220,46 @@ def test_byt5_converts_with_a_byte_tokenizer_and_decodes_as_transformers(tmp_pat
     generation = batch_generate(models, [prompt], max_tokens=30, speculative=False)[0]
     assert generation.tokens == expected
     assert generation.text == reference.decode(expected)
+
+
+def test_auto_lookup_batches_and_quantized_weights_work_for_every_family(family, tmp_path):
+    """num-draft auto and prompt lookup exact at delta 0; prompts decoded
+    together each as alone; an 8-bit conversion loads, and decodes with a
+    draft exactly as regular decoding of itself."""
+    from support import decode_batch
+
+    models = Models(load_model(family.mlx_dir), load_model(family.draft_dir))
+    regular = [decode(models, prompt, Settings(max_tokens=30, speculative=False)) for prompt in PROMPTS]
+    for drafting in (dict(num_draft="auto"), dict(prompt_lookup=True, num_draft=3)):
+        lookup_models = models if "num_draft" in drafting and drafting["num_draft"] == "auto" else Models(models.target)
+        assert [decode(lookup_models, p, Settings(max_tokens=30, delta=0, **drafting)) for p in PROMPTS] == regular
+    for speculative in (False, True):
+        requests = [Request(p, Settings(max_tokens=30, speculative=speculative, num_draft=3)) for p in PROMPTS]
+        assert decode_batch(models, requests, batch_size=3)[0] == regular
+    import mlx.core as mx
+
+    convert.convert(str(family.mlx_dir), tmp_path / "q8", "float32", force=False, quantization=convert.Quantization(8, 32))
+    quantized = Models(load_model(tmp_path / "q8"), models.draft)
+    assert hasattr(quantized.target.decoder.layers[0].self_attention.q, "scales")
+    own = decode(quantized, PROMPTS[0], Settings(max_tokens=30, speculative=False))
+    assert decode(quantized, PROMPTS[0], Settings(max_tokens=30, num_draft=3, delta=0)) == own
+    # Each weight within 1% of float's (the output is not: these random models amplify any change, chaotically).
+    q, q_float = quantized.target.decoder.layers[0].self_attention.q, models.target.decoder.layers[0].self_attention.q
+    weight = np.array(mx.dequantize(q.weight, q.scales, q.biases, 32, 8))
+    assert np.linalg.norm(weight - np.array(q_float.weight)) / np.linalg.norm(np.array(q_float.weight)) < 0.01
+    if "bias" in q_float:  # the BART family's biases stay in float
+        assert np.array_equal(np.array(q.bias), np.array(q_float.bias))
+
+
+def test_a_prompt_past_the_position_table_is_refused(family):
+    from errors import OptionError
+    from generate import generate
+    from loading import load
+
+    models = load(family.mlx_dir)
+    if models.target.longest_input is None:
+        pytest.skip("relative positions have no end")
+    with pytest.raises(OptionError, match="positions stop at 256"):
+        generate(models, "word " * 300)
+    with pytest.raises(OptionError, match="max_tokens is 300: this model's positions stop at 256"):
+        generate(models, "word", max_tokens=300)
