@@ -111,6 +111,27 @@ PUBLIC_T5 = {
     "t5-3b": dict(d_model=1024, d_ff=16384, num_heads=32, d_kv=128, num_layers=24),
     "t5-11b": dict(d_model=1024, d_ff=65536, num_heads=128, d_kv=128, num_layers=24),
 }
+# The other families' pairs: (job, target, draft), each a public config's dimensions (Hugging Face's names).
+_BART = dict(model_type="bart", d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+             encoder_ffn_dim=4096, vocab_size=50264, max_position_embeddings=1024, activation_function="gelu")
+_NLLB = dict(model_type="m2m_100", encoder_attention_heads=16, vocab_size=256206, max_position_embeddings=1024,
+             activation_function="relu", scale_embedding=True, pad_token_id=1)
+_PEGASUS = dict(model_type="pegasus", d_model=1024, encoder_attention_heads=16, encoder_ffn_dim=4096, vocab_size=96103,
+                max_position_embeddings=512, activation_function="relu", scale_embedding=True)
+_FLAN = dict(model_type="t5", vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+PUBLIC_PAIRS = [
+    ("summarise news", ("facebook/bart-large-cnn", _BART), ("sshleifer/distilbart-cnn-12-6", _BART | {"decoder_layers": 6})),
+    ("summarise in a sentence", ("google/pegasus-xsum", _PEGASUS | {"encoder_layers": 16, "decoder_layers": 16}),
+     ("sshleifer/distill-pegasus-xsum-16-4", _PEGASUS | {"encoder_layers": 16, "decoder_layers": 4})),
+    ("translate, 200 languages",
+     ("facebook/nllb-200-3.3B", _NLLB | {"d_model": 2048, "encoder_layers": 24, "decoder_layers": 24, "encoder_ffn_dim": 8192}),
+     ("facebook/nllb-200-distilled-600M", _NLLB | {"d_model": 1024, "encoder_layers": 12, "decoder_layers": 12,
+                                                   "encoder_ffn_dim": 4096})),
+    ("follow instructions, fill in",
+     ("google/flan-ul2", _FLAN | {"d_model": 4096, "d_ff": 16384, "num_layers": 32, "num_heads": 16, "d_kv": 256,
+                                  "feed_forward_proj": "gated-silu"}),
+     ("google/flan-t5-small", _FLAN | {"d_model": 512, "d_ff": 1024, "num_layers": 8, "num_heads": 6, "d_kv": 64})),
+]
 RUNTIME_GB = 1.0  # an allowance for Python, MLX and caches (decoding itself adds ~0.1 GB: `quantized`)
 # Metal's recommended working set (what a Mac's GPU may keep resident), GiB by memory size: two thirds of
 # memory up to 32 GB (10.67 GiB reported on 16 GB Macs), 37.44 GiB reported on a 48 GB one, three quarters
@@ -121,13 +142,19 @@ BITS = {"float32": None, "bfloat16": None, "8-bit": 8, "4-bit": 4}
 
 def weight_bytes(shapes: dict, format: str, group_size: int = 64) -> int:
     """Bytes of a converted model's weights: projections and the embedding are
-    quantized (with a bfloat16 scale and bias per group), the rest stays float."""
+    quantized (with a bfloat16 scale and bias per group), the rest stays float.
+    shapes: a v1.0 T5's, or a public config with its model_type."""
     from convert import Quantization
     from mlx.utils import tree_flatten
 
+    import families
     from model import T5, ModelArgs
 
-    model = T5(ModelArgs(vocab_size=32128, num_decoder_layers=shapes["num_layers"], **shapes))  # lazy: only shapes are read
+    if "model_type" in shapes:  # a family's config, as convert.py reads it
+        args = ModelArgs.from_dict(shapes | families.family_of(shapes).arguments(shapes))
+    else:
+        args = ModelArgs(vocab_size=32128, num_decoder_layers=shapes["num_layers"], **shapes)
+    model = T5(args)  # lazy: only shapes are read
     bits, total = BITS[format], 0
     for name, array in tree_flatten(model.parameters()):
         if bits and Quantization(bits, group_size).applies(name, array.shape):
@@ -144,7 +171,12 @@ def run_sizes(args) -> dict:
     draft = PUBLIC_T5["t5-small"]
     cache = {name: sum(2 * s["num_heads"] * s["d_kv"] * s["num_layers"] * 2 for s in (shapes, draft))
              for name, shapes in PUBLIC_T5.items()}
-    return {"weights": sizes, "cache_bytes_per_token": cache, "runtime_gb": RUNTIME_GB, "working_set_gib": MAC_WORKING_SET_GIB}
+    pairs = [{"job": job, "target": target, "draft": draft_name,
+              "weights": {name: {format: weight_bytes(config, format) for format in ("bfloat16", "4-bit")}
+                          for name, config in ((target, target_config), (draft_name, draft_config))}}
+             for job, (target, target_config), (draft_name, draft_config) in PUBLIC_PAIRS]
+    return {"weights": sizes, "cache_bytes_per_token": cache, "runtime_gb": RUNTIME_GB, "working_set_gib": MAC_WORKING_SET_GIB,
+            "pairs": pairs}
 
 
 def smallest_mac(data: dict, name: str, format: str) -> str:
@@ -161,9 +193,26 @@ def sizes_table(data: dict) -> str:
     return table(["model", "parameters", *BITS], rows)
 
 
+def pairs_table(data: dict) -> str:
+    """The other families' pairs: each model's weights, and the smallest Mac that runs the pair (the README's table)."""
+    rows = []
+    for pair in data.get("pairs", []):
+        weights = pair["weights"]
+        cells = []
+        for format in ("bfloat16", "4-bit"):
+            need = sum(w[format] for w in weights.values()) + data["runtime_gb"] * 1e9
+            mac = next((f"{m} GB" for m, limit in data["working_set_gib"].items() if need <= limit * 2**30), "> 64 GB")
+            target, draft = weights[pair["target"]][format], weights[pair["draft"]][format]
+            cells.append(f"{target / 1e9:.2f} + {draft / 1e9:.2f} GB, {mac} Mac")
+        rows.append([pair["job"], f"`{pair['target']}`", f"`{pair['draft']}`", *cells])
+    return table(["job", "target", "draft", "bfloat16 (target + draft)", "4-bit"], rows)
+
+
 def render_sizes(data: dict) -> str:
     cache = [[name, f"{b / 2**10:,.0f} KiB", f"{b * 612 / 2**20:,.0f} MiB"] for name, b in data["cache_bytes_per_token"].items()]
     return ("Weights by format, and the smallest Mac whose Metal working set holds the model with a t5-small draft "
             f"of the same format and {data['runtime_gb']:.0f} GB for the runtime\n\n" + sizes_table(data)
             + "\n\nCache a row of a batch needs, bfloat16, with a t5-small draft: a token of prompt or output, and a "
-            "512-token prompt with 100 tokens of output\n\n" + table(["target", "a token", "512 + 100 tokens"], cache))
+            "512-token prompt with 100 tokens of output\n\n" + table(["target", "a token", "512 + 100 tokens"], cache)
+            + "\n\nThe other families' pairs, from their public configs, with the smallest Mac that holds both and the "
+            "runtime\n\n" + pairs_table(data))

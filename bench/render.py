@@ -87,9 +87,11 @@ def headline(found: dict) -> str:
 
 def readme_tables(found: dict) -> dict[str, str]:
     """The README's rendered tables, by block name."""
-    from bench.memory import sizes_table
+    from bench.memory import pairs_table, sizes_table
 
-    return {"headline": headline(found), "sizes": sizes_table(found["sizes"]["data"]) if "sizes" in found else ""}
+    sizes = found["sizes"]["data"] if "sizes" in found else None
+    return {"headline": headline(found), "sizes": sizes_table(sizes) if sizes else "",
+            "pairs": pairs_table(sizes) if sizes else ""}
 
 
 def readme_with(tables: dict[str, str]) -> str:

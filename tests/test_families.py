@@ -263,3 +263,31 @@ def test_a_prompt_past_the_position_table_is_refused(family):
         generate(models, "word " * 300)
     with pytest.raises(OptionError, match="max_tokens is 300: this model's positions stop at 256"):
         generate(models, "word", max_tokens=300)
+
+
+def test_speculative_sampling_follows_the_targets_distribution_beyond_t5(tmp_path, tokenizer_dir):
+    """mBART's layout over 8 tokens: at temperature 1 the first token,
+    drafted by another mBART and verified, is distributed as the target's
+    own softmax (the chi-square check)."""
+    import mlx.core as mx
+    from support import chi_square_passes
+
+    from options import Stats
+
+    for name, seed in (("target", 0), ("draft", 1)):
+        family_checkpoint("mbart", tmp_path / name, tokenizer_dir, seed=seed, vocab_size=8, std=0.3)
+        convert.convert(str(tmp_path / name), tmp_path / f"{name}-mlx", "float32", force=False)
+    models = Models(load_model(tmp_path / "target-mlx"), load_model(tmp_path / "draft-mlx"))
+    prompt = [3, 4, 5, 6, 2]
+    mx.random.seed(5)
+    totals = Stats()
+    firsts = [decode(models, prompt, Settings(max_tokens=3, temp=1.0, num_draft=2), totals) for _ in range(3000)]
+    assert 0.05 < totals.acceptance_rate < 0.95, "drafts must be both accepted and rejected for this to test anything"
+    counts = np.bincount([out[0] if out else 2 for out in firsts], minlength=8)
+    import transformers
+
+    target = transformers.MBartForConditionalGeneration.from_pretrained(str(tmp_path / "target")).eval()
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[2]])).logits[0, -1].double()
+    expected = torch.softmax(logits, dim=-1).numpy()
+    assert chi_square_passes(counts, expected), (counts / counts.sum(), expected)
