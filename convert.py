@@ -132,14 +132,16 @@ def read_source_config(folder: Path) -> dict:
                               "or the original checkpoint instead")
     families.family_of(config)  # a model type it takes
     generation = folder / "generation_config.json"
-    if generation.is_file():  # transformers 5 keeps the tokens generate forces there
+    if generation.is_file():  # transformers 5 keeps the tokens generate forces there, and reads them there first
         try:
             defaults = json.loads(generation.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConversionError(f"{generation} is damaged ({e})")
-        for key in ("forced_bos_token_id", "forced_eos_token_id", "decoder_start_token_id"):
-            if config.get(key) is None and defaults.get(key) is not None:
+        for key in ("forced_bos_token_id", "forced_eos_token_id"):  # transformers reads them there, over config.json
+            if key in defaults:
                 config[key] = defaults[key]
+        if defaults.get("decoder_start_token_id") is not None:
+            config["decoder_start_token_id"] = defaults["decoder_start_token_id"]
     return config
 
 
@@ -514,7 +516,9 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
             if file.is_file():
                 shutil.copy(file, partial / file.name)
         tokenizer_config = read_json(source / "tokenizer_config.json")
-        in_bytes = tokenizer_config.get("tokenizer_class") == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
+        # Its class, where transformers' AutoTokenizer looks: tokenizer_config.json, then config.json.
+        tokenizer_config["tokenizer_class"] = tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class")
+        in_bytes = tokenizer_config["tokenizer_class"] == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
         if not in_bytes and not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
             write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.

@@ -85,6 +85,7 @@ class Row:
     key: tuple[int, int]  # its random stream (sampling.random_key)
     produced: int = 0
     output: list[int] = field(default_factory=list)  # the tokens emitted
+    forced_end: bool = False  # its model forces the end of text at max_tokens (forced_eos_token_id)
     last: int = 0  # speculative: the token the target has not seen
     drafting: object = None  # the drafter's own state for the row (beam search: its beams.Search)
 
@@ -108,6 +109,8 @@ class Row:
         first), after a stop token id (output, as vLLM does) or at
         max_tokens. Returns the finish reason, or None while the row goes on."""
         end = self.end(tokens, eos)
+        # An end of text the model's config forces at max_tokens ends the output by its length.
+        cut = end is not None and self.forced_end and self.produced + end + 1 == self.settings.max_tokens
         if end is not None:
             tokens = tokens[: end + (tokens[end] != eos)]
         self.output += tokens
@@ -117,15 +120,15 @@ class Row:
             self.produced += 1
             self.stats.generated += 1
             self.stats.seconds = time.perf_counter() - self.started
-            yield self.request, token, self.finish(end is not None) if i == len(tokens) - 1 else None
+            yield self.request, token, self.finish(end is not None, cut) if i == len(tokens) - 1 else None
         if not tokens:
             self.stats.seconds = time.perf_counter() - self.started
-            yield self.request, None, "stop"
-        return self.finish(end is not None)
+            yield self.request, None, self.finish(True, cut)
+        return self.finish(end is not None, cut)
 
-    def finish(self, ended: bool) -> str | None:
+    def finish(self, ended: bool, cut: bool = False) -> str | None:
         if ended:
-            return "stop"
+            return "length" if cut else "stop"
         return "length" if self.produced >= self.settings.max_tokens else None
 
 
@@ -162,8 +165,9 @@ class Batch:
         started = time.perf_counter()
         caches = encode_for(self.models, [request.ids for request in requests])
         encoded = time.perf_counter() - started
-        rows = [Row(request, started, random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0))
-                for request in requests]
+        forced_end = self.models[0].args.forced_eos_token_id is not None
+        rows = [Row(request, started, random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0),
+                    forced_end=forced_end) for request in requests]
         self.encoding_seconds += encoded
         for request in requests:
             request.stats.prompt_tokens = len(request.ids)
@@ -217,7 +221,8 @@ class Batch:
         if self._penalties is None:
             args = self.models[0].args
             penalties = [self.row_penalties(row) for row in self.rows for _ in range(self.width)]
-            self._penalties = (RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size),)
+            self._penalties = (RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size,
+                                               args.forced_eos_token_id),)
         return self._penalties[0]
 
     def row_penalties(self, row: Row) -> Penalties:
@@ -285,7 +290,7 @@ class RegularBatch(Batch):
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
         args = self.model.args
         penalties = RowPenalties.of([self.row_penalties(row) for row in rows], args.decoder_start_token_id, args.eos_token_id,
-                                    args.vocab_size)
+                                    args.vocab_size, args.forced_eos_token_id)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
         seen = start[:, None] if penalties is not None and penalties.needs_tokens else None
         first, logits = self.step(start, caches[0], sampling, penalties, counts, seen)

@@ -117,13 +117,20 @@ class PromptForm:
     def ids(self, models: Models, text: str, keep: int | None = None) -> list[int]:
         """The text's ids in this form; at most `keep` of them (the prefix
         and the language whole, the text's last tokens), when given."""
-        ids = self.marked(models, models.tokenizer.encode(self.prefix + text, add_special_tokens=self.language is None))
+        tokenizer = models.tokenizer
+        ids = self.marked(models, tokenizer.encode(self.prefix + text, add_special_tokens=self.language is None))
         if keep is None or len(ids) <= keep:
             return ids
-        head = models.tokenizer.encode(self.prefix, add_special_tokens=False) if self.prefix else []
-        text_ids = models.tokenizer.encode(text, add_special_tokens=self.language is None)
-        room = max(keep - len(head) - (2 if self.language is not None else 0), 1)
-        return self.marked(models, head + text_ids[-room:])
+        # The prefix and the special tokens the tokenizer or the language puts around the text stay whole.
+        head = tokenizer.encode(self.prefix, add_special_tokens=False) if self.prefix else []
+        body = tokenizer.encode(text, add_special_tokens=False)
+        before, after = [], []
+        if self.language is None:  # the tokenizer's own: around the text in encode(text)
+            whole = tokenizer.encode(text)
+            at = next((i for i in range(len(whole) - len(body) + 1) if whole[i : i + len(body)] == body), 0)
+            before, after = whole[:at], whole[at + len(body) :]
+        room = max(keep - len(head) - len(before) - len(after) - (2 if self.language is not None else 0), 1)
+        return self.marked(models, before + head + body[-room:] + after)
 
     def marked(self, models: Models, ids: list[int]) -> list[int]:
         """ids with the source language's code and the end of text, where the tokenizer puts them."""
@@ -148,8 +155,12 @@ def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
     base, task = options.pop("settings", None), options.pop("task", None)
     prefix, preset = task_preset(models.tasks, task) if task is not None else ("", {})
     settings = Settings.of(preset | options, base).check_models(models)
-    source = None if settings.src_lang is None else models.languages.code(settings.src_lang, "source")
-    return settings, PromptForm(prefix, source)
+    return settings, form_of(models, settings, prefix)
+
+
+def form_of(models: Models, settings: Settings, prefix: str = "") -> PromptForm:
+    """The form prompts take at these settings (checked against the models): a prefix, a source language's code."""
+    return PromptForm(prefix, None if settings.src_lang is None else models.languages.code(settings.src_lang, "source"))
 
 
 def check_prompts(prompts: list[str]) -> None:
@@ -174,7 +185,7 @@ def tokenize(models: Models, prompts: list[str], form: PromptForm = PromptForm()
             raise OptionError("the prompt is empty" if len(prompts) == 1 else f"prompt {number} of {len(prompts)} is empty")
     ids = [form.ids(models, prompt) for prompt in prompts]
     longest = max(len(i) for i in ids)
-    limit = models.target.longest_input
+    limit = models.longest_input
     if limit is not None and longest > limit:
         raise OptionError(f"a prompt has {longest:,} tokens: this model's positions stop at {limit:,}")
     if limit is None and longest > TRAINED_LENGTH:
@@ -306,7 +317,7 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     """Every prompt's statistics summed, ended as their texts are (for
     timings); with wall_clock, seconds is the whole batch run's and
     encoding_seconds its encoding."""
-    requests = [Request(ids, settings) for ids in tokenize(models, prompts)]
+    requests = [Request(ids, settings) for ids in tokenize(models, prompts, form_of(models, settings))]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
     batch = batch_for(models, settings, batch_size)
     started = time.perf_counter()

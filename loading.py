@@ -168,6 +168,10 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)
 
+    def added_tokens(self) -> dict[str, int]:
+        """The tokens added to the model's vocabulary (special ones: language codes, sentinels)."""
+        return {token.content: index for index, token in self.backend.get_added_tokens_decoder().items()}
+
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
@@ -193,7 +197,7 @@ class ByteTokenizer:
             ids += [b + 3 for b in text[at : found.start()].encode("utf-8")] + [self.names[found.group().strip()]]
             at = found.end()
         ids += [b + 3 for b in text[at:].encode("utf-8")]
-        return ids + [1] if add_special_tokens else ids
+        return ids + [1] if add_special_tokens and ids[-1:] != [1] else ids  # an EOS given ends it, as transformers
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False, **_) -> str:
         out = b""
@@ -255,6 +259,12 @@ class Models:
     tasks: dict = field(default_factory=dict)  # the target's config's task_specific_params (options.task_preset)
     languages: "Languages | None" = None  # a multilingual target's language codes
 
+    @property
+    def longest_input(self) -> int | None:
+        """The most positions a prompt or an output may take in either model (T5.longest_input); None: no end."""
+        ends = [model.longest_input for model in (self.target, self.draft) if model is not None and model.longest_input]
+        return min(ends) if ends else None
+
 
 @dataclass(frozen=True)
 class Languages:
@@ -271,7 +281,9 @@ class Languages:
         if not marked:
             return None
         pattern = re.compile(marked["pattern"])
-        codes = {token: index for token, index in tokenizer.get_vocab().items() if pattern.match(token)}
+        # Codes are added tokens (a piece of text of the same shape is not one), where the tokenizer says which.
+        tokens = tokenizer.added_tokens() if hasattr(tokenizer, "added_tokens") else tokenizer.get_vocab()
+        codes = {token: index for token, index in tokens.items() if pattern.match(token)}
         return cls(codes, marked["source"]) if codes else None
 
     def code(self, name: str, which: str) -> int:

@@ -63,6 +63,8 @@ class ModelArgs:
     def from_dict(cls, config: dict) -> "ModelArgs":
         names = {f.name for f in fields(cls)}
         args = {k: v for k, v in config.items() if k in names and v is not None}
+        if isinstance(args.get("forced_eos_token_id"), list):  # a config may name several: the first is forced
+            args["forced_eos_token_id"] = args["forced_eos_token_id"][0]
         args.setdefault("num_decoder_layers", config["num_layers"])
         return cls(**args)
 

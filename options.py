@@ -275,7 +275,7 @@ class Settings:
         """These settings, if the models can run them; OptionError otherwise."""
         if self.num_draft == AUTO and models.draft is None:
             raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
-        vocabulary, longest = models.target.args.vocab_size, models.target.longest_input
+        vocabulary, longest = models.target.args.vocab_size, models.longest_input
         if longest is not None and self.max_tokens > longest:
             raise OptionError(f"max_tokens is {self.max_tokens:,}: this model's positions stop at {longest:,}")
         if any(token >= vocabulary for token, _ in self.logit_bias):
@@ -288,6 +288,9 @@ class Settings:
             raise OptionError("this model's tokenizer marks no languages: it takes no src-lang or tgt-lang")
         if self.src_lang is not None:
             models.languages.code(self.src_lang, "source")
+        if self.tgt_lang is not None and models.languages.source == "after":
+            raise OptionError("this mBART takes its target language as the decoder's start token (its config's "
+                              "decoder_start_token_id), not as a forced first token: tgt-lang is not supported for it yet")
         target = None if self.tgt_lang is None else models.languages.code(self.tgt_lang, "target")
         return replace(self, forced_bos_token_id=target)
 

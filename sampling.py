@@ -52,8 +52,9 @@ class RowPenalties:
     logits (B, n, V) given what each row had output before each of its n
     positions. Rows without penalties hold neutral values, which change nothing."""
 
-    def __init__(self, penalties: list[Penalties], start: int, eos: int, vocabulary: int):
+    def __init__(self, penalties: list[Penalties], start: int, eos: int, vocabulary: int, forced_end: int | None = None):
         self.start = start
+        self.forced_end = eos if forced_end is None else forced_end  # forced_eos_token_id
         self.repetition, self.presence, self.frequency, self.min_tokens = (
             mx.array([getattr(p, name) for p in penalties], dtype=mx.float32)
             for name in ("repetition", "presence", "frequency", "min_tokens"))
@@ -68,12 +69,12 @@ class RowPenalties:
         self.forced_first, self.forced_end_at = (
             mx.array([-1 if getattr(p, name) is None else getattr(p, name) for p in penalties])
             for name in ("forced_first", "forced_end_at"))
-        self.eos = eos
 
     @classmethod
-    def of(cls, penalties: list[Penalties], start: int, eos: int, vocabulary: int) -> "RowPenalties | None":
+    def of(cls, penalties: list[Penalties], start: int, eos: int, vocabulary: int,
+           forced_end: int | None = None) -> "RowPenalties | None":
         """None when no row has any: decoding then costs nothing more."""
-        return cls(penalties, start, eos, vocabulary) if any(p != Penalties() for p in penalties) else None
+        return cls(penalties, start, eos, vocabulary, forced_end) if any(p != Penalties() for p in penalties) else None
 
     @property
     def needs_tokens(self) -> bool:
@@ -87,12 +88,11 @@ class RowPenalties:
         needs_tokens: each row's start token, output and any drafts, padded
         on the left with -1, the n positions deciding what follows its last
         n prefixes (lengths L - n + 1 to L)."""
-        logits = _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
-                           self.bias, self.ends, self.start, self.forced_first, self.forced_end_at, self.eos)
+        banned = mx.array(False)
         if self.needs_tokens:
-            logits = mx.where(ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1]),
-                              -mx.inf, logits)
-        return logits
+            banned = ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1])
+        return _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
+                         self.bias, self.ends, self.start, banned, self.forced_first, self.forced_end_at, self.forced_end)
 
 
 def dense(penalties: list[Penalties], vocabulary: int, pairs) -> mx.array:
@@ -105,8 +105,8 @@ def dense(penalties: list[Penalties], vocabulary: int, pairs) -> mx.array:
 
 
 @mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
-def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, start, forced_first,
-              forced_end_at, eos):
+def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, start, banned,
+              forced_first, forced_end_at, forced_end):
     logits = logits.astype(mx.float32)
     vocabulary = mx.arange(logits.shape[-1])
     seen = (counts > 0) | (vocabulary == start)
@@ -114,11 +114,12 @@ def _penalize(logits, counts, positions, repetition, presence, frequency, min_to
     logits = mx.where(seen, mx.where(logits > 0, logits / repetition, logits * repetition), logits)
     logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]
     early = positions < min_tokens[:, None]
-    logits = mx.where(early[..., None] & ends[:, None], -mx.inf, logits)
+    logits = mx.where((early[..., None] & ends[:, None]) | banned, -mx.inf, logits)
+    # Forced tokens last, as transformers applies its processors: nothing before them can take them away.
     first = ((positions == 0) & (forced_first[:, None] >= 0))[..., None]
     logits = mx.where(first, mx.where(vocabulary == forced_first[:, None, None], 0.0, -mx.inf), logits)
     last = (positions == forced_end_at[:, None])[..., None]
-    return mx.where(last, mx.where(vocabulary == eos, 0.0, -mx.inf), logits)
+    return mx.where(last, mx.where(vocabulary == forced_end, 0.0, -mx.inf), logits)
 
 
 @mx.compile  # some 25 operations in one graph, traced again only as the tokens' width grows (Batch.tokens)

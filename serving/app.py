@@ -290,13 +290,18 @@ class Completions:
             else:
                 ids = self.known(prompt, "prompt")
                 ids = ids[-truncate:] if truncate else ids
-            most = min(self.limits.max_prompt_tokens, self.models.target.longest_input or self.limits.max_prompt_tokens)
+            most = self.max_prompt_tokens
             if len(ids) > most:
                 raise ApiError(400, f"the prompt has {len(ids):,} tokens, more than this server's {most:,} "
                                     "(truncate_prompt_tokens keeps its last ones)",
                                code="context_length_exceeded", param="prompt")
             encoded.append(ids)
         return encoded
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The server's prompt limit, or the models' positions' end if nearer."""
+        return min(self.limits.max_prompt_tokens, self.models.longest_input or self.limits.max_prompt_tokens)
 
     def text_ids(self, text: str, form: PromptForm = PromptForm(), keep: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
@@ -485,7 +490,7 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
         completions.check_model(body.model)
         ids = completions.text_ids(body.text, add_special_tokens=body.add_special_tokens)
         strings = [models.tokenizer.decode([token]) for token in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": limits.max_prompt_tokens, "tokens": ids, "token_strs": strings}
+        return {"count": len(ids), "max_model_len": completions.max_prompt_tokens, "tokens": ids, "token_strs": strings}
 
     @app.post("/detokenize")
     async def detokenize(body: Detokenize):

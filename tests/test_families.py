@@ -9,7 +9,7 @@ from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
 
 import convert
 from conftest import ROOT
-from decoder import Request
+from decoder import Request, batch_for, drive
 from serving.process import ServerProcess
 from loading import Models, load_model
 from options import Settings
@@ -89,14 +89,28 @@ def test_the_tokens_a_config_forces_are_forced_as_transformers_forces_them(famil
     convert.convert(str(source), tmp_path / "mlx", "float32", force=False)
     models = Models(load_model(tmp_path / "mlx"), load_model(family.draft_dir))
     for prompt in PROMPTS:
-        with torch.no_grad():
-            out = family.hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=1,
-                                           forced_bos_token_id=77, forced_eos_token_id=eos, min_new_tokens=0)
-        expected = [t for t in out[0, 1:].tolist() if t != eos]
-        regular = decode(models, prompt, Settings(max_tokens=12, speculative=False))
-        assert regular == expected and regular[0] == 77
-        for num_draft in (1, 3):
-            assert decode(models, prompt, Settings(max_tokens=12, num_draft=num_draft, delta=0)) == regular
+        # With no_repeat_ngram_size 1 too, which bans the start token (the end of text, in the BART family):
+        # the forced tokens come after it, as transformers' processors do.
+        for options in ({}, {"no_repeat_ngram_size": 1}):
+            with torch.no_grad():
+                out = family.hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=1,
+                                               forced_bos_token_id=77, forced_eos_token_id=eos, min_new_tokens=0,
+                                               **options)
+            expected = [t for t in out[0, 1:].tolist() if t != eos]
+            regular = decode(models, prompt, Settings(max_tokens=12, speculative=False, **options))
+            assert regular == expected and regular[0] == 77
+            for num_draft in (1, 3):
+                assert decode(models, prompt, Settings(max_tokens=12, num_draft=num_draft, delta=0, **options)) == regular
+    # an output cut by the forced end of text ends by its length
+    requests = [Request(PROMPTS[0], Settings(max_tokens=4, speculative=False))]
+    finishes = [finish for _, _, finish in drive(batch_for(models, requests[0].settings, 1), requests) if finish]
+    assert finishes == ["length"]
+    # generation_config.json's value wins over config.json's, null included, as in transformers
+    (source / "generation_config.json").write_text(json.dumps({"forced_bos_token_id": None}))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"forced_bos_token_id": 77}))
+    convert.convert(str(source), tmp_path / "mlx2", "float32", force=False)
+    assert json.loads((tmp_path / "mlx2" / "config.json").read_text())["forced_bos_token_id"] is None
 
 
 def test_a_draft_whose_tokens_differ_is_refused_naming_the_first_difference(family, tmp_path):
@@ -220,6 +234,8 @@ def test_byt5_converts_with_a_byte_tokenizer_and_decodes_as_transformers(tmp_pat
     generation = batch_generate(models, [prompt], max_tokens=30, speculative=False)[0]
     assert generation.tokens == expected
     assert generation.text == reference.decode(expected)
+    for text in ("ends with its own </s>", "<pad>x<unk> <extra_id_124>y"):
+        assert models.tokenizer.encode(text) == reference(text).input_ids
 
 
 def test_auto_lookup_batches_and_quantized_weights_work_for_every_family(family, tmp_path):
@@ -291,3 +307,31 @@ def test_speculative_sampling_follows_the_targets_distribution_beyond_t5(tmp_pat
         logits = target(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[2]])).logits[0, -1].double()
     expected = torch.softmax(logits, dim=-1).numpy()
     assert chi_square_passes(counts, expected), (counts / counts.sum(), expected)
+
+
+def test_a_truncated_prompt_keeps_its_marks_and_the_nearer_positions_end_limits_both_models():
+    """truncate_prompt_tokens keeps what the tokenizer puts around the text
+    (NLLB's default language code, the end of text) and a task's prefix; the
+    models' limit is the nearer end of the target's and the draft's tables;
+    an mBART that starts decoding with the target language refuses tgt_lang."""
+    from types import SimpleNamespace
+
+    from errors import OptionError
+    from generate import PromptForm
+    from loading import Languages
+
+    class Marked:  # encodes as NLLB's tokenizer.json does by default: [eng_Latn] text [EOS]
+        def encode(self, text, add_special_tokens=True):
+            ids = [10 + ord(c) for c in text]
+            return [5] + ids + [2] if add_special_tokens else ids
+
+    models = SimpleNamespace(tokenizer=Marked(), target=SimpleNamespace(args=SimpleNamespace(eos_token_id=2)), languages=None)
+    assert PromptForm().ids(models, "abcdef", keep=5) == [5, 10 + ord("d"), 10 + ord("e"), 10 + ord("f"), 2]
+    assert PromptForm("p:").ids(models, "abcdef", keep=6) == [5, 10 + ord("p"), 10 + ord(":"), 10 + ord("e"), 10 + ord("f"), 2]
+    ends = Models(SimpleNamespace(longest_input=512), SimpleNamespace(longest_input=256))
+    assert ends.longest_input == 256 and Models(SimpleNamespace(longest_input=None)).longest_input is None
+    after = SimpleNamespace(target=SimpleNamespace(args=SimpleNamespace(vocab_size=100), longest_input=None),
+                            longest_input=None, languages=Languages({"en_XX": 50, "ro_RO": 51}, "after"))
+    assert Settings(src_lang="en_XX").check_models(after).src_lang == "en_XX"
+    with pytest.raises(OptionError, match="takes its target language as the decoder's start token"):
+        Settings(tgt_lang="ro_RO").check_models(after)
