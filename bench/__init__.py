@@ -1,6 +1,7 @@
 """Measurements against Hugging Face transformers and CTranslate2, written as data.
 
     python -m bench regular      # T5-large-shaped random fp32 checkpoint, 100 tokens
+    python -m bench families     # BART-large and NLLB-600M shapes, against the same references
     python -m bench speculative  # the benchmark pair, on held-out demo prompts
     python -m bench render       # docs/PERFORMANCE.md and the README's table, from bench/results/
 
@@ -8,7 +9,7 @@ Each command is a `run` that measures and returns plain data, and a `render`
 that makes its table from that data (harness.py). Runs of ours and of the
 references alternate, the references in processes of their own, and every
 result names the machine it ran on. Modules by family of measurement:
-decoding.py (regular, steps, speculative), batching.py (batch, serve),
+decoding.py (regular, steps, speculative, families), batching.py (batch, serve),
 drafts.py (drafting, fresh, lookup), controls.py (processors, beams), memory.py (quantized, sizes),
 long_inputs.py (encode, attention), blas.py; the checkpoints they run on are
 fixtures.py's, the references references.py's.
@@ -20,6 +21,7 @@ from bench import batching, blas, controls, decoding, drafts, long_inputs, memor
 COMMANDS = {
     "regular": ("Regular decoding", decoding.run_regular, decoding.render_regular),
     "steps": ("Decode steps", decoding.run_steps, decoding.render_steps),
+    "families": ("The BART family", decoding.run_families, decoding.render_families),
     "speculative": ("Speculative decoding", decoding.run_speculative, decoding.render_speculative),
     "drafting": ("num-draft auto", drafts.run_drafting, drafts.render_drafting),
     "fresh": ("In a fresh process", drafts.run_fresh, drafts.render_fresh),

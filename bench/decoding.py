@@ -304,3 +304,54 @@ def render_speculative(data: dict) -> str:
             f"verify pass of {data['num_draft'] + 1} tokens costs {data['verify_over_step']:.2f} target steps. The draft's "
             f"own greedy output differs from the target's on {data['prompts_where_the_draft_differs']} of "
             f"{data['prompts']} prompts.")
+
+
+# ---------------------------------------------------------------- families
+
+
+def run_families(args) -> dict:
+    """Regular greedy decoding of a forced length on the BART family's
+    shapes (BART-large, NLLB-600M; random, float32): ours against
+    transformers and CTranslate2 (float32 and int8), alternating, and
+    whether CTranslate2's greedy tokens to EOS equal ours."""
+    from mlx.utils import tree_flatten
+
+    from loading import Models, load_model
+    from options import Settings
+
+    prompt = [0] + PROMPT_IDS[:-1] + [2]  # the BART family's: <s> ... </s>
+    data = {"tokens": args.tokens, "repeats": args.repeats, "shapes": {}}
+    for label, shapes, name in (("BART-large", fixtures.BART_LARGE, "bart-large-random"),
+                                ("NLLB-200-distilled-600M", fixtures.NLLB_600M, "nllb-600m-random")):
+        hf_dir = fixtures.build_family(args.dir / name, shapes)
+        model = load_model(fixtures.converted(hf_dir, args.dir / f"{name}-mlx"), one_row=True)
+        hf = HFWorker(hf_dir)
+        ct2 = {key: worker for key, worker in ct2_workers(hf_dir, args.dir).items() if "Intel" not in key}
+        forced = Settings(max_tokens=args.tokens, speculative=False, ignore_eos=True)
+        runs = {"ours": ours_run(Models(model), [prompt], forced),
+                "transformers": worker_run(hf, [prompt], args.tokens, forced=True)}
+        runs |= {key: worker_run(worker, [prompt], args.tokens, forced=True) for key, worker in ct2.items()}
+        timings = alternate(runs, args.repeats)
+        to_eos, _, _ = decode(Models(model), [prompt], Settings(max_tokens=args.tokens, speculative=False))
+        differ = same_tokens(to_eos, {k: w for k, w in ct2.items() if "int8" not in k}, [prompt], args.tokens)
+        differ["transformers"] = int(timings["transformers"].output["tokens"] != timings["ours"].output["tokens"])
+        versions = {key: worker.version for key, worker in ({"transformers": hf} | ct2).items()}
+        for worker in (hf, *ct2.values()):
+            worker.close()
+        data["shapes"][label] = {"versions": versions, "prompts_differing": differ,
+                                 "parameters": sum(v.size for _, v in tree_flatten(model.parameters())),
+                                 "tokens_per_second": {k: args.tokens / t.median for k, t in timings.items()}}
+    return data
+
+
+def render_families(data: dict) -> str:
+    rows = []
+    for label, shape in data["shapes"].items():
+        rate, ours = shape["tokens_per_second"], shape["tokens_per_second"]["ours"]
+        for name, value in rate.items():
+            same = "" if "int8" in name or name == "ours" else "yes" if not shape["prompts_differing"][name] else "NO"
+            rows.append([f"{label} ({shape['parameters'] / 1e6:,.0f} M)" if name == "ours" else "", name,
+                         shape["versions"].get(name, ""), f"{value:.2f}", ratio(ours, value), same])
+    return (f"The BART family's shapes (random, float32), {data['tokens']} greedy tokens, medians of {data['repeats']} "
+            "alternating runs\n\n" + table(["shape", "decoding", "version", "tokens/s", "ours over it",
+                                              "same tokens as ours"], rows))

@@ -157,3 +157,40 @@ def benchmark_pair(root: Path) -> dict[str, Path]:
     target_hf, draft_hf = build_pair(root)
     return {"target_hf": target_hf, "draft_hf": draft_hf, "target": converted(target_hf, root / "pair-target-mlx"),
             "draft": DEMO / "target"}
+
+
+# The BART family's shapes, from the public configs (random weights): BART-large, and NLLB-200-distilled-600M.
+BART_LARGE = dict(model_type="bart", d_model=1024, layers=12, heads=16, ffn=4096, vocab_size=50265, positions=1024)
+NLLB_600M = dict(model_type="m2m_100", d_model=1024, layers=12, heads=16, ffn=4096, vocab_size=256206, positions=1024)
+
+
+def build_family(folder: Path, shapes: dict) -> Path:
+    """A random checkpoint of a BART-family shape (init std 0.02, as trained
+    ones start), with a made-up word-level tokenizer covering its vocabulary
+    (CTranslate2's converter reads the vocabulary from a tokenizer)."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    print(f"building a random {shapes['model_type']} checkpoint of d_model {shapes['d_model']} in {folder} ...",
+          file=sys.stderr)
+    kind = {"bart": ("BartConfig", "BartForConditionalGeneration"),
+            "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration")}[shapes["model_type"]]
+    config = getattr(transformers, kind[0])(
+        vocab_size=shapes["vocab_size"], d_model=shapes["d_model"], encoder_layers=shapes["layers"],
+        decoder_layers=shapes["layers"], encoder_attention_heads=shapes["heads"], decoder_attention_heads=shapes["heads"],
+        encoder_ffn_dim=shapes["ffn"], decoder_ffn_dim=shapes["ffn"], max_position_embeddings=shapes["positions"],
+        scale_embedding=shapes["model_type"] == "m2m_100", pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2, forced_bos_token_id=None, forced_eos_token_id=None, dropout=0.0)
+    torch.manual_seed(0)
+    getattr(transformers, kind[1])(config).eval().save_pretrained(str(folder))
+    vocabulary = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3} | {f"w{i}": i for i in range(4, shapes["vocab_size"])}
+    tokenizer = Tokenizer(WordLevel(vocabulary, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                         pad_token="<pad>").save_pretrained(str(folder))
+    return folder

@@ -30,14 +30,14 @@ def hf_worker(checkpoint: str, assistant: str | None, num_draft: int, cache_fix:
     context (docs/PERFORMANCE.md has the evidence)."""
     import torch
     import transformers
-    from transformers import T5ForConditionalGeneration
+    from transformers import AutoModelForSeq2SeqLM
     from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = T5ForConditionalGeneration.from_pretrained(checkpoint).eval()
+    model = AutoModelForSeq2SeqLM.from_pretrained(checkpoint).eval()  # T5, or another family's checkpoint
     options, counts = {}, {"proposed": 0, "accepted": 0}
     if assistant:
-        draft = T5ForConditionalGeneration.from_pretrained(assistant).eval()
+        draft = AutoModelForSeq2SeqLM.from_pretrained(assistant).eval()
         draft.generation_config.num_assistant_tokens = num_draft
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
