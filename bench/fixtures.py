@@ -185,7 +185,9 @@ def build_family(folder: Path, shapes: dict) -> Path:
         decoder_layers=shapes["layers"], encoder_attention_heads=shapes["heads"], decoder_attention_heads=shapes["heads"],
         encoder_ffn_dim=shapes["ffn"], decoder_ffn_dim=shapes["ffn"], max_position_embeddings=shapes["positions"],
         scale_embedding=shapes["model_type"] == "m2m_100", pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        decoder_start_token_id=2, forced_bos_token_id=None, forced_eos_token_id=None, dropout=0.0)
+        decoder_start_token_id=2, forced_bos_token_id=None, forced_eos_token_id=None, dropout=0.0,
+        **({"normalize_before": False, "normalize_embedding": True} if shapes["model_type"] == "bart" else {}))
+    # (BART's public configs still carry the last two, which CTranslate2's converter reads)
     torch.manual_seed(0)
     getattr(transformers, kind[1])(config).eval().save_pretrained(str(folder))
     vocabulary = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3} | {f"w{i}": i for i in range(4, shapes["vocab_size"])}
