@@ -313,7 +313,7 @@ def run_families(args) -> dict:
     """Regular greedy decoding of a forced length on the BART family's
     shapes (BART-large, NLLB-600M; random, float32): ours against
     transformers and CTranslate2 (float32 and int8), alternating, and
-    whether CTranslate2's greedy tokens to EOS equal ours."""
+    whether each reference's greedy tokens to EOS equal ours."""
     from mlx.utils import tree_flatten
 
     from loading import Models, load_model
@@ -332,9 +332,10 @@ def run_families(args) -> dict:
                 "transformers": worker_run(hf, [prompt], args.tokens, forced=True)}
         runs |= {key: worker_run(worker, [prompt], args.tokens, forced=True) for key, worker in ct2.items()}
         timings = alternate(runs, args.repeats)
+        # To EOS, every reference: a forced length differs where EOS would win (min_new_tokens masks it, ignore_eos not).
         to_eos, _, _ = decode(Models(model), [prompt], Settings(max_tokens=args.tokens, speculative=False))
-        differ = same_tokens(to_eos, {k: w for k, w in ct2.items() if "int8" not in k}, [prompt], args.tokens)
-        differ["transformers"] = int(timings["transformers"].output["tokens"] != timings["ours"].output["tokens"])
+        references = {"transformers": hf} | {k: w for k, w in ct2.items() if "int8" not in k}
+        differ = same_tokens(to_eos, references, [prompt], args.tokens)
         versions = {key: worker.version for key, worker in ({"transformers": hf} | ct2).items()}
         for worker in (hf, *ct2.values()):
             worker.close()
