@@ -58,7 +58,8 @@ def default_dtype() -> str:
 SHARD_BYTES = 4 << 30
 
 TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "sentencepiece.bpe.model"]  # BART's, mBART's and NLLB's
+                   "vocab.json", "merges.txt", "sentencepiece.bpe.model",  # BART's, mBART's and NLLB's
+                   "source.spm", "target.spm"]  # Marian's
 CONFIG_FILES = ["config.json", "generation_config.json"]
 SAFETENSORS_PATTERNS = ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
 TORCH_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json"]
@@ -519,7 +520,9 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         # Its class, where transformers' AutoTokenizer looks: tokenizer_config.json, then config.json.
         tokenizer_config["tokenizer_class"] = tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class")
         in_bytes = tokenizer_config["tokenizer_class"] == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
-        if not in_bytes and not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
+        if (source / "source.spm").is_file() and not (partial / "tokenizer.json").is_file():  # Marian's two models
+            families.marian_tokenizer(source).save(str(partial / "tokenizer.json"))
+        elif not in_bytes and not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
             write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.
         result = output_config(config, args, dtype_name, names, model, quantization)

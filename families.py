@@ -140,6 +140,53 @@ def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
     return {"encoder.positions.weight": table, "decoder.positions.weight": table}
 
 
+# ---------------------------------------------------------------- Marian's tokenizer
+
+HIDDEN = "\u0000"  # before a piece the source's model lacks: no text holds it, so only decoding reaches the piece
+
+
+def marian_tokenizer(folder):
+    """A tokenizer.json's Tokenizer for Marian's two SentencePiece models
+    (source.spm, target.spm) over one vocabulary (vocab.json), which
+    transformers has no fast form of: ids are the vocabulary's; a text
+    encodes into the source model's pieces with its scores and normaliser
+    (the target's own pieces are out of reach behind HIDDEN), then </s>;
+    ids decode into any piece, as SentencePiece joins them. Language codes
+    (>>fra<<) are split off first, as MarianTokenizer does."""
+    import json
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = json.loads((folder / "vocab.json").read_text())
+    source = spm.SentencePieceProcessor(model_file=str(folder / "source.spm"))
+    scores = {source.id_to_piece(i): source.get_score(i) for i in range(source.get_piece_size()) if not source.is_unknown(i)}
+    ordered = sorted(vocab, key=vocab.get)
+    if [vocab[piece] for piece in ordered] != list(range(len(ordered))):
+        raise ConversionError(f"{folder / 'vocab.json'} does not number its pieces 0 to {len(ordered) - 1}")
+    codes = [piece for piece in ordered if piece.startswith(">>") and piece.endswith("<<")]
+    specials = [token for token in ("</s>", "<unk>", "<pad>") if token in vocab]
+    named = set(scores) | set(codes) | set(specials)
+    floor = min(scores.values())
+    tokenizer = Tokenizer(models.Unigram([(p, scores.get(p, floor)) if p in named else (HIDDEN + p, floor) for p in ordered],
+                                         vocab.get("<unk>", 0), byte_fallback=False))
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((folder / "source.spm").read_bytes())
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    steps = [normalizers.Precompiled(charsmap)] if charsmap else []
+    if proto.normalizer_spec.remove_extra_whitespaces:  # SentencePiece's: none at either end, one between words
+        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(HIDDEN, ""),
+                                           decoders.Metaspace(replacement="\u2581", prepend_scheme="always")])
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    tokenizer.add_tokens([AddedToken(code, special=False) for code in codes])
+    return tokenizer
+
+
 # ---------------------------------------------------------------- languages
 
 # A multilingual tokenizer's class -> its language codes' pattern, and where the source language's code goes:
