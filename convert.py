@@ -518,7 +518,8 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
                 shutil.copy(file, partial / file.name)
         tokenizer_config = read_json(source / "tokenizer_config.json")
         # Its class, where transformers' AutoTokenizer looks: tokenizer_config.json, then config.json.
-        tokenizer_config["tokenizer_class"] = tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class")
+        tokenizer_config["tokenizer_class"] = (tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class")
+                                               or ("MarianTokenizer" if (source / "source.spm").is_file() else None))
         in_bytes = tokenizer_config["tokenizer_class"] == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
         if (source / "source.spm").is_file() and not (partial / "tokenizer.json").is_file():  # Marian's two models
             families.marian_tokenizer(source).save(str(partial / "tokenizer.json"))

@@ -190,12 +190,13 @@ def marian_tokenizer(folder):
 # ---------------------------------------------------------------- languages
 
 # A multilingual tokenizer's class -> its language codes' pattern, and where the source language's code goes:
-# before the text (then the text, then EOS) or after the text's EOS. The target language is the first token
-# decoding outputs (forced_bos_token_id).
+# before the text (then the text, then EOS) or after the text's EOS; the target language is then the first token
+# decoding outputs (forced_bos_token_id). Marian's multilingual models take only the target's code, before the text.
 LANGUAGES = {"NllbTokenizer": (r"^[a-z]{3}_[A-Z][a-z]{3}$", "before"),
              "M2M100Tokenizer": (r"^__[a-z_]{2,8}__$", "before"),
              "MBart50Tokenizer": (r"^[a-z]{2}_[A-Z]{2}$", "before"),
-             "MBartTokenizer": (r"^[a-z]{2}_[A-Z]{2}$", "after")}
+             "MBartTokenizer": (r"^[a-z]{2}_[A-Z]{2}$", "after"),
+             "MarianTokenizer": (r"^>>.+<<$", "target first")}  # opus-mt's >>fra<<: the target's, before the text
 
 
 def languages(tokenizer_config: dict) -> dict | None:

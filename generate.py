@@ -137,7 +137,7 @@ class PromptForm:
         if self.language is None:
             return ids
         ids = ids + [models.target.args.eos_token_id]
-        return [self.language] + ids if models.languages.source == "before" else ids + [self.language]
+        return ids + [self.language] if models.languages.source == "after" else [self.language] + ids
 
 
 def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
@@ -159,7 +159,10 @@ def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
 
 
 def form_of(models: Models, settings: Settings, prefix: str = "") -> PromptForm:
-    """The form prompts take at these settings (checked against the models): a prefix, a source language's code."""
+    """The form prompts take at these settings (checked against the models): a prefix, a source language's code
+    (Marian's: the target's)."""
+    if models.languages is not None and models.languages.source == "target first":
+        return PromptForm(prefix, None if settings.tgt_lang is None else models.languages.code(settings.tgt_lang, "target"))
     return PromptForm(prefix, None if settings.src_lang is None else models.languages.code(settings.src_lang, "source"))
 
 

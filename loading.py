@@ -270,7 +270,8 @@ class Models:
 class Languages:
     """A multilingual model's language codes (code -> token id), and where
     a prompt's source-language code goes: "before" its text, or "after" its
-    end of text (convert.py records which, from the tokenizer's class)."""
+    end of text; or, "target first", the target language's code before the
+    text (Marian's). convert.py records which, from the tokenizer's class."""
 
     codes: dict
     source: str
@@ -287,7 +288,9 @@ class Languages:
         return cls(codes, marked["source"]) if codes else None
 
     def code(self, name: str, which: str) -> int:
-        """A code's token id; OptionError naming the codes there are."""
+        """A code's token id (Marian's fra for >>fra<< too); OptionError naming the codes there are."""
+        if name not in self.codes and f">>{name}<<" in self.codes:
+            name = f">>{name}<<"
         if name not in self.codes:
             raise OptionError(f"unknown {which} language {name!r} (this model's: {', '.join(sorted(self.codes))})")
         return self.codes[name]

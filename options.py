@@ -286,6 +286,12 @@ class Settings:
             return self if self.forced_bos_token_id is None else replace(self, forced_bos_token_id=None)
         if models.languages is None:
             raise OptionError("this model's tokenizer marks no languages: it takes no src-lang or tgt-lang")
+        if models.languages.source == "target first":  # Marian's: the target's code in the prompt (generate.form_of)
+            if self.src_lang is not None:
+                raise OptionError("this model marks only the target language, in the prompt: it takes tgt-lang, not src-lang")
+            if self.tgt_lang is not None:
+                models.languages.code(self.tgt_lang, "target")
+            return replace(self, forced_bos_token_id=None)
         if self.src_lang is not None:
             models.languages.code(self.src_lang, "source")
         if self.tgt_lang is not None and models.languages.source == "after":

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import decoder
 from errors import OptionError
-from generate import PromptForm
+from generate import PromptForm, form_of
 from loading import Models
 from options import Settings, Stats, task_preset
 from serving import shapes
@@ -322,8 +322,7 @@ class Completions:
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
         settings, prefix = self.settings(body)
         copies = 1 if settings.num_beams > 1 else body.n  # jobs a prompt takes: n samples, or one search of n beams
-        source = None if settings.src_lang is None else self.models.languages.code(settings.src_lang, "source")
-        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, PromptForm(prefix, source))
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, form_of(self.models, settings, prefix))
         needed = sum(len(ids) + settings.max_tokens for ids in encoded) * copies * settings.num_beams
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "

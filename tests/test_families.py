@@ -413,3 +413,15 @@ def test_marians_two_sentencepiece_models_convert_to_one_tokenizer_as_transforme
             assert models.tokenizer.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     generation = batch_generate(models, ["def parse(text):"], max_tokens=10, speculative=False)[0]
     assert generation.text == theirs.decode(generation.tokens) and len(generation.tokens) > 0
+    # a multilingual opus-mt's target language: its code before the text, as MarianTokenizer reads ">>fra<< ..."
+    from errors import OptionError
+    from generate import form_of
+
+    assert models.languages.codes == {">>fra<<": vocab[">>fra<<"]}
+    for name in ("fra", ">>fra<<"):
+        settings = Settings(tgt_lang=name).check_models(models)
+        assert form_of(models, settings).ids(models, "Bonjour  le monde") == theirs(">>fra<< Bonjour  le monde").input_ids
+        assert settings.forced_bos_token_id is None
+    with pytest.raises(OptionError, match="takes tgt-lang, not src-lang"):
+        Settings(src_lang="fra").check_models(models)
+    assert batch_generate(models, ["Bonjour"], max_tokens=5, tgt_lang="fra", speculative=False)[0].tokens
