@@ -219,11 +219,15 @@ class Batch:
     @property
     def penalties(self) -> RowPenalties | None:
         if self._penalties is None:
-            args = self.models[0].args
-            penalties = [self.row_penalties(row) for row in self.rows for _ in range(self.width)]
-            self._penalties = (RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size,
-                                               args.forced_eos_token_id),)
+            self._penalties = (self.penalties_of(self.rows),)
         return self._penalties[0]
+
+    def penalties_of(self, rows: list[Row]) -> RowPenalties | None:
+        """These rows' RowPenalties (one a cache row), None when none has any."""
+        args = self.models[0].args
+        penalties = [self.row_penalties(row) for row in rows for _ in range(self.width)]
+        return RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size,
+                               args.forced_eos_token_id)
 
     def row_penalties(self, row: Row) -> Penalties:
         """A row's Penalties, with the tokens its model's config forces (BART's
@@ -288,9 +292,7 @@ class RegularBatch(Batch):
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         start = mx.array([self.model.args.decoder_start_token_id] * len(rows))
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
-        args = self.model.args
-        penalties = RowPenalties.of([self.row_penalties(row) for row in rows], args.decoder_start_token_id, args.eos_token_id,
-                                    args.vocab_size, args.forced_eos_token_id)
+        penalties = self.penalties_of(rows)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
         seen = start[:, None] if penalties is not None and penalties.needs_tokens else None
         first, logits = self.step(start, caches[0], sampling, penalties, counts, seen)
