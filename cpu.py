@@ -223,6 +223,11 @@ def many_rows():
             _library.bli_pack_set_pack_b(False)
 
 
+# float32 means float32: MLX runs float32 matrix products as TF32 (10-bit
+# mantissas) on CUDA GPUs and M5-class Macs unless told not to, and the greedy
+# tokens of a float32 model then drift from transformers'. Whoever wants TF32
+# sets MLX_ENABLE_TF32=1; bfloat16 and float16 models never take it.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 ACTIVE = _load()
 SLOW = ACTIVE.startswith("bundled")  # 4-5x slower matrix products than a real BLAS
 
@@ -240,6 +245,12 @@ SPLIT_MIN_ELEMENTS = 250_000
 PATH_SETTING = "T5_MLX_PATH"  # "accelerator": the path a GPU takes, whatever device MLX computes on
 
 
+def mlx_computes_on_cpu() -> bool:
+    """Whether MLX runs its arrays on the CPU (a GPU's kernels round and
+    order their sums differently, whichever path the code takes)."""
+    return mx.default_device() == mx.cpu
+
+
 @functools.cache  # on first use, not at import: the default device may change in between
 def in_use() -> bool:
     """Whether this process takes the CPU path: MLX computes on the CPU and
@@ -247,7 +258,7 @@ def in_use() -> bool:
     setting = os.environ.get(PATH_SETTING, "").strip().lower()
     if setting not in ("", "auto", "accelerator"):
         print(f"{PATH_SETTING}: unknown path {setting!r} (accelerator, or auto: the device's)", file=sys.stderr)
-    return setting != "accelerator" and mx.default_device() == mx.cpu
+    return setting != "accelerator" and mlx_computes_on_cpu()
 
 
 _streams = threading.local()  # MLX's streams belong to the thread that made them
@@ -435,7 +446,7 @@ def uncompiled_kernels() -> Path | None:
     version, into a folder under the temporary directory; the first run that
     needs them waits for the compiler (about 20 s for the demo's kernels on
     2 cores). None on macOS and GPUs, where kernels compile in moments."""
-    if sys.platform == "darwin" or mx.default_device() != mx.cpu:  # whichever path: where MLX computes
+    if sys.platform == "darwin" or not mlx_computes_on_cpu():  # whichever path: where MLX computes
         return None
     folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
     return None if folder.is_dir() and any(folder.iterdir()) else folder

@@ -229,7 +229,7 @@ def test_the_readme_api_example_runs_from_a_script_outside_the_repository(tmp_pa
     """As the README says to run it from another folder: this one on PYTHONPATH."""
     script = tmp_path / "example.py"
     script.write_text(readme_api_example())
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "<extra_id_0>" in done.stdout and "warning" not in done.stderr.lower(), done.stderr

@@ -375,3 +375,13 @@ def test_a_blas_with_threads_of_its_own_leaves_every_product_whole(tokenizer_dir
     model = loading.load_model(tmp_path / "mlx")
     assert not split_layers(model)
     assert type(model.encoder.layers[0].ffn.wi) is nn.Linear
+
+
+@pytest.mark.parametrize("asked, expected", [(None, "0"), ("1", "1")])
+def test_float32_products_stay_float32_unless_tf32_is_asked_for(asked, expected):
+    """MLX multiplies float32 as TF32 on CUDA GPUs and M5 Macs by default; cpu.py,
+    imported before mlx.core, turns that off, and a user's MLX_ENABLE_TF32 wins."""
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"} | ({"MLX_ENABLE_TF32": asked} if asked else {})
+    done = subprocess.run([sys.executable, "-c", "import cpu, os; print(os.environ['MLX_ENABLE_TF32'])"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == expected, done.stderr

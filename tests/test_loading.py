@@ -59,7 +59,8 @@ def test_models_read_every_weight_before_the_first_timed_generation(v1_1_checkpo
     assert "Loading" in capsys.readouterr().err  # said on stderr, as stdout may be --json
 
 
-@pytest.mark.skipif(sys.platform == "darwin", reason="MLX compiles kernels with a C++ compiler on Linux only")
+@pytest.mark.skipif(sys.platform == "darwin" or not cpu.mlx_computes_on_cpu(),
+                    reason="MLX compiles CPU kernels with a C++ compiler on Linux only, when it computes on the CPU")
 def test_a_first_run_says_it_waits_for_mlx_to_compile_its_cpu_kernels(v1_1_checkpoint, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cpu.tempfile, "gettempdir", lambda: str(tmp_path))
     loading.load(str(v1_1_checkpoint.mlx_dir), verbose=True)

@@ -39,8 +39,7 @@ def test_only_cpu_py_asks_which_device_mlx_computes_on():
     assert asking == []
 
 
-@pytest.mark.skipif(not cpu.in_use() and os.environ.get(cpu.PATH_SETTING) != "accelerator",
-                    reason="MLX computes on a GPU here: both paths are the accelerator's")
+@pytest.mark.skipif(not cpu.mlx_computes_on_cpu(), reason="MLX computes on a GPU here: both paths are the accelerator's")
 def test_the_accelerator_setting_takes_the_gpus_path_while_mlx_computes_on_the_cpu():
     """Fused attention, no lanes, bfloat16 by default, MLX on the CPU all
     the same; without the setting, the CPU path: our attention, one lane per

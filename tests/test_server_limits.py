@@ -98,7 +98,7 @@ def test_a_chunked_body_over_the_limit_gets_a_413(limited):
 
 @pytest.mark.parametrize("method, path, body, status", [
     ("POST", "/v1/completions", b'{"model": "\xc3\x28"}', 400),  # not UTF-8
-    ("POST", "/v1/completions", b"[" * 3000 + b"]" * 3000, 400),  # nested past Python's recursion limit
+    ("POST", "/v1/completions", b"[" * 3000 + b"]" * 3000, 400),  # nested past the recursion limit of Python < 3.12
     ("GET", "/v1/nowhere", None, 404),
     ("DELETE", "/v1/completions", None, 405),
 ], ids=["invalid utf-8", "deeply nested", "404", "405"])
@@ -106,7 +106,7 @@ def test_every_error_has_openais_shape(limited, method, path, body, status):
     response = httpx.request(method, limited.url + path, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    if body:
+    if body and not body.startswith(b"["):  # Python 3.12 reads 3000 levels (then it is a list, not a request)
         assert "could not be read as JSON (not UTF-8, or nested too deeply)" in response.json()["error"]["message"]
 
 
