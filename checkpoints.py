@@ -196,22 +196,25 @@ FAMILY_CHECKPOINTS = {
 
 
 def family_checkpoint(kind: str, folder: Path, tokenizer: Path, seed: int | None = None, layers: int = 2,
-                      vocab_size: int = 1104, std: float | None = None):
+                      vocab_size: int = 1104, std: float | None = None, d_model: int = 64, heads: int = 4):
     """A random checkpoint of `kind` (the BART family's with pad 1 and EOS 2,
     as theirs; umT5's with T5's), saved to folder as transformers saves it,
-    with the test tokenizer's files beside it (ids are what the tests compare)."""
+    with the test tokenizer's files beside it (ids are what the tests compare).
+    The FFN is twice d_model wide."""
     import transformers
 
     config_class, model_class, start, switches, default_std, default_seed = FAMILY_CHECKPOINTS[kind]
     std = default_std if std is None else std
     if kind == "umt5":  # v1.1's layout, a relative position bias in every layer
-        config = transformers.UMT5Config(vocab_size=vocab_size, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_heads=4,
+        config = transformers.UMT5Config(vocab_size=vocab_size, d_model=d_model, d_kv=d_model // heads, d_ff=2 * d_model,
+                                         num_layers=layers, num_heads=heads,
                                          initializer_factor=std, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
                                          feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
     else:
         config = getattr(transformers, config_class)(
-            vocab_size=vocab_size, d_model=64, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256, init_std=std,
+            vocab_size=vocab_size, d_model=d_model, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+            decoder_attention_heads=heads, encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model,
+            max_position_embeddings=256, init_std=std,
             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
             forced_eos_token_id=None, decoder_start_token_id=start, **switches)
     torch.manual_seed(default_seed if seed is None else seed)

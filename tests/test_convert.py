@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoints import PROMPT, make_checkpoint, t5_config
+from checkpoints import PROMPT, family_checkpoint, make_checkpoint, t5_config
 
 import convert
 import main
@@ -193,6 +193,22 @@ def test_only_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tm
     assert not (tmp_path / "out" / convert.OWNER).exists()
 
 
+def conversion_growth(source: Path, out: Path, quantize: bool, torch_too: bool = False) -> int:
+    """How much convert.py's peak resident memory grows converting source, in a process of its own."""
+    # VmHWM: the peak resident memory of this process image (ru_maxrss would
+    # inherit the test runner's peak across fork).
+    script = (
+        "import re, sys; peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]);"
+        f"import convert; {'import torch;' if torch_too else ''} before = peak();"
+        "code = convert.main(sys.argv[1:]); print(before, peak()); sys.exit(code)"
+    )
+    argv = ["--model", str(source), "--out", str(out), "--dtype", "float32"] + ["-q"] * quantize
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    before_kb, after_kb = map(int, done.stdout.splitlines()[-1].split())
+    return (after_kb - before_kb) * 1024
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("format, quantize", [("safetensors", False), ("bin", False), ("safetensors", True)])
 def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokenizer_dir, format, quantize):
@@ -201,19 +217,20 @@ def test_conversion_memory_is_bounded_by_a_tensor_not_the_model(tmp_path, tokeni
     largest_tensor = 32128 * 512 * 4
     make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir, format=format)
     size = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*model.*"))
-    # VmHWM: the peak resident memory of this process image (ru_maxrss would
-    # inherit the test runner's peak across fork).
-    script = (
-        "import re, sys; peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]);"
-        f"import convert; {'import torch;' if format == 'bin' else ''} before = peak();"
-        "code = convert.main(sys.argv[1:]); print(before, peak()); sys.exit(code)"
-    )
-    argv = ["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "mlx"), "--dtype", "float32"] + ["-q"] * quantize
-    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    before_kb, after_kb = map(int, done.stdout.splitlines()[-1].split())
-    growth = (after_kb - before_kb) * 1024
+    growth = conversion_growth(tmp_path / "hf", tmp_path / "mlx", quantize, torch_too=format == "bin")
     assert growth < 3 * largest_tensor + 50e6 < size, f"peak memory grew {growth / 1e6:.0f} MB converting {size / 1e6:.0f} MB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("kind, quantize", [("bart", False), ("m2m_100", True), ("umt5", False)])
+def test_each_familys_conversion_memory_is_bounded_by_a_tensor_not_the_model(kind, quantize, tmp_path, tokenizer_dir):
+    """The renames, the folded query scaling and the sinusoidal tables stream as T5's weights do."""
+    family_checkpoint(kind, tmp_path / "hf", tokenizer_dir, layers=12, vocab_size=32128, d_model=512, heads=8)
+    largest_tensor = 32128 * 512 * 4
+    size = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*model.*"))
+    growth = conversion_growth(tmp_path / "hf", tmp_path / "mlx", quantize)
+    assert growth < 3 * largest_tensor + 50e6 < size, f"peak memory grew {growth / 1e6:.0f} MB converting {size / 1e6:.0f} MB"
+    assert load_model(tmp_path / "mlx").args.vocab_size == 32128
 
 
 def make_bert_folder(path: Path) -> Path:
