@@ -523,6 +523,8 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         in_bytes = tokenizer_config["tokenizer_class"] == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
         if (source / "source.spm").is_file() and not (partial / "tokenizer.json").is_file():  # Marian's two models
             families.marian_tokenizer(source).save(str(partial / "tokenizer.json"))
+        elif tokenizer_config["tokenizer_class"] == "M2M100Tokenizer" and not (partial / "tokenizer.json").is_file():
+            families.m2m100_tokenizer(source, tokenizer_config).save(str(partial / "tokenizer.json"))
         elif not in_bytes and not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
             write_tokenizer_json(source, partial / "tokenizer.json")
         # config.json last: a folder without it never loads as a model.

@@ -18,6 +18,7 @@ bias as a vector.
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -142,7 +143,7 @@ def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------- Marian's tokenizer
 
-HIDDEN = "\u0000"  # before a piece the source's model lacks: no text holds it, so only decoding reaches the piece
+HIDDEN = "\u0000"  # before a piece no text may reach (Marian's target pieces, M2M-100's codes): no text holds it
 
 
 def marian_tokenizer(folder):
@@ -156,8 +157,7 @@ def marian_tokenizer(folder):
     import json
 
     import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     vocab = json.loads((folder / "vocab.json").read_text())
     source = spm.SentencePieceProcessor(model_file=str(folder / "source.spm"))
@@ -171,19 +171,72 @@ def marian_tokenizer(folder):
     floor = min(scores.values())
     tokenizer = Tokenizer(models.Unigram([(p, scores.get(p, floor)) if p in named else (HIDDEN + p, floor) for p in ordered],
                                          vocab.get("<unk>", 0), byte_fallback=False))
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString((folder / "source.spm").read_bytes())
-    charsmap = proto.normalizer_spec.precompiled_charsmap
-    steps = [normalizers.Precompiled(charsmap)] if charsmap else []
-    if proto.normalizer_spec.remove_extra_whitespaces:  # SentencePiece's: none at either end, one between words
-        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
-    tokenizer.normalizer = normalizers.Sequence(steps)
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(HIDDEN, ""),
-                                           decoders.Metaspace(replacement="\u2581", prepend_scheme="always")])
+    spm_text(tokenizer, folder / "source.spm")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(HIDDEN, ""), tokenizer.decoder])
     tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
     tokenizer.add_tokens([AddedToken(code, special=False) for code in codes])
+    return tokenizer
+
+
+def spm_text(tokenizer, spm_file) -> None:
+    """Give tokenizer a SentencePiece model's text handling: its normaliser
+    (the precompiled character map; no spaces at either end and one between
+    words), words marked with its meta space, and decoding that joins them."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(spm_file.read_bytes())
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    steps = [normalizers.Precompiled(charsmap)] if charsmap else []
+    if proto.normalizer_spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+
+
+# ---------------------------------------------------------------- M2M-100's tokenizer
+
+
+def m2m100_tokenizer(folder, tokenizer_config: dict):
+    """A tokenizer.json's Tokenizer for M2M-100's SentencePiece BPE model
+    (sentencepiece.bpe.model) read through fairseq's dictionary (vocab.json),
+    which transformers has no fast form of: the model's merges make the
+    pieces, vocab.json numbers them, the language codes (__fr__) follow the dictionary's
+    ids; a text encodes as transformers' default, __en__ (or the config's
+    src_lang) before it and </s> after."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers.convert_slow_tokenizer import generate_merges
+    from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
+
+    vocab = json.loads((folder / "vocab.json").read_text())
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((folder / "sentencepiece.bpe.model").read_bytes())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.BPE:
+        raise ConversionError(f"{folder / 'sentencepiece.bpe.model'} is not a BPE model, as M2M-100's is")
+    pieces = {piece.piece: i for i, piece in enumerate(proto.pieces) if piece.type == piece.NORMAL}
+    lacking = [piece for piece in pieces if piece not in vocab]
+    if lacking:  # fairseq's dictionaries hold every piece; a piece without an id cannot be one of the BPE's
+        print(f"note: {len(lacking)} piece(s) of the SentencePiece model are not in vocab.json ({', '.join(lacking[:3])}): "
+              "they encode as smaller pieces, where M2M100Tokenizer gives <unk>", file=sys.stderr)
+        pieces = {piece: rank for piece, rank in pieces.items() if piece in vocab}
+    codes = FAIRSEQ_LANGUAGE_CODES[tokenizer_config.get("language_codes", "m2m100")]
+    # After the dictionary's ids, as transformers numbers them; HIDDEN before each, as M2M100Tokenizer reads a code
+    # written in the text ("def __lt__") as its characters.
+    tokens = {f"{HIDDEN}__{code}__": len(vocab) + i for i, code in enumerate(codes)}
+    tokenizer = Tokenizer(models.BPE(vocab | tokens, generate_merges(pieces), unk_token="<unk>", fuse_unk=True))
+    spm_text(tokenizer, folder / "sentencepiece.bpe.model")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(HIDDEN, ""), tokenizer.decoder])
+    specials = [token for token in ("<s>", "<pad>", "</s>", "<unk>") if token in vocab]
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials + list(tokens)])
+    source = f"{HIDDEN}__{tokenizer_config.get('src_lang') or 'en'}__"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{source} $A </s>", special_tokens=[(source, tokens[source]), ("</s>", vocab["</s>"])])
     return tokenizer
 
 

@@ -282,15 +282,16 @@ class Languages:
         if not marked:
             return None
         pattern = re.compile(marked["pattern"])
-        # Codes are added tokens (a piece of text of the same shape is not one), where the tokenizer says which.
+        # Codes are added tokens (a piece of text of the same shape is not one), where the tokenizer says which;
+        # a NUL before one keeps it from matching text (M2M-100's, families.m2m100_tokenizer).
         tokens = tokenizer.added_tokens() if hasattr(tokenizer, "added_tokens") else tokenizer.get_vocab()
-        codes = {token: index for token, index in tokens.items() if pattern.match(token)}
+        codes = {token.removeprefix("\0"): index for token, index in tokens.items() if pattern.match(token.removeprefix("\0"))}
         return cls(codes, marked["source"]) if codes else None
 
     def code(self, name: str, which: str) -> int:
-        """A code's token id (Marian's fra for >>fra<< too); OptionError naming the codes there are."""
-        if name not in self.codes and f">>{name}<<" in self.codes:
-            name = f">>{name}<<"
+        """A code's token id (Marian's fra for >>fra<< too, M2M-100's en for __en__); OptionError naming the codes
+        there are."""
+        name = next((code for code in (name, f">>{name}<<", f"__{name}__") if code in self.codes), name)
         if name not in self.codes:
             raise OptionError(f"unknown {which} language {name!r} (this model's: {', '.join(sorted(self.codes))})")
         return self.codes[name]

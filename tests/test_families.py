@@ -425,3 +425,81 @@ def test_marians_two_sentencepiece_models_convert_to_one_tokenizer_as_transforme
     with pytest.raises(OptionError, match="takes tgt-lang, not src-lang"):
         Settings(src_lang="fra").check_models(models)
     assert batch_generate(models, ["Bonjour"], max_tokens=5, tgt_lang="fra", speculative=False)[0].tokens
+
+
+@pytest.fixture(scope="module")
+def m2m100_tokenizer_files(tmp_path_factory):
+    """M2M-100's tokenizer files: a SentencePiece BPE model (trained on the
+    standard library's sources) and fairseq's dictionary of its pieces in an
+    order of its own, as the hub's checkpoints hold them."""
+    import glob
+    import json
+    import random
+    import sysconfig
+    from pathlib import Path
+
+    import sentencepiece as spm
+
+    folder = tmp_path_factory.mktemp("m2m100-tokenizer")
+    lines = [line for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:40]
+             for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines() if line.strip()]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(folder / "sentencepiece.bpe"),
+                                   vocab_size=800, model_type="bpe", character_coverage=1.0, num_threads=1, minloglevel=2,
+                                   unk_id=3, bos_id=0, eos_id=2, pad_id=1)
+    (folder / "sentencepiece.bpe.vocab").unlink()
+    model = spm.SentencePieceProcessor(model_file=str(folder / "sentencepiece.bpe.model"))
+    pieces = [model.id_to_piece(i) for i in range(4, model.get_piece_size())]
+    random.Random(0).shuffle(pieces)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3} | {piece: 4 + i for i, piece in enumerate(pieces)}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "M2M100Tokenizer", "language_codes": "m2m100"}))
+    return folder, vocab
+
+
+def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transformers_tokenizes(m2m100_tokenizer_files,
+                                                                                             tmp_path):
+    """The converted tokenizer.json encodes as transformers' M2M100Tokenizer
+    (the model's BPE pieces numbered by the dictionary, __en__ before the
+    text by default and the --src-lang code in its place), decodes into the same text, and names the language codes, which
+    --tgt-lang forces as transformers' generate does."""
+    import glob
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    import transformers
+
+    from generate import form_of
+    from loading import load
+
+    folder, vocab = m2m100_tokenizer_files
+    theirs = transformers.M2M100Tokenizer(str(folder / "vocab.json"), str(folder / "sentencepiece.bpe.model"))
+    source = tmp_path / "hf"
+    config = transformers.M2M100Config(vocab_size=len(vocab) + 108, d_model=64, encoder_layers=1, decoder_layers=1,
+                                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                       decoder_ffn_dim=128, max_position_embeddings=256, pad_token_id=1, eos_token_id=2,
+                                       decoder_start_token_id=2, forced_eos_token_id=None)
+    torch.manual_seed(0)
+    hf_model = transformers.M2M100ForConditionalGeneration(config).eval()
+    hf_model.save_pretrained(str(source))
+    for name in ("sentencepiece.bpe.model", "vocab.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, source / name)
+    convert.convert(str(source), tmp_path / "mlx", "float32", force=False)
+    models = load(tmp_path / "mlx")
+    lines = [line for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[100:104]
+             for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines()]
+    lines += ["  Hello   world  ", "ümlaut ñ 日本語 \u2581", ""]
+    differ = [line for line in lines if models.tokenizer.encode(line) != theirs(line).input_ids]
+    assert differ == []
+    theirs.src_lang = "fr"
+    french = form_of(models, Settings(src_lang="fr").check_models(models))
+    assert all(french.ids(models, line) == theirs(line).input_ids for line in lines[:200])
+    # The code skipped as a special token; ids with unknowns aside (SentencePiece drops the spaces around a skipped <unk>)
+    for ids in (ids for ids in (theirs(line).input_ids for line in lines) if vocab["<unk>"] not in ids):
+        assert models.tokenizer.decode(ids, skip_special_tokens=True) == theirs.decode(ids[1:], skip_special_tokens=True)
+    assert len(models.languages.codes) == 100 and models.languages.codes["__de__"] == theirs.get_lang_id("de")
+    prompt = theirs("Return the value.").input_ids
+    expected = hf_model.generate(torch.tensor([prompt]), forced_bos_token_id=theirs.get_lang_id("de"), max_new_tokens=8,
+                                 do_sample=False, num_beams=1)[0, 1:].tolist()
+    ours = decode(models, prompt, Settings(max_tokens=8, speculative=False, tgt_lang="de").check_models(models))
+    assert ours == expected[: len(ours)] and ours[0] == theirs.get_lang_id("de")
