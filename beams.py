@@ -105,15 +105,15 @@ class BeamBatch(Batch):
 
     def round(self):
         rows, K, V = self.rows, self.width, self.vocabulary
-        start = self.model.args.decoder_start_token_id
         searches = [row.drafting for row in rows]
-        last = mx.array([[beam[-1] if beam else start] for search in searches for beam in search.running])
+        last = mx.array([[beam[-1] if beam else self.start(row)] for row, search in zip(rows, searches)
+                         for beam in search.running])
         logits = self.model.decode(last, self.caches[0])[:, -1].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.penalties is not None:  # on the log-probabilities, as transformers' beam search applies processors
             positions = mx.array([len(beam) for search in searches for beam in search.running])
             logprobs = self.penalties.apply(logprobs[:, None], self.counts[:, None], positions[:, None],
-                                            self.beam_tokens(searches))[:, 0]
+                                            self.beam_tokens(rows, searches))[:, 0]
         totals = (logprobs.reshape(len(rows), K, V) + mx.array(np.stack([s.scores for s in searches]))[..., None])
         totals = totals.reshape(len(rows), K * V)
         top = mx.argpartition(-totals, 2 * K - 1, axis=-1)[:, : 2 * K]
@@ -143,10 +143,10 @@ class BeamBatch(Batch):
         eos = self.eos(row)
         return set(row.settings.stop_token_ids) | ({eos} if eos is not None else set())
 
-    def beam_tokens(self, searches: list[Search]) -> mx.array | None:
+    def beam_tokens(self, rows: list[Row], searches: list[Search]) -> mx.array | None:
         """Each beam's start token and tokens, padded on the left with -1, for no_repeat_ngram_size."""
         if not self.penalties.needs_tokens:
             return None
-        start = self.model.args.decoder_start_token_id
         longest = -(-(max(len(s.running[0]) for s in searches) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
-        return mx.array([[-1] * (longest - 1 - len(beam)) + [start] + beam for search in searches for beam in search.running])
+        return mx.array([[-1] * (longest - 1 - len(beam)) + [self.start(row)] + beam
+                         for row, search in zip(rows, searches) for beam in search.running])

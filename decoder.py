@@ -226,8 +226,13 @@ class Batch:
         """These rows' RowPenalties (one a cache row), None when none has any."""
         args = self.models[0].args
         penalties = [self.row_penalties(row) for row in rows for _ in range(self.width)]
-        return RowPenalties.of(penalties, args.decoder_start_token_id, args.eos_token_id, args.vocab_size,
-                               args.forced_eos_token_id)
+        starts = [self.start(row) for row in rows for _ in range(self.width)]
+        return RowPenalties.of(penalties, starts, args.eos_token_id, args.vocab_size, args.forced_eos_token_id)
+
+    def start(self, row: Row) -> int:
+        """The token a row's decoder starts from: its model's, or its target language's (mBART's)."""
+        chosen = row.settings.decoder_start_token_id
+        return self.models[0].args.decoder_start_token_id if chosen is None else chosen
 
     def row_penalties(self, row: Row) -> Penalties:
         """A row's Penalties, with the tokens its model's config forces (BART's
@@ -239,9 +244,8 @@ class Batch:
         token and output, then `then` (B, n), padded on the left with -1."""
         if self.penalties is None or not self.penalties.needs_tokens:
             return None
-        start = self.models[0].args.decoder_start_token_id
         longest = -(-(max(len(row.output) for row in rows) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
-        seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [start] + row.output for row in rows])
+        seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [self.start(row)] + row.output for row in rows])
         return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)
 
     @property
@@ -290,7 +294,7 @@ class RegularBatch(Batch):
         return token, raw
 
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
-        start = mx.array([self.model.args.decoder_start_token_id] * len(rows))
+        start = mx.array([self.start(row) for row in rows])
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
         penalties = self.penalties_of(rows)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
@@ -437,8 +441,8 @@ class SpeculativeBatch(Batch):
 
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         for row in rows:
-            row.last = self.target.args.decoder_start_token_id
-            self.drafter.start(row)
+            row.last = self.start(row)
+            self.drafter.start(row, row.last)
         self._deltas = None
 
     def leave(self, positions: set[int]) -> list[int]:

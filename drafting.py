@@ -269,9 +269,10 @@ class DraftModel:
         """The most drafts a row at these settings asks for in a round."""
         return AutoDraft.cap if self.auto else settings.draft_length
 
-    def start(self, row) -> None:
+    def start(self, row, token: int) -> None:
+        """Begin drafting for a row whose decoder starts from token."""
         calibration = self.auto.calibration(row.settings) if self.auto else None
-        row.drafting = Unseen([self.model.args.decoder_start_token_id], calibration)
+        row.drafting = Unseen([token], calibration)
 
     def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None,
                 cache: DecoderCache, penalized: tuple | None = None) -> Proposal:
@@ -411,7 +412,7 @@ class LookupDrafter:
     def longest(self, settings) -> int:
         return settings.num_draft
 
-    def start(self, row) -> None:
+    def start(self, row, token: int) -> None:
         row.drafting = PromptLookup(row.request.ids)
 
     def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None, cache=None,

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{option.flag}", metavar=option.metavar, help=option.help)
     p.add_argument("--src-lang", help="a multilingual model's code for the prompt's language (NLLB's eng_Latn, mBART-50's "
                    "en_XX, M2M-100's __en__): an unknown one lists the model's")
-    p.add_argument("--tgt-lang", help="and for the output's language, its first token")
+    p.add_argument("--tgt-lang", help="and for the output's language: its first token (mBART's: the decoder's start)")
     p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
                    "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")

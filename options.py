@@ -188,6 +188,7 @@ class Settings:
     skip_special_tokens: bool = False  # leave special tokens (<extra_id_0>, </s>, <pad>) out of the text
     logit_bias: dict | tuple = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
     forced_bos_token_id: int | None = None  # tgt_lang's token, set by check_models: the first output token
+    decoder_start_token_id: int | None = None  # or the decoder's start (mBART's), set by check_models
     src_lang: str | None = None  # a multilingual model's language codes: the prompt's ("eng_Latn", "en_XX", ...)
     tgt_lang: str | None = None  # and the output's
 
@@ -283,7 +284,7 @@ class Settings:
         if any(token >= vocabulary for token in self.stop_token_ids):
             raise OptionError(f"stop_token_ids must be token ids below {vocabulary:,}")
         if self.src_lang is None and self.tgt_lang is None:
-            return self if self.forced_bos_token_id is None else replace(self, forced_bos_token_id=None)
+            return replace(self, forced_bos_token_id=None, decoder_start_token_id=None)
         if models.languages is None:
             raise OptionError("this model's tokenizer marks no languages: it takes no src-lang or tgt-lang")
         if models.languages.source == "target first":  # Marian's: the target's code in the prompt (generate.form_of)
@@ -291,14 +292,13 @@ class Settings:
                 raise OptionError("this model marks only the target language, in the prompt: it takes tgt-lang, not src-lang")
             if self.tgt_lang is not None:
                 models.languages.code(self.tgt_lang, "target")
-            return replace(self, forced_bos_token_id=None)
+            return replace(self, forced_bos_token_id=None, decoder_start_token_id=None)
         if self.src_lang is not None:
             models.languages.code(self.src_lang, "source")
-        if self.tgt_lang is not None and models.languages.source == "after":
-            raise OptionError("this mBART takes its target language as the decoder's start token (its config's "
-                              "decoder_start_token_id), not as a forced first token: tgt-lang is not supported for it yet")
         target = None if self.tgt_lang is None else models.languages.code(self.tgt_lang, "target")
-        return replace(self, forced_bos_token_id=target)
+        if models.languages.source == "after":  # mBART's (cc25, en-ro): the target's code starts the decoder
+            return replace(self, forced_bos_token_id=None, decoder_start_token_id=target)
+        return replace(self, forced_bos_token_id=target, decoder_start_token_id=None)
 
     @property
     def sampling(self) -> Sampling:

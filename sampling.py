@@ -52,8 +52,9 @@ class RowPenalties:
     logits (B, n, V) given what each row had output before each of its n
     positions. Rows without penalties hold neutral values, which change nothing."""
 
-    def __init__(self, penalties: list[Penalties], start: int, eos: int, vocabulary: int, forced_end: int | None = None):
-        self.start = start
+    def __init__(self, penalties: list[Penalties], starts: list[int], eos: int, vocabulary: int,
+                 forced_end: int | None = None):
+        self.start = mx.array(starts)[:, None, None]  # each row's decoder start token, which counts as seen
         self.forced_end = eos if forced_end is None else forced_end  # forced_eos_token_id
         self.repetition, self.presence, self.frequency, self.min_tokens = (
             mx.array([getattr(p, name) for p in penalties], dtype=mx.float32)
@@ -71,10 +72,10 @@ class RowPenalties:
             for name in ("forced_first", "forced_end_at"))
 
     @classmethod
-    def of(cls, penalties: list[Penalties], start: int, eos: int, vocabulary: int,
+    def of(cls, penalties: list[Penalties], starts: list[int], eos: int, vocabulary: int,
            forced_end: int | None = None) -> "RowPenalties | None":
         """None when no row has any: decoding then costs nothing more."""
-        return cls(penalties, start, eos, vocabulary, forced_end) if any(p != Penalties() for p in penalties) else None
+        return cls(penalties, starts, eos, vocabulary, forced_end) if any(p != Penalties() for p in penalties) else None
 
     @property
     def needs_tokens(self) -> bool:

@@ -333,8 +333,10 @@ def test_a_truncated_prompt_keeps_its_marks_and_the_nearer_positions_end_limits_
     after = SimpleNamespace(target=SimpleNamespace(args=SimpleNamespace(vocab_size=100), longest_input=None),
                             longest_input=None, languages=Languages({"en_XX": 50, "ro_RO": 51}, "after"))
     assert Settings(src_lang="en_XX").check_models(after).src_lang == "en_XX"
-    with pytest.raises(OptionError, match="takes its target language as the decoder's start token"):
-        Settings(tgt_lang="ro_RO").check_models(after)
+    chosen = Settings(tgt_lang="ro_RO").check_models(after)
+    assert (chosen.decoder_start_token_id, chosen.forced_bos_token_id) == (51, None)
+    with pytest.raises(OptionError, match="unknown target language 'xx'"):
+        Settings(tgt_lang="xx").check_models(after)
 
 
 @pytest.fixture(scope="module")
@@ -503,3 +505,48 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
                                  do_sample=False, num_beams=1)[0, 1:].tolist()
     ours = decode(models, prompt, Settings(max_tokens=8, speculative=False, tgt_lang="de").check_models(models))
     assert ours == expected[: len(ours)] and ours[0] == theirs.get_lang_id("de")
+
+
+def test_mbarts_target_language_starts_the_decoder_as_transformers_generate_starts_it(tmp_path, tokenizer_dir):
+    """mBART (cc25, en-ro) marks the source's code after the text's end and
+    starts the decoder from the target's: greedy, speculative, beam search
+    and a repetition penalty (the start token counting as seen) equal
+    transformers' generate with that decoder_start_token_id, rows of other
+    target languages in one batch."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from generate import batch_generate
+    from loading import load
+
+    hf_model = family_checkpoint("mbart", tmp_path / "hf", tokenizer_dir, seed=9)  # greedy choices won by 9e-3 of the scale
+    family_checkpoint("mbart", tmp_path / "draft-hf", tokenizer_dir, seed=1, layers=1)
+    for name in ("hf", "draft-hf"):
+        tokenizer = Tokenizer.from_file(str(tmp_path / name / "tokenizer.json"))
+        tokenizer.add_special_tokens(["en_XX", "ro_RO", "de_DE"])  # ids 1100-1102, inside the model's 1104
+        tokenizer.save(str(tmp_path / name / "tokenizer.json"))
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "MBartTokenizerFast"}))
+        convert.convert(str(tmp_path / name), tmp_path / f"{name}-mlx", "float32", force=False)
+    models = load(tmp_path / "hf-mlx", draft=tmp_path / "draft-hf-mlx")
+    prompt = "def main(argv): return the value"
+    ids = models.tokenizer.encode(prompt, add_special_tokens=False) + [2, 1100]  # X </s> en_XX
+
+    def theirs(start, **options):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), decoder_start_token_id=start, max_new_tokens=12, do_sample=False,
+                                    **({"num_beams": 1} | options))
+        return [t for t in out[0, 1:].tolist() if t != 2]
+
+    assert theirs(1101) != theirs(1102) and len(set(theirs(1101))) >= 5, "the start token must steer a varied output"
+    for options in ({}, {"repetition_penalty": 1.3}):
+        for speculative in (False, True):
+            for start, code in ((1101, "ro_RO"), (1102, "de_DE")):
+                ours = batch_generate(models, [prompt], src_lang="en_XX", tgt_lang=code, max_tokens=12,
+                                      speculative=speculative, num_draft=3, **options)[0]
+                assert ours.tokens == theirs(start, **options), (options, speculative, code)
+    both = batch_generate(models, [prompt, prompt], src_lang="en_XX", tgt_lang="ro_RO", max_tokens=12)
+    assert [g.tokens for g in both] == [theirs(1101)] * 2
+    beams = batch_generate(models, [prompt], src_lang="en_XX", tgt_lang="de_DE", max_tokens=12, num_beams=3,
+                           speculative=False)[0]
+    assert beams.tokens == theirs(1102, num_beams=3)

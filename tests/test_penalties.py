@@ -37,7 +37,7 @@ def test_each_penalty_is_transformers_processor_or_openais_rule():
     counts = np.stack([np.bincount(out, minlength=vocab) for out in outputs]).astype(np.float32)
     penalties = [Penalties(1.3, 0.4, 0.25, 5, bias=((3, -100.0), (7, 2.5))), Penalties(0.8),
                  Penalties(presence=-0.5, frequency=1.0), Penalties(min_tokens=12, bias=((EOS, 5.0),))]
-    ours = RowPenalties(penalties, START, EOS, vocab).apply(mx.array(logits)[:, None], mx.array(counts)[:, None],
+    ours = RowPenalties(penalties, [START] * rows, EOS, vocab).apply(mx.array(logits)[:, None], mx.array(counts)[:, None],
                                                      mx.array([[len(out)] for out in outputs]))[:, 0]
     for row, (p, out) in enumerate(zip(penalties, outputs)):
         decoded = torch.tensor([[START, *out]])
@@ -54,7 +54,7 @@ def test_each_penalty_is_transformers_processor_or_openais_rule():
 
 def test_min_tokens_holds_back_stop_token_ids_too():
     logits = mx.zeros((1, 1, 10))
-    penalties = RowPenalties([Penalties(min_tokens=3, ends=(4, 6))], START, EOS, 10)
+    penalties = RowPenalties([Penalties(min_tokens=3, ends=(4, 6))], [START], EOS, 10)
     early = penalties.apply(logits, mx.zeros((1, 1, 10)), mx.array([[2]]))[0, 0]
     late = penalties.apply(logits, mx.zeros((1, 1, 10)), mx.array([[3]]))[0, 0]
     assert [i for i in range(10) if early[i].item() == -np.inf] == [EOS, 4, 6] and not mx.isinf(late).any()
