@@ -373,16 +373,20 @@ class _Plan:
 
 
 class DecodingLinear(nn.Module, DecodingProduct):
-    """A bias-free nn.Linear as a decode step multiplies by it (DecodingProduct):
-    split over the cores (`split`), its weight stored transposed (`transposed`)."""
+    """An nn.Linear as a decode step multiplies by it (DecodingProduct):
+    split over the cores (`split`), its weight stored transposed (`transposed`);
+    its bias (the BART family's), if any, added to the joined product."""
 
-    def __init__(self, weight: mx.array, split: bool = False, transposed: bool = False):
+    def __init__(self, weight: mx.array, split: bool = False, transposed: bool = False, bias: mx.array | None = None):
         nn.Module.__init__(self)
         self.weight = weight
+        if bias is not None:
+            self.bias = bias
         self._plan(split, transposed)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.product(x)
+        product = self.product(x)
+        return product + self["bias"] if "bias" in self else product
 
 
 class DecodingEmbedding(nn.Embedding, DecodingProduct):
@@ -417,7 +421,7 @@ def use_cores(model: nn.Module, one_row: bool = False) -> nn.Module:
     one_thread = not THREADED
 
     def swap(path, module):
-        if not DECODING_LAYER.fullmatch(path) or type(module) not in (nn.Linear, nn.Embedding) or "bias" in module:
+        if not DECODING_LAYER.fullmatch(path) or type(module) not in (nn.Linear, nn.Embedding):
             return module
         split = bool(lanes()) and one_thread and module.weight.size >= SPLIT_MIN_ELEMENTS
         if type(module) is nn.Embedding:
@@ -425,7 +429,7 @@ def use_cores(model: nn.Module, one_row: bool = False) -> nn.Module:
         outputs, inputs = module.weight.shape
         transposed = one_row and one_thread and module.weight.dtype == mx.float32 and \
             D_FF_INPUT.search(path) is not None and TRANSPOSED_MIN_RATIO * inputs <= outputs
-        return DecodingLinear(module.weight, split, transposed)
+        return DecodingLinear(module.weight, split, transposed, module.get("bias"))
 
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
     return model

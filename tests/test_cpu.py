@@ -385,3 +385,33 @@ def test_float32_products_stay_float32_unless_tf32_is_asked_for(asked, expected)
     done = subprocess.run([sys.executable, "-c", "import cpu, os; print(os.environ['MLX_ENABLE_TF32'])"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == expected, done.stderr
+
+
+def test_projections_with_biases_split_as_t5s_do_with_the_same_logits(tokenizer_dir, tmp_path, monkeypatch):
+    """The BART family's decoding projections carry biases: split over the
+    cores all the same, each bias added once to the joined product, the
+    logits the unsplit model's."""
+    import mlx.core as mx
+    from checkpoints import family_checkpoint
+
+    import convert
+    import loading
+
+    if not cpu.lanes():
+        pytest.skip("one core, or the accelerator path: nothing is split")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "THREADED", False)  # as with a single-threaded BLAS (BLIS)
+    family_checkpoint("bart", tmp_path / "hf", tokenizer_dir)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    split = loading.load_model(tmp_path / "mlx", one_row=True)
+    with_bias = {name for name, module in split.named_modules() if isinstance(module, cpu.DecodingLinear) and "bias" in module}
+    assert {"decoder.layers.0.self_attention.q", "decoder.layers.1.cross_attention.o", "decoder.layers.1.ffn.wo"} <= with_bias
+    assert with_bias <= split_layers(split)
+    monkeypatch.setattr(cpu, "use_cores", lambda model, one_row=False: model)
+    unsplit = loading.load_model(tmp_path / "mlx")
+
+    def logits(model):
+        cache = model.make_cache(model.encode(mx.array([[7, 8, 9, 2]])))
+        return np.array(mx.concatenate([model.decode(mx.array([[token]]), cache) for token in (2, 5, 9)], axis=1))
+
+    np.testing.assert_allclose(logits(split), logits(unsplit), rtol=1e-5, atol=1e-4)
