@@ -347,11 +347,13 @@ class KVCache:
         self.offsets = [o - t for o, t in zip(self.offsets, trims)]
 
     def keep(self, rows: list[int]) -> None:
-        """Only these rows, in this order (finished rows leave a batch)."""
-        if self.keys is not None:
-            index = mx.array(rows)
-            self.keys, self.values = self.keys[index], self.values[index]
+        """Only these rows, in this order (finished rows leave a batch), in
+        storage cut to the block-rounded length of the longest of them: every
+        step reads all of it, and a long row that left would leave it long."""
         self.offsets = [self.offsets[row] for row in rows]
+        if self.keys is not None:
+            room = -(-max(self.offsets, default=0) // self.block) * self.block
+            self.keys, self.values = (stored[mx.array(rows), :, :room] for stored in (self.keys, self.values))
 
     def extend(self, other: "KVCache") -> None:
         """Append other's rows after these (prompts joining a batch)."""

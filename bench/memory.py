@@ -119,6 +119,8 @@ _NLLB = dict(model_type="m2m_100", encoder_attention_heads=16, vocab_size=256206
 _PEGASUS = dict(model_type="pegasus", d_model=1024, encoder_attention_heads=16, encoder_ffn_dim=4096, vocab_size=96103,
                 max_position_embeddings=512, activation_function="relu", scale_embedding=True)
 _FLAN = dict(model_type="t5", vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+_MADLAD = dict(model_type="t5", vocab_size=256000, feed_forward_proj="gated-gelu", tie_word_embeddings=False, d_kv=128,
+               num_layers=32)
 PUBLIC_PAIRS = [
     ("summarise news", ("facebook/bart-large-cnn", _BART), ("sshleifer/distilbart-cnn-12-6", _BART | {"decoder_layers": 6})),
     ("summarise in a sentence", ("google/pegasus-xsum", _PEGASUS | {"encoder_layers": 16, "decoder_layers": 16}),
@@ -127,6 +129,8 @@ PUBLIC_PAIRS = [
      ("facebook/nllb-200-3.3B", _NLLB | {"d_model": 2048, "encoder_layers": 24, "decoder_layers": 24, "encoder_ffn_dim": 8192}),
      ("facebook/nllb-200-distilled-600M", _NLLB | {"d_model": 1024, "encoder_layers": 12, "decoder_layers": 12,
                                                    "encoder_ffn_dim": 4096})),
+    ("translate, 400 languages", ("google/madlad400-10b-mt", _MADLAD | {"d_model": 2048, "d_ff": 16384, "num_heads": 32}),
+     ("google/madlad400-3b-mt", _MADLAD | {"d_model": 1024, "d_ff": 8192, "num_heads": 16})),
     ("follow instructions, fill in",
      ("google/flan-ul2", _FLAN | {"d_model": 4096, "d_ff": 16384, "num_layers": 32, "num_heads": 16, "d_kv": 256,
                                   "feed_forward_proj": "gated-silu"}),

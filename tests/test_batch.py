@@ -1,7 +1,7 @@
 """Batched decoding: every row is what its prompt gives alone, and batches cost no more than their rows."""
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -131,11 +131,9 @@ def test_batched_sampling_gives_each_row_the_target_distribution(tiny_vocab_pair
         assert chi_square_passes(counts_[which], expected), (which, counts_[which] / counts_[which].sum(), expected)
 
 
-def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, prompts):
-    """With a draft that is nearly always rejected, each layer's storage stays at the
-    block-rounded length of the longest row (plus one verify pass), for the rows in the batch."""
-    target, draft = pair["target"], pair["drafts"]["unrelated"]
-    seen, original = [], target.decode
+def storage_seen(models: Models, requests: list[Request], batch_size: int) -> list[tuple[int, int, int, int]]:
+    """Decode the requests; after each target step, its first layer's (rows, storage length, longest row, rows' count)."""
+    seen, original = [], models.target.decode
 
     def recording(tokens, cache):
         out = original(tokens, cache)
@@ -143,17 +141,40 @@ def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, p
         seen.append((layer.keys.shape[0], layer.keys.shape[2], max(layer.offsets), len(layer.offsets)))
         return out
 
-    target.decode = recording
+    models.target.decode = recording
     try:
-        requests = requests_for(prompts, Settings(max_tokens=300, num_draft=8))
-        decode_batch(Models(target, draft), requests, 4)
+        decode_batch(models, requests, batch_size)
     finally:
-        del target.decode
+        del models.target.decode
+    return seen
+
+
+def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, prompts):
+    """With a draft that is nearly always rejected, each layer's storage stays at the
+    block-rounded length of the longest row (plus one verify pass), for the rows in the batch."""
+    target, draft = pair["target"], pair["drafts"]["unrelated"]
+    requests = requests_for(prompts, Settings(max_tokens=300, num_draft=8))
+    seen = storage_seen(Models(target, draft), requests, 4)
     accepted, drafted = sum(r.stats.accepted for r in requests), sum(r.stats.drafted for r in requests)
     assert drafted > 5 * accepted, "the drafts must be mostly rejected"
     for rows, capacity, longest, offsets in seen:
         assert rows == offsets <= 4
         assert capacity == -(-longest // KVCache.block) * KVCache.block
+
+
+def test_cache_storage_shrinks_when_the_longest_row_leaves(pair, prompts):
+    """A long row's storage leaves with it: the short rows decoded after it
+    read storage of their own length, not the long row's (DecoderCache.keep,
+    which every kind of batch calls as rows leave)."""
+    target, draft = pair["target"], pair["drafts"]["close"]
+    short = Settings(max_tokens=8, ignore_eos=True, speculative=False)
+    requests = [Request(prompts[0], replace(short, max_tokens=150))] + [Request(p, short) for p in prompts * 3]
+    seen = storage_seen(Models(target, draft), requests, 2)
+    assert max(capacity for _, capacity, _, _ in seen) >= 150 and seen[-1][1] == KVCache.block, "the long row must leave first"
+    for rows, capacity, longest, offsets in seen:
+        assert rows == offsets <= 2
+        assert capacity == -(-longest // KVCache.block) * KVCache.block
+
 
 
 def test_kv_cache_rows_append_and_trim_at_their_own_lengths():
