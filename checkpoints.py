@@ -192,6 +192,7 @@ FAMILY_CHECKPOINTS = {
     "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", 2, {}, 2.0, 6),
     "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", 1, {}, 3.0, 0),
     "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", 0, {}, 2.0, 9),  # T5's layout: initializer_factor
+    "ul2": ("T5Config", "T5ForConditionalGeneration", 0, {}, 2.0, 1),  # Flan-UL2's: gated SiLU, wide heads
 }
 
 
@@ -205,11 +206,12 @@ def family_checkpoint(kind: str, folder: Path, tokenizer: Path, seed: int | None
 
     config_class, model_class, start, switches, default_std, default_seed = FAMILY_CHECKPOINTS[kind]
     std = default_std if std is None else std
-    if kind == "umt5":  # v1.1's layout, a relative position bias in every layer
-        config = transformers.UMT5Config(vocab_size=vocab_size, d_model=d_model, d_kv=d_model // heads, d_ff=2 * d_model,
-                                         num_layers=layers, num_heads=heads,
-                                         initializer_factor=std, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
-                                         feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
+    if kind in ("umt5", "ul2"):  # v1.1's layout: umT5 with a relative position bias in every layer, UL2's heads wider
+        config = getattr(transformers, config_class)(
+            vocab_size=vocab_size, d_model=d_model, d_kv=(2 if kind == "ul2" else 1) * d_model // heads, d_ff=2 * d_model,
+            num_layers=layers, num_heads=heads, initializer_factor=std, decoder_start_token_id=0, eos_token_id=1,
+            pad_token_id=0, feed_forward_proj="gated-silu" if kind == "ul2" else "gated-gelu", tie_word_embeddings=False,
+            dropout_rate=0.0)
     else:
         config = getattr(transformers, config_class)(
             vocab_size=vocab_size, d_model=d_model, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
