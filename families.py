@@ -143,7 +143,7 @@ def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------- Marian's tokenizer
 
-HIDDEN = "\u0000"  # before a piece no text may reach (Marian's target pieces, M2M-100's codes): no text holds it
+HIDDEN = "\u0000"  # before a piece the source's model lacks: no text holds it, so only decoding reaches the piece
 
 
 def marian_tokenizer(folder):
@@ -204,15 +204,20 @@ def m2m100_tokenizer(folder, tokenizer_config: dict):
     """A tokenizer.json's Tokenizer for M2M-100's SentencePiece BPE model
     (sentencepiece.bpe.model) read through fairseq's dictionary (vocab.json),
     which transformers has no fast form of: the model's merges make the
-    pieces, vocab.json numbers them, the language codes (__fr__) follow the dictionary's
-    ids; a text encodes as transformers' default, __en__ (or the config's
+    pieces, vocab.json numbers them, the language codes (__fr__) follow the
+    dictionary's ids as special tokens (as the hub's tokenizer configs list
+    them); a text encodes as transformers' default, __en__ (or the config's
     src_lang) before it and </s> after."""
     import json
 
     from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers.convert_slow_tokenizer import generate_merges
+    from tokenizers import AddedToken, Tokenizer, models, processors
     from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
+
+    try:
+        from transformers.convert_slow_tokenizer import generate_merges
+    except ImportError:
+        raise ConversionError("M2M-100's tokenizer converts with a newer transformers: pip install -U transformers")
 
     vocab = json.loads((folder / "vocab.json").read_text())
     proto = sentencepiece_model_pb2.ModelProto()
@@ -226,15 +231,12 @@ def m2m100_tokenizer(folder, tokenizer_config: dict):
               "they encode as smaller pieces, where M2M100Tokenizer gives <unk>", file=sys.stderr)
         pieces = {piece: rank for piece, rank in pieces.items() if piece in vocab}
     codes = FAIRSEQ_LANGUAGE_CODES[tokenizer_config.get("language_codes", "m2m100")]
-    # After the dictionary's ids, as transformers numbers them; HIDDEN before each, as M2M100Tokenizer reads a code
-    # written in the text ("def __lt__") as its characters.
-    tokens = {f"{HIDDEN}__{code}__": len(vocab) + i for i, code in enumerate(codes)}
-    tokenizer = Tokenizer(models.BPE(vocab | tokens, generate_merges(pieces), unk_token="<unk>", fuse_unk=True))
+    tokens = {f"__{code}__": len(vocab) + i for i, code in enumerate(codes)}  # after the dictionary, as transformers'
+    tokenizer = Tokenizer(models.BPE(vocab | tokens, generate_merges(pieces, None), unk_token="<unk>", fuse_unk=True))
     spm_text(tokenizer, folder / "sentencepiece.bpe.model")
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(HIDDEN, ""), tokenizer.decoder])
     specials = [token for token in ("<s>", "<pad>", "</s>", "<unk>") if token in vocab]
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials + list(tokens)])
-    source = f"{HIDDEN}__{tokenizer_config.get('src_lang') or 'en'}__"
+    source = f"__{tokenizer_config.get('src_lang') or 'en'}__"
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{source} $A </s>", special_tokens=[(source, tokens[source]), ("</s>", vocab["</s>"])])
     return tokenizer

@@ -282,10 +282,9 @@ class Languages:
         if not marked:
             return None
         pattern = re.compile(marked["pattern"])
-        # Codes are added tokens (a piece of text of the same shape is not one), where the tokenizer says which;
-        # a NUL before one keeps it from matching text (M2M-100's, families.m2m100_tokenizer).
+        # Codes are added tokens (a piece of text of the same shape is not one), where the tokenizer says which.
         tokens = tokenizer.added_tokens() if hasattr(tokenizer, "added_tokens") else tokenizer.get_vocab()
-        codes = {token.removeprefix("\0"): index for token, index in tokens.items() if pattern.match(token.removeprefix("\0"))}
+        codes = {token: index for token, index in tokens.items() if pattern.match(token)}
         return cls(codes, marked["source"]) if codes else None
 
     def code(self, name: str, which: str) -> int:

@@ -349,11 +349,13 @@ class KVCache:
     def keep(self, rows: list[int]) -> None:
         """Only these rows, in this order (finished rows leave a batch), in
         storage cut to the block-rounded length of the longest of them: every
-        step reads all of it, and a long row that left would leave it long."""
+        step reads all of it, and a long row that left would leave it long
+        (the next reserve may grow it again: one copy as a row leaves)."""
         self.offsets = [self.offsets[row] for row in rows]
         if self.keys is not None:
             room = -(-max(self.offsets, default=0) // self.block) * self.block
-            self.keys, self.values = (stored[mx.array(rows), :, :room] for stored in (self.keys, self.values))
+            index = mx.array(rows, dtype=mx.int32)
+            self.keys, self.values = (stored[index, :, :room] for stored in (self.keys, self.values))
 
     def extend(self, other: "KVCache") -> None:
         """Append other's rows after these (prompts joining a batch)."""

@@ -164,8 +164,8 @@ def test_cache_storage_follows_the_longest_row_never_the_rejected_drafts(pair, p
 
 def test_cache_storage_shrinks_when_the_longest_row_leaves(pair, prompts):
     """A long row's storage leaves with it: the short rows decoded after it
-    read storage of their own length, not the long row's (DecoderCache.keep,
-    which every kind of batch calls as rows leave)."""
+    read storage of their own length, not the long row's (KVCache.keep,
+    which every kind of batch calls as rows leave; regular rows here)."""
     target, draft = pair["target"], pair["drafts"]["close"]
     short = Settings(max_tokens=8, ignore_eos=True, speculative=False)
     requests = [Request(prompts[0], replace(short, max_tokens=150))] + [Request(p, short) for p in prompts * 3]
@@ -174,7 +174,6 @@ def test_cache_storage_shrinks_when_the_longest_row_leaves(pair, prompts):
     for rows, capacity, longest, offsets in seen:
         assert rows == offsets <= 2
         assert capacity == -(-longest // KVCache.block) * KVCache.block
-
 
 
 def test_kv_cache_rows_append_and_trim_at_their_own_lengths():

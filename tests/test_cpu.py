@@ -415,3 +415,16 @@ def test_projections_with_biases_split_as_t5s_do_with_the_same_logits(tokenizer_
         return np.array(mx.concatenate([model.decode(mx.array([[token]]), cache) for token in (2, 5, 9)], axis=1))
 
     np.testing.assert_allclose(logits(split), logits(unsplit), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(cpu.mlx_computes_on_cpu(), reason="TF32 is a GPU's: MLX's CPU products are float32")
+def test_a_gpus_float32_products_keep_float32s_precision():
+    """With cpu.py imported first, MLX honours MLX_ENABLE_TF32=0: a float32
+    product is within float32's rounding of float64's (TF32 is ~1e-3 off)."""
+    code = ("import cpu, numpy as np, mlx.core as mx; rng = np.random.default_rng(0);"
+            "a, b = rng.normal(size=(256, 512)), rng.normal(size=(512, 256));"
+            "ours = np.array(mx.array(a, mx.float32) @ mx.array(b, mx.float32), dtype=np.float64);"
+            "print(np.abs(ours - a @ b).max() / np.abs(a @ b).max())")
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert float(done.stdout) < 1e-5, done.stderr

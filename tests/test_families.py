@@ -454,16 +454,22 @@ def m2m100_tokenizer_files(tmp_path_factory):
     random.Random(0).shuffle(pieces)
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3} | {piece: 4 + i for i, piece in enumerate(pieces)}
     (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "M2M100Tokenizer", "language_codes": "m2m100"}))
+    from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
+
+    codes = [f"__{code}__" for code in FAIRSEQ_LANGUAGE_CODES["m2m100"]]  # listed as the hub's configs list them
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "M2M100Tokenizer", "language_codes": "m2m100", "additional_special_tokens": codes}))
     return folder, vocab
 
 
 def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transformers_tokenizes(m2m100_tokenizer_files,
                                                                                              tmp_path):
     """The converted tokenizer.json encodes as transformers' M2M100Tokenizer
-    (the model's BPE pieces numbered by the dictionary, __en__ before the
-    text by default and the --src-lang code in its place), decodes into the same text, and names the language codes, which
-    --tgt-lang forces as transformers' generate does."""
+    loaded as a user loads the hub's files (the model's BPE pieces numbered
+    by the dictionary, __en__ before the text by default and the --src-lang
+    code in its place, a code written in the text read as the code), decodes
+    into the same text, and names the language codes, which --tgt-lang
+    forces as transformers' generate does."""
     import glob
     import shutil
     import sysconfig
@@ -475,7 +481,7 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
     from loading import load
 
     folder, vocab = m2m100_tokenizer_files
-    theirs = transformers.M2M100Tokenizer(str(folder / "vocab.json"), str(folder / "sentencepiece.bpe.model"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
     source = tmp_path / "hf"
     config = transformers.M2M100Config(vocab_size=len(vocab) + 108, d_model=64, encoder_layers=1, decoder_layers=1,
                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
@@ -490,15 +496,15 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
     models = load(tmp_path / "mlx")
     lines = [line for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[100:104]
              for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines()]
-    lines += ["  Hello   world  ", "ümlaut ñ 日本語 \u2581", ""]
+    lines += ["  Hello   world  ", "ümlaut ñ 日本語 \u2581", "def __lt__(self): __fr__", ""]
     differ = [line for line in lines if models.tokenizer.encode(line) != theirs(line).input_ids]
     assert differ == []
     theirs.src_lang = "fr"
     french = form_of(models, Settings(src_lang="fr").check_models(models))
     assert all(french.ids(models, line) == theirs(line).input_ids for line in lines[:200])
-    # The code skipped as a special token; ids with unknowns aside (SentencePiece drops the spaces around a skipped <unk>)
+    # Ids with unknowns aside (SentencePiece drops the spaces around a skipped <unk>)
     for ids in (ids for ids in (theirs(line).input_ids for line in lines) if vocab["<unk>"] not in ids):
-        assert models.tokenizer.decode(ids, skip_special_tokens=True) == theirs.decode(ids[1:], skip_special_tokens=True)
+        assert models.tokenizer.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
     assert len(models.languages.codes) == 100 and models.languages.codes["__de__"] == theirs.get_lang_id("de")
     prompt = theirs("Return the value.").input_ids
     expected = hf_model.generate(torch.tensor([prompt]), forced_bos_token_id=theirs.get_lang_id("de"), max_new_tokens=8,
@@ -516,6 +522,10 @@ def test_mbarts_target_language_starts_the_decoder_as_transformers_generate_star
     import json
 
     from tokenizers import Tokenizer
+
+    from dataclasses import replace
+
+    from support import decode_batch
 
     from generate import batch_generate
     from loading import load
@@ -545,8 +555,11 @@ def test_mbarts_target_language_starts_the_decoder_as_transformers_generate_star
                 ours = batch_generate(models, [prompt], src_lang="en_XX", tgt_lang=code, max_tokens=12,
                                       speculative=speculative, num_draft=3, **options)[0]
                 assert ours.tokens == theirs(start, **options), (options, speculative, code)
-    both = batch_generate(models, [prompt, prompt], src_lang="en_XX", tgt_lang="ro_RO", max_tokens=12)
-    assert [g.tokens for g in both] == [theirs(1101)] * 2
+    for settings in (Settings(max_tokens=12, speculative=False), Settings(max_tokens=12, num_draft=3),
+                     Settings(max_tokens=12, repetition_penalty=1.3)):  # a batch's rows, each with its own start
+        languages = [replace(settings, src_lang="en_XX", tgt_lang=code).check_models(models) for code in ("ro_RO", "de_DE")]
+        tokens, _ = decode_batch(models, [Request(ids, chosen) for chosen in languages], 2)
+        assert tokens == [theirs(start, repetition_penalty=settings.repetition_penalty) for start in (1101, 1102)]
     beams = batch_generate(models, [prompt], src_lang="en_XX", tgt_lang="de_DE", max_tokens=12, num_beams=3,
                            speculative=False)[0]
     assert beams.tokens == theirs(1102, num_beams=3)

@@ -106,7 +106,7 @@ def test_every_error_has_openais_shape(limited, method, path, body, status):
     response = httpx.request(method, limited.url + path, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    if body and not body.startswith(b"["):  # Python 3.12 reads 3000 levels (then it is a list, not a request)
+    if body and not (body.startswith(b"[") and sys.version_info >= (3, 12)):  # 3.12 reads 3000 levels: a list
         assert "could not be read as JSON (not UTF-8, or nested too deeply)" in response.json()["error"]["message"]
 
 
