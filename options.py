@@ -234,6 +234,9 @@ class Settings:
         unknown = set(options) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown option {sorted(unknown)[0]!r} (options: {', '.join(f.name for f in fields(cls))})")
+        derived = sorted(set(options) & {"forced_bos_token_id", "decoder_start_token_id"})
+        if derived:  # check_models sets them from the languages, and would replace them
+            raise TypeError(f"{derived[0]} is not an option: tgt_lang (a multilingual model's target language) sets it")
         if base is not None and not isinstance(base, Settings):
             raise TypeError(f"settings must be an options.Settings (got {type(base).__name__})")
         return cls(**options) if base is None else replace(base, **options)

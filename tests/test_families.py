@@ -335,6 +335,9 @@ def test_a_truncated_prompt_keeps_its_marks_and_the_nearer_positions_end_limits_
     assert Settings(src_lang="en_XX").check_models(after).src_lang == "en_XX"
     chosen = Settings(tgt_lang="ro_RO").check_models(after)
     assert (chosen.decoder_start_token_id, chosen.forced_bos_token_id) == (51, None)
+    for derived in ("decoder_start_token_id", "forced_bos_token_id"):
+        with pytest.raises(TypeError, match=f"{derived} is not an option: tgt_lang .* sets it"):
+            Settings.of({derived: 51})
     with pytest.raises(OptionError, match="unknown target language 'xx'"):
         Settings(tgt_lang="xx").check_models(after)
 
