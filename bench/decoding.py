@@ -31,11 +31,7 @@ def run_regular(args) -> dict:
     model = load_model(mlx_dir, one_row=True)  # regular decoding of one prompt, as main.py --regular-decode loads it
     load_seconds = time.perf_counter() - started
     hf, ct2 = HFWorker(hf_dir), ct2_workers(hf_dir, args.dir)
-    forced = Settings(max_tokens=args.tokens, speculative=False, ignore_eos=True)
-    runs = {"ours": ours_run(Models(model), [PROMPT_IDS], forced),
-            "transformers": worker_run(hf, [PROMPT_IDS], args.tokens, forced=True)}
-    runs |= {name: worker_run(worker, [PROMPT_IDS], args.tokens, forced=True) for name, worker in ct2.items()}
-    timings = alternate(runs, args.repeats)
+    timings = alternate(against_references(model, hf, ct2, PROMPT_IDS, args.tokens), args.repeats)
     # Forced lengths hide an EOS (ours emits it, the references suppress it): CTranslate2 is checked to EOS.
     to_eos, _, _ = decode(Models(model), [PROMPT_IDS], Settings(max_tokens=args.tokens, speculative=False))
     differ = same_tokens(to_eos, {n: w for n, w in ct2.items() if "int8" not in n}, [PROMPT_IDS], args.tokens)
@@ -49,6 +45,17 @@ def run_regular(args) -> dict:
             "read_bandwidth": fixtures.memory_read_bandwidth(), "load_seconds": load_seconds,
             "convert_seconds": convert_seconds, "convert_peak_bytes": convert_peak,
             "checkpoint_bytes": sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))}
+
+
+def against_references(model, hf, ct2: dict, prompt: list[int], tokens: int) -> dict:
+    """Runs of ours and of each reference (transformers, CTranslate2's), each
+    decoding the same forced number of greedy tokens from the prompt."""
+    from loading import Models
+    from options import Settings
+
+    forced = Settings(max_tokens=tokens, speculative=False, ignore_eos=True)
+    runs = {"ours": ours_run(Models(model), [prompt], forced), "transformers": worker_run(hf, [prompt], tokens, forced=True)}
+    return runs | {name: worker_run(worker, [prompt], tokens, forced=True) for name, worker in ct2.items()}
 
 
 def render_regular(data: dict) -> str:
@@ -327,11 +334,7 @@ def run_families(args) -> dict:
         model = load_model(fixtures.converted(hf_dir, args.dir / f"{name}-mlx"), one_row=True)
         hf = HFWorker(hf_dir)
         ct2 = {key: worker for key, worker in ct2_workers(hf_dir, args.dir).items() if "Intel" not in key}
-        forced = Settings(max_tokens=args.tokens, speculative=False, ignore_eos=True)
-        runs = {"ours": ours_run(Models(model), [prompt], forced),
-                "transformers": worker_run(hf, [prompt], args.tokens, forced=True)}
-        runs |= {key: worker_run(worker, [prompt], args.tokens, forced=True) for key, worker in ct2.items()}
-        timings = alternate(runs, args.repeats)
+        timings = alternate(against_references(model, hf, ct2, prompt, args.tokens), args.repeats)
         # To EOS, every reference: a forced length differs where EOS would win (min_new_tokens masks it, ignore_eos not).
         to_eos, _, _ = decode(Models(model), [prompt], Settings(max_tokens=args.tokens, speculative=False))
         references = {"transformers": hf} | {k: w for k, w in ct2.items() if "int8" not in k}

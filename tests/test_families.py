@@ -342,6 +342,32 @@ def test_a_truncated_prompt_keeps_its_marks_and_the_nearer_positions_end_limits_
         Settings(tgt_lang="xx").check_models(after)
 
 
+def converted_with_tokenizer(model_class, config, folder, tmp_path, names: tuple):
+    """A random transformers model (seed 0) saved with the tokenizer files `names` of folder, converted and
+    loaded: (the model, our Models)."""
+    import shutil
+
+    from loading import load
+
+    torch.manual_seed(0)
+    hf_model = model_class(config).eval()
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    for name in names:
+        shutil.copy(folder / name, tmp_path / "hf" / name)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    return hf_model, load(tmp_path / "mlx")
+
+
+def stdlib_lines() -> list[str]:
+    """Every line of 4 files of the standard library's sources (none of them a tokenizer's training text)."""
+    import glob
+    import sysconfig
+    from pathlib import Path
+
+    return [line for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[100:104]
+            for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines()]
+
+
 @pytest.fixture(scope="module")
 def marian_tokenizer_files(tmp_path_factory):
     """Marian's tokenizer files: a source and a target SentencePiece model
@@ -380,32 +406,20 @@ def test_marians_two_sentencepiece_models_convert_to_one_tokenizer_as_transforme
     (the source model's pieces, ids from the shared vocabulary, language codes
     split off), and decodes its ids, target pieces too, into the same text;
     the converted model generates from text."""
-    import glob
-    import shutil
-    import sysconfig
-    from pathlib import Path
 
     import transformers
 
     from generate import batch_generate
-    from loading import load
 
     folder, vocab = marian_tokenizer_files
     theirs = transformers.MarianTokenizer(str(folder / "source.spm"), str(folder / "target.spm"), str(folder / "vocab.json"))
-    source = tmp_path / "hf"
     config = transformers.MarianConfig(vocab_size=len(vocab), d_model=64, encoder_layers=1, decoder_layers=1,
                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                                        decoder_ffn_dim=128, max_position_embeddings=256, pad_token_id=vocab["<pad>"],
                                        eos_token_id=0, decoder_start_token_id=vocab["<pad>"], forced_eos_token_id=None)
-    torch.manual_seed(0)
-    transformers.MarianMTModel(config).eval().save_pretrained(str(source))
-    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
-        shutil.copy(folder / name, source / name)
-    convert.convert(str(source), tmp_path / "mlx", "float32", force=False)
-    models = load(tmp_path / "mlx")
-    lines = [line for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[100:104]
-             for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines()]
-    lines += ["  Hello   world  ", ">>fra<< Bonjour  le monde", "ümlaut ñ 日本語", ""]
+    _, models = converted_with_tokenizer(transformers.MarianMTModel, config, folder, tmp_path,
+                                         ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"))
+    lines = stdlib_lines() + ["  Hello   world  ", ">>fra<< Bonjour  le monde", "ümlaut ñ 日本語", ""]
     differ = [line for line in lines if models.tokenizer.encode(line) != theirs(line).input_ids]
     # SentencePiece and the tokenizers library break ties between equal-scored splits differently (")))"), rarely
     assert len(differ) <= len(lines) // 500, differ
@@ -473,33 +487,20 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
     code in its place, a code written in the text read as the code), decodes
     into the same text, and names the language codes, which --tgt-lang
     forces as transformers' generate does."""
-    import glob
-    import shutil
-    import sysconfig
-    from pathlib import Path
 
     import transformers
 
     from generate import form_of
-    from loading import load
 
     folder, vocab = m2m100_tokenizer_files
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
-    source = tmp_path / "hf"
     config = transformers.M2M100Config(vocab_size=len(vocab) + 108, d_model=64, encoder_layers=1, decoder_layers=1,
                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                                        decoder_ffn_dim=128, max_position_embeddings=256, pad_token_id=1, eos_token_id=2,
                                        decoder_start_token_id=2, forced_eos_token_id=None)
-    torch.manual_seed(0)
-    hf_model = transformers.M2M100ForConditionalGeneration(config).eval()
-    hf_model.save_pretrained(str(source))
-    for name in ("sentencepiece.bpe.model", "vocab.json", "tokenizer_config.json"):
-        shutil.copy(folder / name, source / name)
-    convert.convert(str(source), tmp_path / "mlx", "float32", force=False)
-    models = load(tmp_path / "mlx")
-    lines = [line for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[100:104]
-             for line in Path(f).read_text(encoding="utf-8", errors="ignore").splitlines()]
-    lines += ["  Hello   world  ", "ümlaut ñ 日本語 \u2581", "def __lt__(self): __fr__", ""]
+    hf_model, models = converted_with_tokenizer(transformers.M2M100ForConditionalGeneration, config, folder, tmp_path,
+                                                ("sentencepiece.bpe.model", "vocab.json", "tokenizer_config.json"))
+    lines = stdlib_lines() + ["  Hello   world  ", "ümlaut ñ 日本語 \u2581", "def __lt__(self): __fr__", ""]
     differ = [line for line in lines if models.tokenizer.encode(line) != theirs(line).input_ids]
     assert differ == []
     theirs.src_lang = "fr"
