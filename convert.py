@@ -1,4 +1,5 @@
-"""Convert a Hugging Face T5 checkpoint (hub id or local folder) to MLX weights.
+"""Convert a Hugging Face checkpoint (hub id or local folder) of any family here to MLX weights: T5 and its
+descendants, BART, mBART, Marian, M2M-100, NLLB, Pegasus.
 
     python convert.py --model t5-small
     python convert.py --model google/flan-t5-large --dtype float16 --out my_models/flan
@@ -114,7 +115,7 @@ def resolve_source(model: str) -> Path:
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ConversionError(f"{model} is a file; give the folder holding a Hugging Face T5 checkpoint")
+            raise ConversionError(f"{model} is a file; give the folder holding a Hugging Face checkpoint")
         return path
     if not could_be_hub_id(model):  # mlx_models/t5-11b, ./mine: a folder that is not there, not a download
         raise ConversionError(f"there is no folder {model} here (and it is not a Hugging Face hub id, like t5-small or "
@@ -163,7 +164,7 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
             return kind, [folder / s for s in shards]
         if (folder / single).is_file():
             return kind, [folder / single]
-    raise ConversionError(f"{folder} holds no T5 weights (model.safetensors or pytorch_model.bin)")
+    raise ConversionError(f"{folder} holds no weights (model.safetensors or pytorch_model.bin)")
 
 
 class SafetensorsReader:

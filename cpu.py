@@ -443,14 +443,63 @@ def prepare(model: nn.Module) -> None:
             module.prepare()
 
 
-def uncompiled_kernels() -> Path | None:
-    """Where MLX will put the CPU kernels it compiles, when none are there yet.
-    On Linux, MLX builds the fused kernels of compiled graphs (model.py
-    compiles each decode step) with the system's C++ compiler, once per MLX
-    version, into a folder under the temporary directory; the first run that
-    needs them waits for the compiler (about 20 s for the demo's kernels on
-    2 cores). None on macOS and GPUs, where kernels compile in moments."""
+def kernel_folder() -> Path | None:
+    """Where MLX keeps the CPU kernels it compiles. On Linux, MLX builds the
+    fused kernels of compiled graphs (model.py compiles each decode step)
+    with the system's C++ compiler, each once per MLX version, into a folder
+    under the temporary directory; a run that first needs one waits for the
+    compiler (about 20 s for the demo's kernels on 2 cores; a first 4-bit,
+    bfloat16 or penalised run needs more). None on macOS and GPUs, where
+    kernels compile in moments."""
     if sys.platform == "darwin" or not mlx_computes_on_cpu():  # whichever path: where MLX computes
         return None
-    folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
-    return None if folder.is_dir() and any(folder.iterdir()) else folder
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def uncompiled_kernels() -> Path | None:
+    """kernel_folder(), when no kernel is there yet: this machine's first run."""
+    folder = kernel_folder()
+    return None if folder is None or compiled_kernels() else folder
+
+
+def compiled_kernels() -> int:
+    """How many CPU kernels MLX has compiled on this machine so far (0 where it compiles none)."""
+    return _compiles()[1]
+
+
+def compiling_seconds() -> float:
+    """The seconds MLX has spent compiling the CPU kernels in its folder, all
+    told (each kernel's, from its source written to its library written): a
+    clock that moves only while kernels compile, so that the engine keeps
+    that time apart from encoding and decoding (options.Stats). A kernel
+    compiles once a machine, so on a later run it stands still; 0 where MLX
+    compiles none. (Another process's compiles, at the same time, count too.)"""
+    return _compiles()[0]
+
+
+_kernels_read = (None, 0.0, 0)  # ((the folder, its modification time) when read, seconds, kernels)
+
+
+@functools.cache  # on first use, as in_use()
+def _kernel_folder_in_use() -> Path | None:
+    return kernel_folder()
+
+
+def _compiles() -> tuple[float, int]:
+    """compiling_seconds() and compiled_kernels(), read again only when the folder has changed (a stat a call)."""
+    global _kernels_read
+    folder = _kernel_folder_in_use()
+    try:
+        stamp = (folder, folder.stat().st_mtime_ns) if folder is not None else None
+    except OSError:
+        return 0.0, 0
+    if stamp is None or stamp != _kernels_read[0]:
+        seconds, count = 0.0, 0
+        for library in folder.glob("lib*.so") if folder is not None else ():
+            try:
+                seconds += max(library.stat().st_mtime - library.with_name(library.name[3:-3] + ".cpp").stat().st_mtime, 0)
+            except OSError:  # its source removed
+                pass
+            count += 1
+        _kernels_read = (stamp, seconds, count)
+    return _kernels_read[1], _kernels_read[2]

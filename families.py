@@ -117,16 +117,19 @@ def sinusoidal(rows: int, dim: int) -> np.ndarray:
 
 def fairseq_sinusoidal(rows: int, dim: int, padding_row: int) -> np.ndarray:
     """M2M-100's and NLLB's table (fairseq's): sines then cosines of half the
-    frequencies, computed in float32 as transformers computes them; the
-    padding's row zero."""
+    frequencies; the padding's row zero. The frequencies and angles are
+    float32 products, as transformers makes them; each exp, sin and cos is
+    taken in float64 and rounded once, so the table is the correctly rounded
+    one whatever numpy's float32 kernels on this CPU (they differ from
+    PyTorch's by an ulp in a third of the frequencies, which a position of 200
+    turns into 1.5e-5 in the table)."""
     half = dim // 2
-    frequencies = np.exp(np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1)))
-    angles = np.arange(rows, dtype=np.float32)[:, None] * frequencies[None]
-    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
-    if dim % 2:
-        table = np.concatenate([table, np.zeros((rows, 1), np.float32)], axis=1)
+    exponents = np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1))
+    frequencies = np.exp(exponents.astype(np.float64)).astype(np.float32)
+    angles = (np.arange(rows, dtype=np.float32)[:, None] * frequencies[None]).astype(np.float64)
+    table = np.concatenate([np.sin(angles), np.cos(angles), np.zeros((rows, dim % 2))], axis=1).astype(np.float32)
     table[padding_row] = 0
-    return table.astype(np.float32)
+    return table
 
 
 def bart_tables(config: dict, args) -> dict[str, np.ndarray]:

@@ -27,7 +27,7 @@ from errors import OptionError
 from loading import Models
 from model import T5
 from options import BATCH_SIZE, Settings, Stats, task_preset
-from text import TextStream
+from text import TextStream, plural
 
 TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
 
@@ -192,7 +192,8 @@ def tokenize(models: Models, prompts: list[str], form: PromptForm = PromptForm()
     if limit is not None and longest > limit:
         raise OptionError(f"a prompt has {longest:,} tokens: this model's positions stop at {limit:,}")
     if limit is None and longest > TRAINED_LENGTH:
-        which = "the prompt has" if len(ids) == 1 else f"{sum(len(i) > TRAINED_LENGTH for i in ids)} prompt(s) have up to"
+        long = sum(len(i) > TRAINED_LENGTH for i in ids)
+        which = "the prompt has" if len(ids) == 1 else f"{plural(long, 'prompt')} {'has' if long == 1 else 'have'} up to"
         warnings.warn(f"{which} {longest:,} tokens, more than the {TRAINED_LENGTH} T5 was trained on: "
                       "the output may suffer", RuntimeWarning, stacklevel=4)
     return ids
@@ -318,18 +319,19 @@ def measure(models: Models, prompt: str, settings: Settings) -> Stats:
 
 def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_size: int, wall_clock: bool = True) -> Stats:
     """Every prompt's statistics summed, ended as their texts are (for
-    timings); with wall_clock, seconds is the whole batch run's and
-    encoding_seconds its encoding."""
+    timings); with wall_clock, seconds is the whole batch run's,
+    encoding_seconds its encoding and compiling_seconds MLX's compiling."""
     requests = [Request(ids, settings) for ids in tokenize(models, prompts, form_of(models, settings))]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
     batch = batch_for(models, settings, batch_size)
-    started = time.perf_counter()
+    started, compiled = time.perf_counter(), cpu.compiling_seconds()
     for _ in texts(batch, requests, streams):
         pass
     total = sum((request.stats for request in requests), Stats())
     if not wall_clock:
         return total
-    return replace(total, seconds=time.perf_counter() - started, encoding_seconds=batch.encoding_seconds)
+    return replace(total, seconds=time.perf_counter() - started, encoding_seconds=batch.encoding_seconds,
+                   compiling_seconds=cpu.compiling_seconds() - compiled)
 
 
 WARM_UP_TOKENS = 64  # what is kept of a prompt too long to encode for a warm-up

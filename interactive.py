@@ -11,10 +11,12 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from errors import OptionError
+import cpu
+from errors import OptionError, T5Error
 from generate import encoding_seconds, measure, stream_batch_generate, stream_generate, warm_up
 from loading import Models
 from options import KNOBS, LISTS, Settings, Stats, task_preset
+from text import plural
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -23,15 +25,32 @@ SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 def stats_line(stats: Stats, speculative: bool) -> str:
-    line = (f"{stats.generated} tokens in {stats.decoding_seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
-            f"prompt {stats.prompt_tokens:,} tokens encoded in {stats.encoding_seconds:.2f} s")
+    line = (f"{plural(stats.generated, 'token')} in {stats.decoding_seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
+            f"prompt {plural(stats.prompt_tokens, 'token')} encoded in {stats.encoding_seconds:.2f} s")
+    if stats.compiling_seconds >= 0.005:
+        line += f", MLX compiling kernels {stats.compiling_seconds:.2f} s (once on this machine)"
     if speculative:
         return (
-            f"Accepted {stats.accepted} / {stats.drafted} drafts ({stats.acceptance_rate:.0%}; "
+            f"Accepted {stats.accepted} / {plural(stats.drafted, 'draft')} ({stats.acceptance_rate:.0%}; "
             f"{stats.drafts_per_round:.1f} a round), "
-            f"{stats.target_calls} decode steps ({stats.tokens_per_target_call:.2f} tokens each), " + line
+            f"{plural(stats.target_calls, 'decode step')} ({stats.tokens_per_target_call:.2f} tokens each), " + line
         )
-    return f"{stats.target_calls} decode steps, " + line
+    return f"{plural(stats.target_calls, 'decode step')}, " + line
+
+
+def warm_up_aloud(models: Models, prompt: str, settings: Settings, out=None) -> None:
+    """generate.warm_up before anything is timed, said on stderr when it took
+    a while (MLX compiling its kernels for these settings, once on this
+    machine, tracing the steps' graphs), which no timing then counts."""
+    kernels, compiling, started = cpu.compiled_kernels(), cpu.compiling_seconds(), time.perf_counter()
+    warm_up(models, prompt, settings)
+    seconds = time.perf_counter() - started
+    if cpu.compiled_kernels() > kernels:
+        print(f"Warmed up in {seconds:.1f} s, {cpu.compiling_seconds() - compiling:.1f} s of them MLX compiling "
+              f"{plural(cpu.compiled_kernels() - kernels, 'kernel')} for these settings (once on this machine)",
+              file=out or sys.stderr, flush=True)
+    elif seconds > 2:
+        print(f"Warmed up in {seconds:.1f} s", file=out or sys.stderr, flush=True)
 
 
 def announce_encoding(models: Models, prompt: str, settings: Settings) -> None:
@@ -63,12 +82,18 @@ def show_generation(models: Models, prompt: str, settings: Settings, out=None) -
             print(stats_line(stats, settings.drafts(models)) + " [stopped]", file=out, flush=True)
         raise
     print(file=out)
-    for number, (text, score) in enumerate((last.beams or [])[1:], 2):
-        print(f"beam {number} (score {score:.3f}): {text}", file=out)
-    if logprobs:
-        print(logprob_table(models.tokenizer, logprobs), file=out)
+    show_asked(models.tokenizer, last.beams, logprobs, out)
     print(stats_line(stats, settings.drafts(models)), file=out)
     return "".join(pieces), stats
+
+
+def show_asked(tokenizer, beams: list | None, logprobs: list, out=None) -> None:
+    """What a generation gives beside its text when asked: the beams after the
+    best, and each token's (token, logprob) as a table."""
+    for number, (text, score) in enumerate((beams or [])[1:], 2):
+        print(f"beam {number} (score {score:.3f}): {text}", file=out)
+    if logprobs:
+        print(logprob_table(tokenizer, logprobs), file=out)
 
 
 def logprob_table(tokenizer, logprobs: list) -> str:
@@ -82,25 +107,39 @@ def logprob_table(tokenizer, logprobs: list) -> str:
     return "\n".join(lines)
 
 
-def show_batch(generations, count: int, speculative: bool, out=None, per_prompt: int = 1) -> Stats:
-    """Each prompt's text (per_prompt of them, n outputs) and statistics line
-    as it comes (in input order), then the whole run's throughput; the summed
-    statistics."""
-    started, total = time.perf_counter(), Stats()
+def show_batch(generations, count: int, speculative: bool, tokenizer, out=None, per_prompt: int = 1) -> Stats:
+    """Each prompt's text (per_prompt of them, n outputs), what it was asked
+    for beside (beams, logprobs) and statistics line as it comes (in input
+    order), then the whole run's throughput; the summed statistics."""
+    started, total, compiling = time.perf_counter(), Stats(), cpu.compiling_seconds()
     for number, generation in enumerate(generations):
         prompt, output = divmod(number, per_prompt)
         which = f"prompt {prompt + 1} of {count}" + (f", output {output + 1} of {per_prompt}" if per_prompt > 1 else "")
-        print(f"--- {which}\n{generation.text}\n{stats_line(generation.stats, speculative)}", file=out, flush=True)
+        print(f"--- {which}\n{generation.text}", file=out)
+        show_asked(tokenizer, generation.beams, list(zip(generation.tokens, generation.logprobs or [])), out)
+        print(stats_line(generation.stats, speculative), file=out, flush=True)
         total += generation.stats
-    seconds = time.perf_counter() - started
-    print(f"--- {count} prompts: {total.generated} tokens in {seconds:.2f} s ({total.generated / seconds:.1f} tokens/s)",
-          file=out)
+    compiling = cpu.compiling_seconds() - compiling
+    seconds = time.perf_counter() - started - compiling
+    print(f"--- {plural(count, 'prompt')}: {plural(total.generated, 'token')} in {seconds:.2f} s "
+          f"({total.generated / seconds:.1f} tokens/s)" + (f", MLX compiling kernels {compiling:.2f} s more (once on "
+                                                            "this machine)" if compiling >= 0.005 else ""), file=out)
     return total
+
+
+def why_not_timed(settings: Settings, mode: str, prefix: str) -> str | None:
+    """Why `mode` (compare or sweep: they time one output of speculative decoding) cannot run at these settings, its
+    options named with `prefix` (the command line's "--", the loop's ":"); None when it can."""
+    if settings.n > 1:
+        return f"{prefix}n gives several outputs of a prompt: {prefix}{mode} times one"
+    if settings.num_beams > 1:
+        return f"{prefix}num-beams searches with the target alone: {prefix}{mode} measures speculative decoding"
+    return None
 
 
 def compare(models: Models, prompt: str, settings: Settings, out=None) -> None:
     """Regular then speculative decoding of one prompt, with times and speedup."""
-    warm_up(models, prompt, settings)
+    warm_up_aloud(models, prompt, settings)
     results = {}
     for speculative in (False, True):
         label = "speculative" if speculative else "regular"
@@ -124,7 +163,7 @@ def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats,
     (`answer`, its statistics: each run encodes the prompt again), so the
     runs are cut to what fits in SPEEDUP_SECONDS, and none is made when not
     even one of each fits (None). Run it warm (after warm_up)."""
-    pair = 2 * answer.seconds
+    pair = 2 * (answer.seconds - answer.compiling_seconds)  # the kernels it compiled are there for the runs
     runs = min(runs, int(SPEEDUP_SECONDS // pair)) if pair > 0 else runs
     if runs == 0:
         print(f"(Speedup not measured: a run of each mode would take about {pair:.0f} s, more than the "
@@ -233,7 +272,8 @@ class Session:
         self.last_prompt = prompt
         if self.settings.n > 1:  # n outputs, decoded together
             generations = stream_batch_generate(self.models, [prompt], batch_size=self.settings.n, settings=self.settings)
-            show_batch(generations, 1, self.settings.drafts(self.models), self.out, per_prompt=self.settings.n)
+            show_batch(generations, 1, self.settings.drafts(self.models), self.models.tokenizer, self.out,
+                       per_prompt=self.settings.n)
             return
         text, _ = show_generation(self.models, prompt, self.settings, self.out)
         show_filled(prompt, text, self.out)
@@ -256,7 +296,9 @@ class Session:
         elif name == "lookup":
             self.change(speculative=True, prompt_lookup=True)
         elif name == "compare":
-            if not replace(self.settings, speculative=True).drafts(self.models):
+            if why_not_timed(self.settings, "compare", ":"):
+                self.say(why_not_timed(self.settings, "compare", ":"))
+            elif not replace(self.settings, speculative=True).drafts(self.models):
                 self.say("no draft model loaded (:lookup drafts without one)")
             elif self.last_prompt is None:
                 self.say("type a prompt first")
@@ -318,7 +360,7 @@ class Session:
         except ImportError:
             pass
         self.say("Warming up ...")
-        warm_up(self.models, first_prompt or (self.examples[0] if self.examples else "warm up"), self.settings)
+        warm_up_aloud(self.models, first_prompt or (self.examples[0] if self.examples else "warm up"), self.settings)
         self.say(self.help())
         self.say(self.describe())
         while True:
@@ -344,3 +386,5 @@ class Session:
                     self.generate(line)
             except KeyboardInterrupt:  # show_generation has ended the line with the statistics so far
                 self.say("")
+            except T5Error as e:  # what the command line would refuse; the models stay loaded
+                self.say(f"error: {e}")

@@ -38,7 +38,7 @@ def read_config(folder: str | Path, converted: bool = True) -> dict:
         raise LoadError(f"{folder} is not a folder")
     if not config_file.is_file():
         raise LoadError(f"{folder} has no config.json: not a converted model" if converted else
-                        f"{folder} holds no T5 checkpoint (no config.json)")
+                        f"{folder} holds no Hugging Face checkpoint (no config.json)")
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from errors import ModelNotFound, T5Error, UsageError
-from generate import batch_generate, stream_batch_generate, warm_up
+from generate import batch_generate, stream_batch_generate
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
+from interactive import warm_up_aloud, why_not_timed
 from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings, task_preset
 from sweep import check_plot_path, parse_list, sweep
@@ -40,15 +41,20 @@ DEMO_DEFAULTS = DEFAULTS | {"num_draft": 3}
 DEMO_PROMPT = 20
 
 
-def prompt_lines(path: Path) -> list[str]:
-    """The non-blank lines of a prompts file, stripped; UsageError names a line that is not UTF-8."""
+def file_lines(path: Path) -> list[str]:
+    """Every line of a prompts file, stripped (a blank one ""); UsageError names a line that is not UTF-8."""
     lines = []
     for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
             lines.append(raw.decode("utf-8").strip())
         except UnicodeDecodeError:
             raise UsageError(f"{path}, line {number}: not valid UTF-8 text")
-    return [line for line in lines if line]
+    return lines
+
+
+def prompt_lines(path: Path) -> list[str]:
+    """The non-blank lines of a prompts file, stripped."""
+    return [line for line in file_lines(path) if line]
 
 
 def demo_prompts() -> list[str]:
@@ -61,13 +67,14 @@ def demo_prompts() -> list[str]:
 
 
 def read_prompts(path: str) -> list[str]:
+    """--prompts-file's lines, blank ones "" (a prompt is a line that is not)."""
     try:
-        prompts = prompt_lines(Path(path))
+        lines = file_lines(Path(path))
     except OSError as e:
         raise UsageError(f"cannot read --prompts-file: {e.strerror}")
-    if not prompts:
+    if not any(lines):
         raise UsageError(f"{path} has no prompts")
-    return prompts
+    return lines
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -144,6 +151,7 @@ class Plan:
     prompt: str
     prompt_given: bool
     prompts: list[str] | None = None  # --prompts-file's, or a sweep's
+    lines: list[str] | None = None  # --prompts-file's lines, blank ones too: --json answers each
     examples: list[str] | None = None  # --demo's held-out prompts
     batch_size: int = BATCH_SIZE_DEFAULT
     json: bool = False
@@ -208,10 +216,8 @@ def check_usage(args) -> Plan:
     if settings.speculative and not draft_model and not args.prompt_lookup:
         raise UsageError("speculative decoding needs --draft-model (or pass --regular-decode)")
     mode = "interactive" if args.interactive else "compare" if args.compare else "sweep" if args.sweep else "one-shot"
-    if settings.n > 1 and mode in ("compare", "sweep"):
-        raise UsageError(f"--n gives several outputs of a prompt: --{mode} times one")
-    if settings.num_beams > 1 and mode in ("compare", "sweep"):
-        raise UsageError(f"--num-beams searches with the target alone: --{mode} measures speculative decoding")
+    if mode in ("compare", "sweep") and why_not_timed(settings, mode, "--"):
+        raise UsageError(why_not_timed(settings, mode, "--"))
     if args.json and mode != "one-shot":
         raise UsageError("--json goes with a one-shot run, not --interactive, --compare or --sweep")
     if args.prompts_file and mode in ("interactive", "compare"):
@@ -227,7 +233,8 @@ def check_usage(args) -> Plan:
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     grid = sweep_grid(args)
-    prompts = read_prompts(args.prompts_file) if args.prompts_file else None  # bad files fail before loading
+    lines = read_prompts(args.prompts_file) if args.prompts_file else None  # bad files fail before loading
+    prompts = [line for line in lines if line] if lines else None
     if args.sweep and not prompts:
         prompts = examples if examples and args.prompt is None else [prompt]
     batch_size = args.batch_size or (SWEEP_BATCH_SIZE_DEFAULT if args.sweep else BATCH_SIZE_DEFAULT)
@@ -236,7 +243,7 @@ def check_usage(args) -> Plan:
         raise UsageError(f"--task sets decoding options itself: --{mode} measures speculative decoding at yours")
     given = frozenset(name for name in KNOBS if getattr(args, name) is not None)
     return Plan(settings, mode, model, None if args.prompt_lookup else draft_model, prompt, args.prompt is not None,
-                prompts, examples, batch_size, args.json, args.demo, **grid, task=args.task, given=given)
+                prompts, lines, examples, batch_size, args.json, args.demo, **grid, task=args.task, given=given)
 
 
 def load_models(plan: Plan, one_row: bool = False):
@@ -263,15 +270,18 @@ def run(plan: Plan) -> int:
     if plan.task is not None:
         plan = with_task(models, plan)
         settings = plan.settings
+    settings.check_models(models)  # what the models refuse (a language, a length) fails before anything is shown
+    if plan.mode == "one-shot":  # warm timings (the loop and --compare warm up themselves)
+        warm_up_aloud(models, plan.prompts[0] if plan.prompts else plan.prompt, settings)
     if plan.prompts or (settings.n > 1 and plan.mode == "one-shot"):  # n outputs of one prompt: a batch of them
         prompts = plan.prompts or [plan.prompt]
         batch_size = plan.batch_size if plan.prompts else settings.n
         generations = stream_batch_generate(models, prompts, batch_size=batch_size, settings=settings)
         if plan.json:
-            for generation in generations:
-                print(json.dumps(json_record(generation)), flush=True)
+            for record in json_records(generations, plan.lines, settings.n):
+                print(json.dumps(record), flush=True)
         else:
-            show_batch(generations, len(prompts), settings.drafts(models), per_prompt=settings.n)
+            show_batch(generations, len(prompts), settings.drafts(models), models.tokenizer, per_prompt=settings.n)
     elif plan.mode == "interactive":
         Session(models, settings, plan.examples).run(first_prompt=plan.prompt if plan.prompt_given else None)
     elif plan.mode == "compare":
@@ -302,11 +312,24 @@ def json_record(generation) -> dict:
     return record
 
 
+def json_records(generations, lines: list[str] | None, n: int):
+    """--json's records of a batch: with --prompts-file, one a line of the
+    file (n a prompt), each with its line's number and prompt, so that a
+    pipeline can match answers to inputs; a blank line's says it was skipped."""
+    if lines is None:  # n outputs of one prompt
+        yield from map(json_record, generations)
+        return
+    for number, line in enumerate(lines, 1):
+        if not line:
+            yield {"line": number, "prompt": "", "skipped": "blank line"}
+        for _ in range(n if line else 0):
+            yield {"line": number, "prompt": line} | json_record(next(generations))
+
+
 def show_one(models, plan: Plan) -> None:
-    """A one-shot run at a terminal; with --demo, a first impression: warm
-    timings, the held-out prompt shown, and the speedup measured."""
+    """A one-shot run at a terminal (warm: run has warmed up); with --demo, a
+    first impression: the held-out prompt shown, and the speedup measured."""
     if plan.demo:
-        warm_up(models, plan.prompt, plan.settings)
         if not plan.prompt_given:
             print(f"Held-out prompt {DEMO_PROMPT} of {len(plan.examples)} (Python code, a span masked by <extra_id_0>):\n"
                   f"{plan.prompt}\n\nOutput:", flush=True)

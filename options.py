@@ -365,13 +365,15 @@ class Stats:
     accepted: int = 0
     seconds: float = 0.0  # from when the prompt joined its batch: encoding, then decoding
     encoding_seconds: float = 0.0  # the encoding its row waited for (of the prompts that joined with it too)
+    # MLX compiling CPU kernels while its row waited (once a kernel and machine: cpu.compiling_seconds), in neither
+    compiling_seconds: float = 0.0
 
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property
     def decoding_seconds(self) -> float:
-        return max(self.seconds - self.encoding_seconds, 0.0)
+        return max(self.seconds - self.encoding_seconds - self.compiling_seconds, 0.0)
 
     @property
     def tokens_per_second(self) -> float:

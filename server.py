@@ -35,6 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from errors import OptionError, T5Error
 from loading import load
 from options import KNOBS, Settings
+from text import plural
 from serving.app import Access, Limits, create_app, ip_literal
 from serving.engine import Engine
 
@@ -117,7 +118,7 @@ def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_
             deadline[0] = 0.0
             return
         engine.draining, deadline[0] = True, time.perf_counter() + grace
-        log.info("stopping: finishing %d requests (up to %.0f s)", len(engine.jobs) + len(engine.waiting), grace)
+        log.info("stopping: finishing %s (up to %.0f s)", plural(len(engine.jobs) + len(engine.waiting), "request"), grace)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)

@@ -3,15 +3,19 @@
 
 import os
 import statistics
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from errors import OptionError, SweepError
-from generate import measure_batch, warm_up
+from generate import measure_batch
+from interactive import warm_up_aloud
 from loading import Models
 from options import AUTO, KNOBS, Settings, Stats
+from text import plural
 
 
 def parse_list(text: str, name: str, label: str) -> list:
@@ -35,13 +39,15 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
     With repeats, the whole grid runs that many times: tokens/s and speedup
     are medians over the passes (each speedup against its own pass's regular
     decoding), and the speedups' range is shown; acceptance pools the passes."""
-    warm_up(models, prompts[0], settings)
     grid = [(num_draft, delta) for num_draft in num_drafts for delta in deltas]
     groups = [[prompt] for prompt in prompts] if batch_size == 1 else [prompts]
     passes = []  # each: (regular decoding's Stats, {setting: Stats}), summed over the prompts
-    # A progress bar on stderr, only when it is a terminal: a sweep takes minutes.
-    with tqdm(total=repeats * len(groups) * (1 + len(grid)), desc="sweep", unit="run", leave=False,
-              disable=None) as progress:
+    runs = repeats * len(groups) * (1 + len(grid))
+    batched = f" in batches of {batch_size}" if batch_size > 1 else ""
+    print(f"sweep: {plural(runs, 'run')} ({plural(repeats, 'pass', 'passes')} over {plural(len(prompts), 'prompt')}{batched}: "
+          f"regular decoding and {plural(len(grid), 'setting')}); warming up ...", file=sys.stderr, flush=True)
+    warm_up_aloud(models, prompts[0], settings)
+    with Progress(runs) as progress:
         for _ in range(repeats):
             regular, results = Stats(), {setting: Stats() for setting in grid}
             for group in groups:
@@ -70,11 +76,38 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
     return rows
 
 
+class Progress:
+    """A sweep's runs done (it takes minutes): tqdm's bar at a terminal; in a
+    log or a pipe, a line at each tenth, with the time it has taken."""
+
+    def __init__(self, total: int, out=None):
+        self.total, self.done, self.out = total, 0, out or sys.stderr
+        self.bar = tqdm(total=total, desc="sweep", unit="run", leave=False, file=self.out) if self.out.isatty() else None
+        self.started = time.perf_counter()
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+        elif self.done * 10 // self.total > (self.done - 1) * 10 // self.total:
+            seconds = time.perf_counter() - self.started
+            left = seconds * (self.total - self.done) / self.done
+            print(f"sweep: {self.done * 100 // self.total}% ({self.done:,} of {plural(self.total, 'run')}) in {seconds:.0f} s"
+                  + (f", about {left:.0f} s to go" if self.done < self.total else ""), file=self.out, flush=True)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def print_table(rows: list[dict], prompts: int, regular_speed: float, repeats: int, out=None, batch_size: int = 1) -> None:
     best = max(rows, key=lambda row: row["speedup"])
     medians = f", medians of {repeats} passes" if repeats > 1 else ""
     batched = f" in batches of {batch_size}" if batch_size > 1 else ""
-    print(f"{prompts} prompt(s){batched}, regular decoding {regular_speed:.1f} tokens/s{medians}\n", file=out)
+    print(f"{plural(prompts, 'prompt')}{batched}, regular decoding {regular_speed:.1f} tokens/s{medians}\n", file=out)
     spread = " speedup range |" if repeats > 1 else ""
     print(f"| num-draft | delta | acceptance | tokens/s | speedup |{spread}", file=out)
     print("|---|---|---|---|---|" + "---|" * (repeats > 1), file=out)
@@ -110,10 +143,22 @@ def check_plot_path(path: str) -> None:
 
 
 def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
-    """Speedup against num-draft, one line per delta; num-draft auto, which
-    has no place on that axis, as a dotted level in its delta's colour."""
     plt = import_pyplot()
-    figure, axes = plt.subplots(figsize=(6, 4))
+    figure = sweep_figure(rows, deltas)
+    try:
+        figure.savefig(path, dpi=120, bbox_inches="tight")  # the whole legend, beside the axes
+    except OSError as e:
+        raise SweepError(f"cannot save the plot to {path}: {e.strerror or e}")
+    finally:
+        plt.close(figure)
+
+
+def sweep_figure(rows: list[dict], deltas: list[float]):
+    """Speedup against num-draft, one line per delta; num-draft auto, which
+    has no place on that axis, as a dotted level in its delta's colour. The
+    legend stands right of the axes, where it covers no point."""
+    plt = import_pyplot()
+    figure, axes = plt.subplots(figsize=(7.5, 4))
     for delta in deltas:
         points = [(row["num_draft"], row["speedup"]) for row in rows if row["delta"] == delta and row["num_draft"] != AUTO]
         line = axes.plot(*zip(*points), marker="o", label=f"delta {delta}")[0] if points else None
@@ -125,11 +170,6 @@ def plot_sweep(rows: list[dict], deltas: list[float], path: str) -> None:
     axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     axes.set_xlabel("num-draft")
     axes.set_ylabel("speedup over regular decoding")
-    axes.legend()
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=120)
-    except OSError as e:
-        raise SweepError(f"cannot save the plot to {path}: {e.strerror or e}")
-    finally:
-        plt.close(figure)
+    return figure

@@ -141,3 +141,8 @@ class TextStream:
     def text_tokens(self) -> list[int]:
         """The tokens the caller receives (`received` of them)."""
         return self.tokens[: self.received]
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """A count and its noun as a person writes them: "1 prompt", "2 prompts", "1,024 tokens", "3 passes" (nouns)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"

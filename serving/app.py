@@ -189,10 +189,12 @@ class Call:
         received = sum(sum(beam.received for beam in job.beams) if job.beams else job.stream.received for job in self.jobs)
         return shapes.usage(sum(prompts.values()), received)
 
-    def log(self) -> None:
+    def log(self, client_left: bool = False) -> None:
+        """A line for the answer once it has ended: sent whole, or cut short because its client left."""
         stats = self.stats
-        log.info("%s prompt %d completion %d tokens, %.2f s, acceptance %.2f", self.id, stats.prompt_tokens,
-                 self.usage["completion_tokens"], time.perf_counter() - self.started, stats.acceptance_rate)
+        log.info("%s prompt %d completion %d tokens, %.2f s, acceptance %.2f%s", self.id, stats.prompt_tokens,
+                 self.usage["completion_tokens"], time.perf_counter() - self.started, stats.acceptance_rate,
+                 "; the client left before the end: not sent" if client_left else "")
 
 
 async def pieces(job: Job):
@@ -371,10 +373,11 @@ class Completions:
                 else:
                     choices.append((text, job.stream.finish_reason, self.logprobs(job, call.chat, 0, job.stream.received)))
         finally:  # a job failed, or this was cancelled: the others stop too
+            client_left = watcher.done() and not watcher.cancelled()  # it saw the disconnect
             watcher.cancel()
             for job in call.jobs:
                 job.cancel()
-        call.log()
+        call.log(client_left)
         return shapes.completion(call.id, call.created, self.name, call.chat, choices, call.usage, call.stats)
 
     async def stream(self, call: Call, include_usage: bool):
@@ -389,22 +392,26 @@ class Completions:
             return event(shapes.chunk(call.id, call.created, self.name, call.chat, index, text, finish, first=first,
                                       stats=stats, with_usage=include_usage, given=given))
 
-        if call.chat:
-            for i in range(len(call.jobs)):
-                yield chunk(i, None, None, first=True)
-        sent = [0] * len(call.jobs)  # each choice's tokens whose logprobs went out
-        async for index, piece, finish, settled in interleaved(call.jobs):
-            if index is None:  # an error event
-                yield event(piece)
-                continue
-            job = call.jobs[index]
-            given = self.logprobs(job, call.chat, sent[index], settled)
-            sent[index] = settled
-            yield chunk(index, piece, finish, stats=job.request.stats if finish else None, given=given)
-        if include_usage:
-            yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
-        yield "data: [DONE]\n\n"
-        call.log()
+        ended = False
+        try:
+            if call.chat:
+                for i in range(len(call.jobs)):
+                    yield chunk(i, None, None, first=True)
+            sent = [0] * len(call.jobs)  # each choice's tokens whose logprobs went out
+            async for index, piece, finish, settled in interleaved(call.jobs):
+                if index is None:  # an error event
+                    yield event(piece)
+                    continue
+                job = call.jobs[index]
+                given = self.logprobs(job, call.chat, sent[index], settled)
+                sent[index] = settled
+                yield chunk(index, piece, finish, stats=job.request.stats if finish else None, given=given)
+            if include_usage:
+                yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
+            yield "data: [DONE]\n\n"
+            ended = True
+        finally:  # also when Starlette cancels this because the client left
+            call.log(client_left=not ended)
 
 
 # A beam search's defaults over the server's: greedy, no drafts (a request's own sampling or drafting is refused).

@@ -233,11 +233,15 @@ def model_flags(pair) -> list[str]:
 
 @pytest.mark.parametrize("extra", [[], ["--regular-decode"], ["--batch-size", "2"]])
 def test_cli_prompts_file_prints_one_json_line_per_prompt_as_run_alone(pair, tmp_path, capsys, extra):
+    """A record a line of the file, in order, each naming its line and prompt; a blank line's says it was skipped."""
     path = tmp_path / "prompts.txt"
-    path.write_text("\n".join(PROMPTS[:4]) + "\n\n   \n" + PROMPTS[4] + "\n")  # blank lines are skipped
+    path.write_text("\n".join(PROMPTS[:4]) + "\n\n   \n" + PROMPTS[4] + "\n")
     assert main.main(model_flags(pair) + ["--prompts-file", str(path), "--json", "--max-tokens", "10", *extra]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 5
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["line"], r["prompt"]) for r in records] == [(1, PROMPTS[0]), (2, PROMPTS[1]), (3, PROMPTS[2]), (4, PROMPTS[3]),
+                                                           (5, ""), (6, ""), (7, PROMPTS[4])]
+    assert records[4] == {"line": 5, "prompt": "", "skipped": "blank line"} and records[5]["skipped"] == "blank line"
+    lines = [json.dumps(r) for r in records if "skipped" not in r]
     for prompt, line in zip(PROMPTS, lines):
         alone = ["--regular-decode"] if "--regular-decode" in extra else []
         assert main.main(model_flags(pair) + ["--prompt", prompt, "--json", "--max-tokens", "10", *alone]) == 0
@@ -285,7 +289,7 @@ def test_sweep_with_a_batch_size_times_batched_runs(pair, tmp_path, capsys):
     assert main.main(model_flags(pair) + ["--sweep", "--num-drafts", "1,4", "--deltas", "0", "--prompts-file", str(path),
                                           "--batch-size", "3", "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "3 prompt(s) in batches of 3" in out
+    assert "3 prompts in batches of 3" in out
     assert len([line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]) == 2
 
 

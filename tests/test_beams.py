@@ -5,10 +5,10 @@ import io
 import json
 import re
 
-import numpy as np
 import pytest
 import torch
 from checkpoints import PROMPTS
+from support import assert_as_near_as_transformers, in_float64
 
 import main
 from conftest import ROOT
@@ -24,16 +24,17 @@ SEARCHES = [dict(num_beams=4), dict(num_beams=3, length_penalty=2.0, early_stopp
             dict(num_beams=4, no_repeat_ngram_size=2, repetition_penalty=1.3, min_tokens=8)]
 
 
-def transformers_beams(checkpoint, prompts: list[list[int]], max_tokens: int, options: dict):
-    """generate()'s returned sequences (tokens after the start token, up to and without EOS) and their scores, per prompt."""
+def transformers_beams(checkpoint, prompts: list[list[int]], max_tokens: int, options: dict, model=None):
+    """generate()'s returned sequences (tokens after the start token, up to and without EOS) and their scores, per
+    prompt; the checkpoint's model's, or `model`'s."""
     hf_options = {("min_new_tokens" if name == "min_tokens" else name): value for name, value in options.items()}
     count = options.get("num_return_sequences", 1)
     longest = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (longest - len(p)) for p in prompts])
     with torch.no_grad():
-        out = checkpoint.hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                                           output_scores=True, return_dict_in_generate=True, **hf_options)
+        out = (model or checkpoint.hf_model).generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                                                      output_scores=True, return_dict_in_generate=True, **hf_options)
     eos = checkpoint.hf_model.config.eos_token_id
     sequences = []
     for row in out.sequences[:, 1:].tolist():
@@ -68,11 +69,12 @@ def test_beam_search_equals_transformers_generate_alone_and_batched(unit_scale_c
     prompts = [checkpoint.tokenizer(p).input_ids for p in PROMPTS[:4]]
     settings = Settings(max_tokens=30, speculative=False, **options)
     expected = [transformers_beams(checkpoint, [p], 30, options)[0] for p in prompts]
+    exact = [transformers_beams(checkpoint, [p], 30, options, in_float64(checkpoint.hf_model))[0] for p in prompts]
     for batch_size in (1, 3):
         ours = our_beams(models, prompts, settings, batch_size)
-        for mine, theirs in zip(ours, expected):
-            assert [tokens for tokens, _ in mine] == [tokens for tokens, _ in theirs]
-            np.testing.assert_allclose([s for _, s in mine], [s for _, s in theirs], rtol=1e-4)
+        for mine, theirs, float64 in zip(ours, expected, exact):
+            assert [tokens for tokens, _ in mine] == [tokens for tokens, _ in theirs] == [tokens for tokens, _ in float64]
+            assert_as_near_as_transformers(*([s for _, s in beams] for beams in (mine, theirs, float64)), "beam scores")
     greedy, _ = outputs(models, prompts, Settings(max_tokens=30, speculative=False, **processors(options)), 4)
     assert any(beams[0][0] != tokens for beams, tokens in zip(expected, greedy)), "beams must find what greedy does not"
 

@@ -172,3 +172,65 @@ def test_the_target_is_loaded_for_one_row_a_step_only_when_every_step_decodes_on
     with pytest.raises(Loaded):
         main.main(["--demo", *argv])
     assert loaded["one_row"] is one_row
+
+
+def test_an_option_the_model_refuses_fails_before_anything_is_printed(capsys):
+    """--demo's T5 marks no languages: the error comes before the held-out prompt and "Output:", not after."""
+    assert main.main(["--demo", "--src-lang", "en_XX", "--max-tokens", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("error: this model's tokenizer marks no languages: it takes no src-lang or tgt-lang\n")
+
+
+def test_the_loop_refuses_compare_as_the_command_line_does_and_goes_on(monkeypatch, capsys):
+    """:compare after :n 2 (or :num-beams 3) is refused in the command
+    line's words, with ':' for '--'; it once ended the loop, models and all.
+    A prompt after it runs."""
+    import io
+
+    from loading import load
+    from options import Settings
+
+    lines = iter([":n 2", ":compare", ":n 1", ":num-beams 3", ":compare", ":num-beams 1", "import <extra_id_0>"])
+
+    def typed(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError
+
+    monkeypatch.setattr("builtins.input", typed)
+    out = io.StringIO()
+    session = interactive.Session(load(main.DEMO_DIR / "target", draft=main.DEMO_DIR / "draft"), Settings(max_tokens=5), out=out)
+    session.run(first_prompt="import <extra_id_0>")
+    shown = out.getvalue()
+    assert ":n gives several outputs of a prompt: :compare times one" in shown
+    assert ":num-beams searches with the target alone: :compare measures speculative decoding" in shown
+    assert shown.count("Accepted") == 2  # the first prompt's, and the last's
+    for flags, message in ((["--n", "2"], "--n gives several outputs of a prompt: --compare times one"),
+                           (["--num-beams", "3"], "--num-beams searches with the target alone: --compare measures")):
+        assert main.main(["--demo", "--compare", *flags]) == 2 and message in capsys.readouterr().err
+
+
+def test_an_error_in_the_loop_is_one_line_and_the_loop_goes_on(monkeypatch):
+    """Whatever a line raises that the command line would print as an error, the loop prints and reads on."""
+    import io
+
+    from errors import OptionError
+    from loading import load
+    from options import Settings
+
+    lines = iter(["first", "second"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    session = interactive.Session(load(main.DEMO_DIR / "target"), Settings(max_tokens=3, speculative=False), out=io.StringIO())
+    seen = []
+
+    def generate(prompt):
+        seen.append(prompt)
+        if prompt == "first":
+            raise OptionError("no good")
+        raise EOFError  # ends the loop as Ctrl-D does
+
+    monkeypatch.setattr(session, "generate", generate)
+    with pytest.raises(EOFError):
+        session.run()
+    assert seen == ["first", "second"] and "error: no good" in session.out.getvalue()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import PROMPT, family_checkpoint, make_checkpoint, t5_config
+from support import assert_as_near_as_transformers, in_float64
 
 import convert
 import main
@@ -30,6 +31,14 @@ def logits(folder, prompt=(5, 6, 7, 1), decoder=(0, 9, 10)):
     return np.array(out.astype(mx.float32))
 
 
+def assert_converted(folder, hf) -> None:
+    """The conversion's logits as near transformers' float64 ones as its own float32 come."""
+    with torch.no_grad():
+        theirs, exact = (model(input_ids=torch.tensor([[5, 6, 7, 1]]), decoder_input_ids=torch.tensor([[0, 9, 10]])).logits
+                         for model in (hf, in_float64(hf)))
+    assert_as_near_as_transformers(logits(folder), theirs, exact)
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -45,9 +54,7 @@ def test_every_checkpoint_layout_converts_to_the_same_model(layout, tmp_path, to
     config = t5_config(initializer_factor=1.0)
     hf = make_checkpoint(tmp_path / "hf", config, 0, tokenizer_dir, **layout)
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([[5, 6, 7, 1]]), decoder_input_ids=torch.tensor([[0, 9, 10]])).logits.numpy()
-    np.testing.assert_allclose(logits(tmp_path / "mlx"), ref, atol=1e-4)
+    assert_converted(tmp_path / "mlx", hf)
 
 
 def test_duplicated_embedding_and_head_entries_are_accepted(tmp_path, tokenizer_dir):
@@ -64,9 +71,7 @@ def test_duplicated_embedding_and_head_entries_are_accepted(tmp_path, tokenizer_
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     written = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
     assert "lm_head.weight" not in written  # tied: one copy
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([[5, 6, 7, 1]]), decoder_input_ids=torch.tensor([[0, 9, 10]])).logits.numpy()
-    np.testing.assert_allclose(logits(tmp_path / "mlx"), ref, atol=1e-4)
+    assert_converted(tmp_path / "mlx", hf)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -258,7 +263,7 @@ def make_untied_config_without_head(path: Path, tokenizer_dir) -> Path:
     [
         ("not/a/valid id!", "there is no folder not/a/valid id! here (and it is not a Hugging Face hub id"),
         ("mlx_models/t5-11b", "there is no folder mlx_models/t5-11b here"),  # never tried as a download
-        ("empty folder", "holds no T5 checkpoint"),
+        ("empty folder", "holds no Hugging Face checkpoint (no config.json)"),
         ("bert folder", "a 'bert' model is not one this converts (it takes: t5, mt5, umt5, bart"),
         ("truncated", "truncated or corrupt"),
         ("hub id offline", "hub is unreachable"),

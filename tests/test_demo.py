@@ -141,7 +141,7 @@ def test_cli_demo_sweep_runs_over_the_held_out_prompts_and_repeats(capsys):
     argv = ["--demo", "--sweep", "--num-drafts", "1,4", "--deltas", "0,1", "--max-tokens", "30", "--repeats", "2"]
     assert main.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"{len(main.demo_prompts())} prompt(s)" in out and "medians of 2 passes" in out
+    assert f"{len(main.demo_prompts())} prompts" in out and "medians of 2 passes" in out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "num-draft" not in line]
     assert len(rows) == 4
     assert [row[2] for row in rows if row[1] == "1.0"] == ["1.00", "1.00"]  # delta 1 accepts every draft

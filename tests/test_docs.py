@@ -62,6 +62,16 @@ def test_every_bench_command_in_the_texts_and_the_results_parses():
     assert not commands("bench.py"), "bench is a folder: python -m bench"
 
 
+def test_the_quantization_choices_the_readme_gives_are_convert_pys():
+    """It once said `--q-bits 2-8`, and 7 was refused."""
+    import convert
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    for flag, choices in (("--q-bits", convert.Q_BITS), ("--q-group-size", convert.Q_GROUP_SIZES)):
+        given = re.search(rf"`{flag}` ([\d, or]+?) \(default", text)
+        assert given and tuple(map(int, re.findall(r"\d+", given.group(1)))) == choices, flag
+
+
 def test_performance_and_the_readmes_tables_are_what_the_results_render():
     """Every figure there comes from a JSON result a bench command wrote:
     `python -m bench render` writes them, and nothing else may."""
@@ -75,3 +85,13 @@ def test_performance_and_the_readmes_tables_are_what_the_results_render():
 
 def test_the_readme_is_at_most_200_lines():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_what_pip_install_e_leaves_behind_is_ignored_by_git():
+    """The README suggests `pip install -e .`: its egg-info folder (from
+    pyproject.toml's name) would otherwise show as untracked."""
+    import subprocess
+
+    name = re.search(r'^name = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1).replace("-", "_")
+    done = subprocess.run(["git", "check-ignore", "-q", f"{name}.egg-info/PKG-INFO"], cwd=ROOT)
+    assert done.returncode == 0, f"{name}.egg-info/ is not in .gitignore"

@@ -13,7 +13,7 @@ from decoder import Request, batch_for, drive
 from serving.process import ServerProcess
 from loading import Models, load_model
 from options import Settings
-from support import decode
+from support import assert_as_near_as_transformers, decode, in_float64
 
 PROMPTS = [[5, 17, 300, 41, 99, 7, 250, 13, 600, 88, 2], [44, 9, 512, 3, 77, 2], [900, 31, 8, 8, 100, 64, 12, 2]]
 # (the BART family's EOS is 2; umT5's, 1, ends its prompts' second token instead: no matter to the model)
@@ -45,15 +45,57 @@ def family(request, tmp_path_factory, tokenizer_dir):
 
 
 def test_logits_match_transformers(family):
+    """Each prompt's logits along its greedy output, as near float64 as transformers' own float32 comes."""
     import mlx.core as mx
 
-    model = load_model(family.mlx_dir)
-    prompt, decoded = PROMPTS[0], [family.hf_model.config.decoder_start_token_id, 7, 300, 12]
-    cache = model.make_cache(model.encode(mx.array([prompt])))
-    ours = np.array(model.decode(mx.array([decoded]), cache))
-    with torch.no_grad():
-        theirs = family.hf_model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([decoded])).logits.numpy()
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
+    model, exact_model = load_model(family.mlx_dir), in_float64(family.hf_model)
+    for prompt in PROMPTS:
+        decoded = [family.hf_model.config.decoder_start_token_id] + reference_greedy(family.hf_model, prompt, 20)
+        cache = model.make_cache(model.encode(mx.array([prompt])))
+        ours = np.array(model.decode(mx.array([decoded]), cache))
+        with torch.no_grad():
+            theirs, exact = (m(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([decoded])).logits.numpy()
+                             for m in (family.hf_model, exact_model))
+        assert_as_near_as_transformers(ours, theirs, exact)
+
+
+def test_logprobs_and_beam_scores_as_near_float64_as_transformers(family):
+    """Each greedy token's logprob and its five most likely alternatives
+    against float64's log-softmax; four beams: transformers' tokens, and
+    their scores as near its float64 search's as its own float32 search
+    comes. The floor is the distributions' scale: a logprob near 0 is not
+    known to 1e-4 of itself."""
+    exact_model = in_float64(family.hf_model)
+    models = Models(load_model(family.mlx_dir))
+    for prompt in PROMPTS:
+        request = Request(prompt, Settings(max_tokens=20, speculative=False, logprobs=5))
+        output = [token for _, token, _ in drive(batch_for(models, request.settings, 1), [request]) if token is not None]
+        decoded = torch.tensor([[family.hf_model.config.decoder_start_token_id] + output[:-1]])
+        with torch.no_grad():
+            theirs, exact = (torch.log_softmax(m(input_ids=torch.tensor([prompt]), decoder_input_ids=decoded).logits[0], -1)
+                             for m in (family.hf_model, exact_model))
+        picked, scale = torch.tensor(output)[:, None], float(exact.abs().max())
+        ours = [logprob for logprob, _ in request.logprobs]
+        assert_as_near_as_transformers(ours, theirs.gather(1, picked)[:, 0], exact.gather(1, picked)[:, 0], "logprobs", scale)
+        # The alternatives: the five largest values, each its token's (near-ties may swap tokens, never values).
+        ids = torch.tensor([[t for t, _ in alternatives] for _, alternatives in request.logprobs])
+        values = [[v for _, v in alternatives] for _, alternatives in request.logprobs]
+        assert_as_near_as_transformers(values, theirs.topk(5).values, exact.topk(5).values, "top logprobs", scale)
+        assert_as_near_as_transformers(values, theirs.gather(1, ids), exact.gather(1, ids), "top logprobs' tokens", scale)
+
+        request = Request(prompt, Settings(max_tokens=20, speculative=False, num_beams=4, num_return_sequences=2))
+        list(drive(batch_for(models, request.settings, 1), [request]))
+        searches = []
+        for model in (family.hf_model, exact_model):
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, num_beams=4,
+                                     num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
+            eos = model.config.eos_token_id
+            tokens = [row[: row.index(eos)] if eos in row else row for row in out.sequences[:, 1:].tolist()]
+            searches.append((tokens, out.sequences_scores.numpy()))
+        (tokens, theirs), (exact_tokens, exact) = searches
+        assert [beam for beam, _, _ in request.sequences] == tokens == exact_tokens
+        assert_as_near_as_transformers([score for _, score, _ in request.sequences], theirs, exact, "beam scores", scale)
 
 
 def test_greedy_output_equals_transformers(family):
@@ -477,6 +519,23 @@ def m2m100_tokenizer_files(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "M2M100Tokenizer", "language_codes": "m2m100", "additional_special_tokens": codes}))
     return folder, vocab
+
+
+@pytest.mark.parametrize("width, within", [(64, 1.2e-7), (128, 1.2e-7), (1024, 2e-5)])
+def test_m2m100s_position_table_is_transformers_to_its_rounding(width, within):
+    """M2M-100's and NLLB's sinusoids, which no checkpoint stores, as
+    transformers makes them: its float32 frequencies and angles, each sine
+    and cosine rounded once. Numpy's float32 exp and sin, once used here, put
+    the table 6e-5 off, and an M2M-100's logits ten times as far from
+    float64 as transformers' own. (At width 1024, PyTorch's float32 exp
+    rounds 4 of the 512 frequencies the other way: the positions multiply
+    that ulp.)"""
+    from transformers.models.m2m_100.modeling_m2m_100 import M2M100SinusoidalPositionalEmbedding
+
+    import families
+
+    theirs = M2M100SinusoidalPositionalEmbedding.get_embedding(1026, width, 1).numpy()
+    assert np.abs(families.fairseq_sinusoidal(1026, width, 1) - theirs).max() <= within
 
 
 def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transformers_tokenizes(m2m100_tokenizer_files,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import PROMPT
-from support import decode_batch
+from support import assert_as_near_as_transformers, decode_batch, in_float64
 
 import main
 from conftest import ROOT
@@ -26,20 +26,23 @@ def with_logprobs(models, prompt: str, **options):
 
 def test_logprobs_are_the_models_log_softmax_before_processors(unit_scale_checkpoint):
     """Each token's logprob and its alternatives, against transformers'
-    forward on the same tokens, with a repetition penalty on (which changes
-    the tokens chosen, not the logprobs given); at unit scale, where float32
-    agrees to 1e-4."""
+    forward on the same tokens in float64 (as near as its float32 comes),
+    with a repetition penalty on (which changes the tokens chosen, not the
+    logprobs given)."""
     checkpoint = unit_scale_checkpoint
     models = load(checkpoint.mlx_dir)
     tokens, logprobs = with_logprobs(models, PROMPT, max_tokens=12, speculative=False, logprobs=5, repetition_penalty=1.5)
     with torch.no_grad():
-        logits = checkpoint.hf_model(input_ids=torch.tensor([checkpoint.prompt_ids]),
-                                     decoder_input_ids=torch.tensor([[0] + tokens[:-1]])).logits[0]
-    expected = torch.log_softmax(logits.double(), dim=-1).numpy()
-    for position, (token, (logprob, top)) in enumerate(zip(tokens, logprobs)):
-        assert logprob == pytest.approx(expected[position, token], abs=1e-4)
+        theirs, exact = (torch.log_softmax(model(input_ids=torch.tensor([checkpoint.prompt_ids]),
+                                                 decoder_input_ids=torch.tensor([[0] + tokens[:-1]])).logits[0], -1).numpy()
+                         for model in (checkpoint.hf_model, in_float64(checkpoint.hf_model)))
+    positions, scale = np.arange(len(tokens)), np.abs(exact).max()
+    assert_as_near_as_transformers([lp for lp, _ in logprobs], theirs[positions, tokens], exact[positions, tokens],
+                                   "logprobs", scale)
+    for _, top in logprobs:
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True) and len(top) == 5
-        np.testing.assert_allclose([lp for _, lp in top], np.sort(expected[position])[::-1][:5], atol=1e-4)
+    top_five = np.sort(theirs)[:, ::-1][:, :5], np.sort(exact)[:, ::-1][:, :5]
+    assert_as_near_as_transformers([[lp for _, lp in top] for _, top in logprobs], *top_five, "top logprobs", scale)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +103,19 @@ def test_the_command_line_prints_logprobs_as_the_api_gives_them(pair, capsys):
     assert main.main(["--demo", "--prompt", prompt, "--max-tokens", "8", "--regular-decode", "--logprobs", "2"]) == 0
     table = capsys.readouterr().out
     assert "token            logprob   most likely" in table and f"{expected[1][0]:8.3f}" in table
+
+
+@pytest.mark.parametrize("many", ["n", "prompts-file"])
+def test_every_output_of_a_batch_shows_its_logprobs_at_a_terminal(tmp_path, capsys, many):
+    """--n 2, or two prompts from a file: each output's table under its text, as --json gives them."""
+    prompts = main.demo_prompts()[:2]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    argv = ["--demo", "--max-tokens", "6", "--regular-decode", "--logprobs", "1"]
+    argv += ["--prompt", prompts[0], "--n", "2"] if many == "n" else ["--prompts-file", str(tmp_path / "prompts.txt")]
+    assert main.main(argv) == 0
+    shown = capsys.readouterr().out
+    assert main.main(argv + ["--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert shown.count("token            logprob   most likely") == len(records) == 2
+    for record in records:
+        assert all(f"{entry['logprob']:8.3f}" in shown for entry in record["logprobs"])

@@ -4,20 +4,17 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import reference_greedy
+from support import assert_as_near_as_transformers, in_float64
 
 import mlx.core as mx
 from loading import load_model
 from model import DecoderCache, KVCache, ModelArgs, RelativePositionBias, write
 
 
-def assert_within(ours: mx.array, reference: np.ndarray, tolerance=1e-4) -> None:
-    error = np.abs(np.array(ours, dtype=np.float32) - reference).max()
-    assert error < tolerance, f"max abs error {error:.2e} (reference scale {np.abs(reference).max():.2f})"
-
-
-def hf_logits(checkpoint, decoder_ids):
+def hf_logits(checkpoint, decoder_ids, model=None):
     with torch.no_grad():
-        out = checkpoint.hf_model(input_ids=torch.tensor([checkpoint.prompt_ids]), decoder_input_ids=torch.tensor([decoder_ids]))
+        out = (model or checkpoint.hf_model)(input_ids=torch.tensor([checkpoint.prompt_ids]),
+                                             decoder_input_ids=torch.tensor([decoder_ids]))
     return out.logits.numpy()
 
 
@@ -32,21 +29,26 @@ def test_reference_greedy_output_is_varied_and_well_separated(checkpoint):
     assert margin > 2e-3, f"closest greedy decision wins by {margin:.1e} of the logit scale"
 
 
-def test_encoder_output_matches_transformers(unit_scale_checkpoint):
-    checkpoint = unit_scale_checkpoint
+@pytest.mark.parametrize("scale", ["unit", "chaotic"])
+def test_encoder_output_matches_transformers(unit_scale_checkpoint, checkpoint_by_name, scale):
+    """As near float64 as transformers' own float32 comes (support.assert_as_near_as_transformers)."""
+    checkpoint = unit_scale_checkpoint if scale == "unit" else checkpoint_by_name(unit_scale_checkpoint.name)
     model = load_model(checkpoint.mlx_dir)
     ours = model.encode(mx.array([checkpoint.prompt_ids]))
     with torch.no_grad():
-        ref = checkpoint.hf_model.get_encoder()(input_ids=torch.tensor([checkpoint.prompt_ids])).last_hidden_state.numpy()
-    assert_within(ours, ref)
+        theirs, exact = (m.get_encoder()(input_ids=torch.tensor([checkpoint.prompt_ids])).last_hidden_state.numpy()
+                         for m in (checkpoint.hf_model, in_float64(checkpoint.hf_model)))
+    assert_as_near_as_transformers(np.array(ours), theirs, exact, "encoder output")
 
 
-def test_decoder_logits_match_transformers(unit_scale_checkpoint):
-    checkpoint = unit_scale_checkpoint
+@pytest.mark.parametrize("scale", ["unit", "chaotic"])
+def test_decoder_logits_match_transformers(unit_scale_checkpoint, checkpoint_by_name, scale):
+    checkpoint = unit_scale_checkpoint if scale == "unit" else checkpoint_by_name(unit_scale_checkpoint.name)
     model = load_model(checkpoint.mlx_dir)
     decoder_ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 24)
     cache = model.make_cache(model.encode(mx.array([checkpoint.prompt_ids])))
-    assert_within(model.decode(mx.array([decoder_ids]), cache), hf_logits(checkpoint, decoder_ids))
+    assert_as_near_as_transformers(np.array(model.decode(mx.array([decoder_ids]), cache)), hf_logits(checkpoint, decoder_ids),
+                                   hf_logits(checkpoint, decoder_ids, in_float64(checkpoint.hf_model)))
 
 
 def incremental_and_full_logits(checkpoint) -> tuple[list[np.ndarray], np.ndarray]:
@@ -255,10 +257,10 @@ def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_sca
     ids[:, -1] = 1
     mask = np.ones_like(ids)
     mask[1, max(1, length - 3):] = 0  # the second prompt is shorter, padded on the right
-    ours = ours_model.encode(mx.array(ids), mx.array(mask), lanes=streams)
+    ours = np.array(ours_model.encode(mx.array(ids), mx.array(mask), lanes=streams))
     with torch.no_grad():
-        encoder = unit_scale_v1_0.hf_model.get_encoder()
-        ref = encoder(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+        theirs, exact = (m.get_encoder()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+                         for m in (unit_scale_v1_0.hf_model, in_float64(unit_scale_v1_0.hf_model)))
     for row in range(2):
         valid = mask[row].astype(bool)
-        assert_within(ours[row][mx.array(np.flatnonzero(valid))], ref[row][valid])
+        assert_as_near_as_transformers(ours[row][valid], theirs[row][valid], exact[row][valid], f"row {row}'s encoding")

@@ -319,7 +319,8 @@ def wait_for(server: Server, condition, seconds: float = 30) -> dict:
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_round(strict_server):
-    before = strict_server.metrics(headers=KEY)[CANCELLED]
+    """And the server's log says the answer was cut short, as it says an answer sent whole was."""
+    before, left = strict_server.metrics(headers=KEY)[CANCELLED], len(log_lines(strict_server, "the client left"))
     with httpx.stream("POST", strict_server.url + "/v1/completions", headers=KEY, timeout=30,
                       json={**LONG, "max_tokens": 5000, "stream": True}) as response:
         lines = response.iter_lines()  # kept: a dropped iterator closes the stream
@@ -328,6 +329,20 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_round(st
     wait_for(strict_server, lambda m: m[RUNNING] == 0 and m[CANCELLED] == before + 1, seconds=10)
     reply = strict_server.client(api_key="sesame").completions.create(model="strict", prompt=PROMPT, max_tokens=3)
     assert reply.usage.completion_tokens == 3
+    wait_for_log(strict_server, "the client left before the end", left + 1)  # the stream's
+    assert f"{reply.id} prompt" in strict_server.output() and len(log_lines(strict_server, "the client left")) == left + 1
+
+
+def log_lines(server: Server, text: str) -> list[str]:
+    return [line for line in server.output().splitlines() if text in line]
+
+
+def wait_for_log(server: Server, text: str, count: int, seconds: float = 10) -> None:
+    """Until the server's log has `count` lines with `text` in them."""
+    deadline = time.time() + seconds
+    while len(log_lines(server, text)) < count and time.time() < deadline:
+        time.sleep(0.02)
+    assert len(log_lines(server, text)) == count, server.output()[-2000:]
 
 
 def test_a_prompt_too_long_and_a_body_too_big_are_refused(strict_server):
@@ -499,13 +514,15 @@ def test_metrics_are_prometheus_text_with_vllms_names(server, prompts):
 
 def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(strict_server):
     """No stream to notice it: the request's disconnect is watched for, and
-    the row leaves at the next round (5,000 paced tokens would take 25 s)."""
-    before = strict_server.metrics(headers=KEY)
+    the row leaves at the next round (5,000 paced tokens would take 25 s),
+    and the log says the answer was not sent."""
+    before, left = strict_server.metrics(headers=KEY), len(log_lines(strict_server, "the client left"))
     with pytest.raises(openai.APITimeoutError):  # a client's timeout, as pipelines set one
         strict_server.client(api_key="sesame", timeout=0.5).completions.create(
             **{**LONG, "max_tokens": 5000}, extra_body={"ignore_eos": True})
     abort = 't5:request_success_total{finished_reason="abort"}'
     wait_for(strict_server, lambda m: m[RUNNING] == 0 and m.get(abort, 0) == before.get(abort, 0) + 1, seconds=5)
+    wait_for_log(strict_server, "the client left before the end", left + 1)
 
 
 def test_a_prompt_list_the_queue_could_never_hold_is_a_400_not_a_429(strict_server):

@@ -73,11 +73,12 @@ def test_a_host_header_is_read_as_a_name_and_a_port_or_refused(header, name):
 
 
 def test_a_connection_whose_headers_stall_is_closed_after_the_read_timeout(limited):
+    """Closed with nothing to answer, and not before the 1 s timeout (never closed, recv raises after 10 s)."""
     with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and no more
         started = time.monotonic()
-        assert read_all(s) == b""  # closed, with nothing to answer
-        assert 0.5 < time.monotonic() - started < 5
+        assert s.recv(65536) == b""  # the end of the stream: closed
+        assert time.monotonic() - started > 0.5  # a busy machine can only lengthen it
 
 
 def test_a_body_that_stalls_gets_a_408(limited):

@@ -224,7 +224,7 @@ def test_sweep_prints_a_table_marks_the_best_and_plots(pair, tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "num-draft" not in line]
     assert len(rows) == 4 and sum("**best**" in row for row in rows) == 1
-    assert "2 prompt(s)" in out
+    assert "2 prompts" in out
     assert plot.stat().st_size > 1000
 
 
@@ -248,7 +248,7 @@ class ScriptedRuns:
 def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys, monkeypatch):
     runs = ScriptedRuns()
     monkeypatch.setattr(sweep, "measure_batch", runs)
-    monkeypatch.setattr(sweep, "warm_up", lambda *args: None)
+    monkeypatch.setattr(sweep, "warm_up_aloud", lambda *args: None)
     rows = sweep.sweep(None, ["one prompt"], Settings(), [2], [0.0], plot=None, repeats=3)
     assert runs.calls == ["regular", "speculative"] * 3  # regular decoding right before each setting
     (row,) = rows
@@ -259,6 +259,36 @@ def test_sweep_repeats_take_the_median_of_each_pass_own_speedup(capsys, monkeypa
     out = capsys.readouterr().out
     assert "regular decoding 5.0 tokens/s, medians of 3 passes" in out
     assert "| 2 | 0.0 | 0.25 | 15.0 | 2.00x **best** | 1.50-3.00x |" in out
+
+
+def test_a_sweep_not_at_a_terminal_says_what_it_will_run_and_how_far_it_has_come(capsys, monkeypatch):
+    """In a log or a pipe, where no bar can draw (a README sweep once ran 657 s
+    showing only "Loading ..."): the runs it will make, then a line at each
+    tenth of them."""
+    monkeypatch.setattr(sweep, "measure_batch", ScriptedRuns())
+    monkeypatch.setattr(sweep, "warm_up_aloud", lambda *args: None)
+    sweep.sweep(None, ["one prompt"], Settings(), [2, 4], [0.0, 0.5], plot=None, repeats=2)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "sweep: 10 runs (2 passes over 1 prompt: regular decoding and 4 settings); warming up ..."
+    progress = [line for line in err[1:] if line.startswith("sweep: ")]
+    assert [line.split(" (")[0] for line in progress] == [f"sweep: {10 * k}%" for k in range(1, 11)]
+    assert progress[-1].startswith("sweep: 100% (10 of 10 runs) in ") and "to go" in progress[0]
+
+
+def test_the_sweep_plots_legend_covers_no_point_and_no_line():
+    """The README's grid (num-draft 1-8, four deltas, auto's dotted levels):
+    no line, point or level passes under the legend's box."""
+    pytest.importorskip("matplotlib")
+    deltas = [0.0, 0.1, 0.5, 1.0]
+    rows = [{"num_draft": n, "delta": d, "speedup": 1.0 + (d + 0.2) * (1 + (-1) ** n * 0.3)}
+            for n in (1, 2, 3, 4, 6, 8) for d in deltas]
+    rows += [{"num_draft": "auto", "delta": d, "speedup": 1.1 + d / 2} for d in deltas]
+    figure = sweep.sweep_figure(rows, deltas)
+    figure.canvas.draw()
+    axes = figure.axes[0]
+    legend = axes.get_legend().get_window_extent()
+    for line in axes.get_lines():
+        assert not line.get_path().transformed(line.get_transform()).intersects_bbox(legend, filled=False), line.get_label()
 
 
 @pytest.mark.parametrize(
