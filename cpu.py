@@ -459,7 +459,7 @@ def kernel_folder() -> Path | None:
 def uncompiled_kernels() -> Path | None:
     """kernel_folder(), when no kernel is there yet: this machine's first run."""
     folder = kernel_folder()
-    return None if folder is None or compiled_kernels() else folder
+    return None if folder is None or (folder.is_dir() and any(folder.glob("lib*.so"))) else folder
 
 
 def compiled_kernels() -> int:

@@ -7,7 +7,7 @@ import time
 
 from bench import fixtures
 from bench.fixtures import DEMO, PAIR, PROMPT_IDS
-from bench.harness import alternate, decode, ours_run, ratio, same_tokens, table, worker_run
+from bench.harness import alternate, decode, ours_run, ratio, same_tokens, table, warm_up_note, worker_run
 from bench.references import HFWorker, ct2_workers
 
 
@@ -41,6 +41,7 @@ def run_regular(args) -> dict:
         worker.close()
     return {"tokens": args.tokens, "repeats": args.repeats, "versions": versions,
             "tokens_per_second": {name: args.tokens / timing.median for name, timing in timings.items()},
+            "warm_ups": {name: timing.warm_ups for name, timing in timings.items()},
             "prompts_differing": differ, "weight_bytes_per_token": fixtures.weight_bytes_per_token(model),
             "read_bandwidth": fixtures.memory_read_bandwidth(), "load_seconds": load_seconds,
             "convert_seconds": convert_seconds, "convert_peak_bytes": convert_peak,
@@ -70,7 +71,8 @@ def render_regular(data: dict) -> str:
             + f"\n\nOurs reads {data['weight_bytes_per_token'] / 1e9:.2f} GB of weights a token: {achieved / 1e9:.1f} GB/s, "
             f"{achieved / data['read_bandwidth']:.0%} of what the machine reads summing an array on every core "
             f"({data['read_bandwidth'] / 1e9:.1f} GB/s). Converting took {data['convert_seconds']:.1f} s at "
-            f"{data['convert_peak_bytes'] / 1e6:.0f} MB peak; opening the converted model {data['load_seconds']:.2f} s.")
+            f"{data['convert_peak_bytes'] / 1e6:.0f} MB peak; opening the converted model {data['load_seconds']:.2f} s."
+            + warm_up_note(data.get("warm_ups")))
 
 
 # ---------------------------------------------------------------- steps
@@ -288,7 +290,8 @@ def run_speculative(args) -> dict:
     t_target = step_seconds(target)
     return {"prompts": len(prompts), "tokens": sum(map(len, reference)), "max_tokens": args.tokens,
             "num_draft": args.num_draft, "repeats": args.repeats, "pair": PAIR, "versions": versions,
-            "contenders": contenders, "target_step": t_target, "draft_step": step_seconds(draft),
+            "contenders": contenders, "warm_ups": {name: timing.warm_ups for name, timing in timings.items()},
+            "target_step": t_target, "draft_step": step_seconds(draft),
             "verify_over_step": step_seconds(target, args.num_draft + 1) / t_target,
             "prompts_where_the_draft_differs": sum(a != b for a, b in zip(drafts_own, reference))}
 
@@ -310,7 +313,7 @@ def render_speculative(data: dict) -> str:
             + f"\n\nA target step {data['target_step'] * 1e3:.1f} ms, a draft step {data['draft_step'] * 1e3:.1f} ms; the "
             f"verify pass of {data['num_draft'] + 1} tokens costs {data['verify_over_step']:.2f} target steps. The draft's "
             f"own greedy output differs from the target's on {data['prompts_where_the_draft_differs']} of "
-            f"{data['prompts']} prompts.")
+            f"{data['prompts']} prompts." + warm_up_note(data.get("warm_ups")))
 
 
 # ---------------------------------------------------------------- families

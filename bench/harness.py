@@ -123,20 +123,48 @@ class Timing:
     median: float  # seconds
     seconds: list[float]
     output: object  # the last run's
+    warm_ups: int = 0  # the whole runs it took before its time was steady (warm_until_steady)
+
+
+STEADY = 0.2  # two runs in a row this near each other's time: warm
+MOST_WARM_UPS = 6
+
+
+def warm_until_steady(run) -> int:
+    """Run a contender (run() -> (seconds, output)) until two runs in a row
+    take times within STEADY of each other, at most MOST_WARM_UPS runs; how
+    many it took. One short call does not warm every library: on an Intel
+    Xeon, transformers' generate ran its first two whole calls at 0.5
+    tokens/s and every later one at 7 (docs/DECISIONS.md)."""
+    last = None
+    for count in range(1, MOST_WARM_UPS + 1):
+        seconds, _ = run()
+        if last is not None and abs(seconds - last) <= STEADY * min(seconds, last):
+            return count
+        last = seconds
+    return MOST_WARM_UPS
 
 
 def alternate(runs: dict, repeats: int, warm_up: bool = True) -> dict[str, Timing]:
-    """Each run() -> (seconds, output), once to warm up, then in turn, pass
-    after pass, so that a machine's slow spell falls on every contender."""
-    if warm_up:
-        for run in runs.values():
-            run()
+    """Each run() -> (seconds, output), warmed until its time is steady, then
+    in turn, pass after pass, so that a machine's slow spell falls on every
+    contender."""
+    warm_ups = {name: warm_until_steady(run) if warm_up else 0 for name, run in runs.items()}
     seconds, outputs = {name: [] for name in runs}, {}
     for _ in range(repeats):
         for name, run in runs.items():
             elapsed, outputs[name] = run()
             seconds[name].append(elapsed)
-    return {name: Timing(statistics.median(seconds[name]), seconds[name], outputs[name]) for name in runs}
+    return {name: Timing(statistics.median(seconds[name]), seconds[name], outputs[name], warm_ups[name]) for name in runs}
+
+
+def warm_up_note(warm_ups: dict | None) -> str:
+    """A sentence for a table: the warm-up runs each contender took (results written before they were counted: none)."""
+    if not warm_ups:
+        return ""
+    counts = ", ".join(f"{name} {count}" for name, count in warm_ups.items())
+    return (f"\n\nEach contender was timed once warm: run until two whole runs in a row were within {STEADY:.0%} of each "
+            f"other (runs it took: {counts}).")
 
 
 def worker_run(worker: Worker, prompts: list[list[int]], tokens: int, forced: bool = False, beams: int = 1):

@@ -11,8 +11,11 @@ from options import Settings
 needs_ct2 = pytest.mark.skipif(not ct2_installed(), reason="CTranslate2 is a benchmark reference (pip install ctranslate2)")
 
 
-def test_alternate_warms_each_contender_up_then_runs_them_in_turn_and_takes_medians():
-    calls, seconds = [], {"a": iter([9.0, 1.0, 5.0, 3.0]), "b": iter([9.0, 2.0, 2.0, 8.0])}
+def test_alternate_warms_each_contender_until_steady_then_runs_them_in_turn_and_takes_medians():
+    """A contender cold for two whole runs (as transformers was on an Intel
+    Xeon) warms until two runs in a row agree, one warm at once after two;
+    neither's warm-up counts."""
+    calls, seconds = [], {"a": iter([9.0, 1.0, 1.1, 1.0, 5.0, 3.0]), "b": iter([30.0, 20.0, 2.1, 2.0, 2.0, 2.0, 8.0])}
 
     def contender(name):
         def run():
@@ -21,9 +24,17 @@ def test_alternate_warms_each_contender_up_then_runs_them_in_turn_and_takes_medi
         return run
 
     timings = alternate({"a": contender("a"), "b": contender("b")}, repeats=3)
-    assert calls == ["a", "b"] * 4  # the warm-up, then three passes in turn
-    assert (timings["a"].median, timings["b"].median) == (3.0, 2.0)  # the warm-up's 9 s left out
-    assert timings["a"].seconds == [1.0, 5.0, 3.0] and timings["b"].output == "b8"
+    assert calls == ["a"] * 3 + ["b"] * 4 + ["a", "b"] * 3  # the warm-ups, then three passes in turn
+    assert (timings["a"].warm_ups, timings["b"].warm_ups) == (3, 4)
+    assert (timings["a"].median, timings["b"].median) == (3.0, 2.0)
+    assert timings["a"].seconds == [1.0, 5.0, 3.0] and timings["b"].output == "b13"
+
+
+def test_a_contender_that_never_steadies_is_timed_after_the_most_warm_ups():
+    from bench.harness import MOST_WARM_UPS, warm_until_steady
+
+    times = iter([1.0, 2.0] * MOST_WARM_UPS)
+    assert warm_until_steady(lambda: (next(times), None)) == MOST_WARM_UPS
 
 
 def test_a_result_names_the_command_as_typed_without_where_checkpoints_live():

@@ -124,7 +124,8 @@ def test_cli_demo_shows_the_prompt_output_acceptance_speedup_and_filled_in_text(
     assert "«" in filled and "<extra_id_0>" not in filled
     first, *rest = done.stderr.splitlines()  # nothing else: no warnings, no noise
     assert first == "Loading demo/target and demo/draft ..."
-    assert rest == [] or (len(rest) == 1 and rest[0].startswith("First run of MLX"))  # a machine's first run only
+    # A machine's first run only (and the first to need the demo's kernels): the wait for MLX's compiler, said
+    assert all(line.startswith(("First run of MLX", "Warmed up in ")) for line in rest) and len(rest) <= 2, rest
 
 
 def test_cli_demo_interactive_runs_a_demo_prompt_by_number_and_help_lists_it():
