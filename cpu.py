@@ -489,17 +489,21 @@ def _compiles() -> tuple[float, int]:
     """compiling_seconds() and compiled_kernels(), read again only when the folder has changed (a stat a call)."""
     global _kernels_read
     folder = _kernel_folder_in_use()
-    try:
-        stamp = (folder, folder.stat().st_mtime_ns) if folder is not None else None
-    except OSError:
+    if folder is None:
         return 0.0, 0
-    if stamp is None or stamp != _kernels_read[0]:
+    try:
+        stamp = (folder, folder.stat().st_mtime_ns)
+    except OSError:  # none compiled yet
+        return 0.0, 0
+    if stamp != _kernels_read[0]:
         seconds, count = 0.0, 0
-        for library in folder.glob("lib*.so") if folder is not None else ():
+        for library in folder.glob("lib*.so"):
             try:
                 seconds += max(library.stat().st_mtime - library.with_name(library.name[3:-3] + ".cpp").stat().st_mtime, 0)
             except OSError:  # its source removed
                 pass
             count += 1
         _kernels_read = (stamp, seconds, count)
-    return _kernels_read[1], _kernels_read[2]
+        return seconds, count
+    _, seconds, count = _kernels_read  # one read of the global: the server's engine thread calls this too
+    return seconds, count

@@ -128,8 +128,10 @@ class Row:
         return self.finish(end is not None, cut)
 
     def timed(self) -> None:
-        """Its statistics' seconds, now: since it joined, and of those MLX's compiling."""
-        self.stats.seconds, self.stats.compiling_seconds = (clock() - start for clock, start in zip(self.clocks, self.started))
+        """Its statistics' seconds, now: since it joined, and of those MLX's compiling (another process's compiles
+        at the same time count too: never more than the row's time)."""
+        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, self.started))
+        self.stats.seconds, self.stats.compiling_seconds = seconds, min(compiling, seconds)
 
     def finish(self, ended: bool, cut: bool = False) -> str | None:
         if ended:
@@ -173,7 +175,7 @@ class Batch:
         started = tuple(clock() for clock in self.clocks)
         caches = encode_for(self.models, [request.ids for request in requests])
         seconds, compiling = (clock() - start for clock, start in zip(self.clocks, started))
-        encoded = seconds - compiling  # a kernel compiled on the way is compiling's
+        encoded = max(seconds - compiling, 0.0)  # a kernel compiled on the way is compiling's
         forced_end = self.models[0].args.forced_eos_token_id is not None
         rows = [Row(request, started, random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0),
                     self.clocks, forced_end=forced_end) for request in requests]

@@ -330,8 +330,9 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     total = sum((request.stats for request in requests), Stats())
     if not wall_clock:
         return total
-    return replace(total, seconds=time.perf_counter() - started, encoding_seconds=batch.encoding_seconds,
-                   compiling_seconds=cpu.compiling_seconds() - compiled)
+    seconds = time.perf_counter() - started
+    compiling = min(cpu.compiling_seconds() - compiled, seconds - batch.encoding_seconds)  # (another process's count too)
+    return replace(total, seconds=seconds, encoding_seconds=batch.encoding_seconds, compiling_seconds=compiling)
 
 
 WARM_UP_TOKENS = 64  # what is kept of a prompt too long to encode for a warm-up
@@ -339,8 +340,10 @@ WARM_UP_TOKENS = 64  # what is kept of a prompt too long to encode for a warm-up
 
 def warm_up(models: Models, prompt: str, settings: Settings = Settings()) -> None:
     """decoder.warm_up on the prompt, cut to its first WARM_UP_TOKENS tokens
-    when its encoding would take over a second."""
+    when its encoding would take over a second, or it runs past the model's
+    positions (the run that follows refuses it in a line)."""
     ids = models.tokenizer.encode(prompt)
-    if len(ids) > WARM_UP_TOKENS and encoding_seconds(models, len(ids), settings) > 1.0:
+    past_positions = models.longest_input is not None and len(ids) > models.longest_input  # the run itself refuses it
+    if len(ids) > WARM_UP_TOKENS and (past_positions or encoding_seconds(models, len(ids), settings) > 1.0):
         ids = models.tokenizer.encode(models.tokenizer.decode(ids[:WARM_UP_TOKENS]))
     decoder.warm_up(models, ids, settings)

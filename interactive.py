@@ -119,11 +119,13 @@ def show_batch(generations, count: int, speculative: bool, tokenizer, out=None, 
         show_asked(tokenizer, generation.beams, list(zip(generation.tokens, generation.logprobs or [])), out)
         print(stats_line(generation.stats, speculative), file=out, flush=True)
         total += generation.stats
-    compiling = cpu.compiling_seconds() - compiling
-    seconds = time.perf_counter() - started - compiling
-    print(f"--- {plural(count, 'prompt')}: {plural(total.generated, 'token')} in {seconds:.2f} s "
-          f"({total.generated / seconds:.1f} tokens/s)" + (f", MLX compiling kernels {compiling:.2f} s more (once on "
-                                                            "this machine)" if compiling >= 0.005 else ""), file=out)
+    wall = time.perf_counter() - started
+    compiling = min(cpu.compiling_seconds() - compiling, wall)  # (another process's compiles count too)
+    seconds = wall - compiling
+    speed = f"{total.generated / seconds:.1f}" if seconds > 0 else "-"
+    print(f"--- {plural(count, 'prompt')}: {plural(total.generated, 'token')} in {seconds:.2f} s ({speed} tokens/s)"
+          + (f", MLX compiling kernels {compiling:.2f} s more (once on this machine)" if compiling >= 0.005 else ""),
+          file=out)
     return total
 
 
@@ -360,7 +362,8 @@ class Session:
         except ImportError:
             pass
         self.say("Warming up ...")
-        warm_up_aloud(self.models, first_prompt or (self.examples[0] if self.examples else "warm up"), self.settings)
+        warm_up_aloud(self.models, first_prompt or (self.examples[0] if self.examples else "warm up"), self.settings,
+                      self.out)
         self.say(self.help())
         self.say(self.describe())
         while True:

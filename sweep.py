@@ -63,7 +63,7 @@ def sweep(models: Models, prompts: list[str], settings: Settings, num_drafts: li
     rows = []
     for num_draft, delta in grid:
         runs = [(regular, results[(num_draft, delta)]) for regular, results in passes]
-        speedups = [s.tokens_per_second / r.tokens_per_second for r, s in runs]
+        speedups = [s.tokens_per_second / r.tokens_per_second if r.tokens_per_second else 0.0 for r, s in runs]
         pooled = sum((s for _, s in runs), Stats())
         rows.append({"num_draft": num_draft, "delta": delta, "acceptance": pooled.acceptance_rate,
                      "tokens_per_second": statistics.median(s.tokens_per_second for _, s in runs),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def test_ctrl_c_stops_a_one_shot_run_with_its_statistics_so_far(v1_1_checkpoint)
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
     text, stats = (first + out).splitlines()[-2:]
-    assert text and stats.startswith(tuple(f"{n} decode steps, {n} tokens in" for n in range(1, 64)))
+    assert text and re.match(r"(\d+) decode steps?, \1 tokens? in", stats)
     assert stats.endswith("[stopped]") and err.strip().endswith("interrupted")
 
 

@@ -148,7 +148,7 @@ def drafts_taken(auto: AutoDraft, draft, prompt: list[int]) -> int:
     """How many tokens auto drafts in one round from a fresh cache: the same confidences every time."""
     (cache,) = encode_for([draft], [prompt])
     drafter = DraftModel(draft, auto)
-    row = Row(Request(prompt, AUTO), 0.0, (0, 0))
+    row = Row(Request(prompt, AUTO), (0.0, 0.0), (0, 0))
     drafter.start(row, draft.args.decoder_start_token_id)
     return drafter.propose([row], [AutoDraft.cap], RowSampling([Sampling()]), None, cache).drafts.shape[1]
 

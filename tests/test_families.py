@@ -65,7 +65,7 @@ def test_logprobs_and_beam_scores_as_near_float64_as_transformers(family):
     their scores as near its float64 search's as its own float32 search
     comes. The floor is the distributions' scale: a logprob near 0 is not
     known to 1e-4 of itself."""
-    exact_model = in_float64(family.hf_model)
+    exact_model, compared = in_float64(family.hf_model), 0
     models = Models(load_model(family.mlx_dir))
     for prompt in PROMPTS:
         request = Request(prompt, Settings(max_tokens=20, speculative=False, logprobs=5))
@@ -94,8 +94,11 @@ def test_logprobs_and_beam_scores_as_near_float64_as_transformers(family):
             tokens = [row[: row.index(eos)] if eos in row else row for row in out.sequences[:, 1:].tolist()]
             searches.append((tokens, out.sequences_scores.numpy()))
         (tokens, theirs), (exact_tokens, exact) = searches
-        assert [beam for beam, _, _ in request.sequences] == tokens == exact_tokens
-        assert_as_near_as_transformers([score for _, score, _ in request.sequences], theirs, exact, "beam scores", scale)
+        assert [beam for beam, _, _ in request.sequences] == tokens
+        if exact_tokens == tokens:  # else float32 and float64 broke a near-tie two ways: no score to compare
+            compared += 1
+            assert_as_near_as_transformers([score for _, score, _ in request.sequences], theirs, exact, "beam scores", scale)
+    assert compared >= 2, "beam searches in float32 and float64 must mostly agree for their scores to be compared"
 
 
 def test_greedy_output_equals_transformers(family):
@@ -323,6 +326,19 @@ def test_a_prompt_past_the_position_table_is_refused(family):
         generate(models, "word", max_tokens=300)
 
 
+def test_the_command_line_refuses_a_prompt_past_the_positions_before_encoding_it(family, capsys, monkeypatch):
+    """Its warm-up too: MLX reads past a table's end unchecked (garbage on a CPU, a crash when far past)."""
+    import decoder
+    import main
+
+    if load_model(family.mlx_dir).longest_input is None:
+        pytest.skip("relative positions have no end")
+    encoded, real = [], decoder.encode_for
+    monkeypatch.setattr(decoder, "encode_for", lambda models, prompts: encoded.extend(map(len, prompts)) or real(models, prompts))
+    assert main.main(["--model", str(family.mlx_dir), "--regular-decode", "--prompt", "word " * 300]) == 2
+    assert "positions stop at 256" in capsys.readouterr().err and max(encoded, default=0) <= 256
+
+
 def test_speculative_sampling_follows_the_targets_distribution_beyond_t5(tmp_path, tokenizer_dir):
     """mBART's layout over 8 tokens: at temperature 1 the first token,
     drafted by another mBART and verified, is distributed as the target's
@@ -521,21 +537,28 @@ def m2m100_tokenizer_files(tmp_path_factory):
     return folder, vocab
 
 
-@pytest.mark.parametrize("width, within", [(64, 1.2e-7), (128, 1.2e-7), (1024, 2e-5)])
-def test_m2m100s_position_table_is_transformers_to_its_rounding(width, within):
-    """M2M-100's and NLLB's sinusoids, which no checkpoint stores, as
-    transformers makes them: its float32 frequencies and angles, each sine
-    and cosine rounded once. Numpy's float32 exp and sin, once used here, put
-    the table 6e-5 off, and an M2M-100's logits ten times as far from
-    float64 as transformers' own. (At width 1024, PyTorch's float32 exp
-    rounds 4 of the 512 frequencies the other way: the positions multiply
-    that ulp.)"""
+@pytest.mark.parametrize("width", [64, 256, 1024, 2048])
+def test_m2m100s_position_table_is_as_near_the_exact_one_as_transformers(width):
+    """M2M-100's and NLLB's sinusoids, which no checkpoint stores: as near the
+    float64 table (support.in_float64's) as transformers' float32 one, root
+    mean square. Numpy's float32 exp and sin, once used here, came 14-70%
+    further, and differed from transformers' table in a third of the
+    frequencies: the float64 reference, made then from transformers' own
+    float32 table, saw an M2M-100's logits ten times as far as transformers'."""
     from transformers.models.m2m_100.modeling_m2m_100 import M2M100SinusoidalPositionalEmbedding
+    from support import in_float64
 
     import families
 
-    theirs = M2M100SinusoidalPositionalEmbedding.get_embedding(1026, width, 1).numpy()
-    assert np.abs(families.fairseq_sinusoidal(1026, width, 1) - theirs).max() <= within
+    table = M2M100SinusoidalPositionalEmbedding(1024, width, padding_idx=1)  # rows for 1,024 positions after the offset
+    theirs = table.weights.numpy().astype(np.float64)
+    exact = in_float64(torch.nn.ModuleList([table]))[0].weights.numpy()
+    ours = families.fairseq_sinusoidal(len(theirs), width, 1).astype(np.float64)
+
+    def rms(a):
+        return np.sqrt(((a - exact) ** 2).mean())
+
+    assert rms(ours) <= 1.05 * rms(theirs), (rms(ours), rms(theirs))
 
 
 def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transformers_tokenizes(m2m100_tokenizer_files,

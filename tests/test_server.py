@@ -379,7 +379,7 @@ def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_ch
     assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
     for thread in threads:
         thread.join()
-    assert running.stop() == 0
+    assert running.stop() == 0 and "stopping: finishing 4 requests" in running.output()
     models = load(v1_1_checkpoint.mlx_dir)
     for i, prompt in enumerate(asked):
         assert answers[i].status_code == 200

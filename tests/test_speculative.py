@@ -287,8 +287,10 @@ def test_the_sweep_plots_legend_covers_no_point_and_no_line():
     figure.canvas.draw()
     axes = figure.axes[0]
     legend = axes.get_legend().get_window_extent()
-    for line in axes.get_lines():
-        assert not line.get_path().transformed(line.get_transform()).intersects_bbox(legend, filled=False), line.get_label()
+    crossing = [line.get_label() for line in axes.get_lines()
+                if line.get_path().transformed(line.get_transform()).intersects_bbox(legend, filled=False)]
+    sweep.import_pyplot().close(figure)
+    assert not crossing, crossing
 
 
 @pytest.mark.parametrize(

@@ -89,3 +89,19 @@ def test_the_text_taken_is_the_whole_text_cut_at_its_first_stop_string(seed):
     assert stream.finish_reason == ("stop" if found else "length")
     starts = [len("".join(pieces[t] for t in tokens[:i])) for i in range(len(tokens))]
     assert stream.received == (sum(start < cut for start in starts) if found else len(tokens))
+
+
+def test_a_count_reads_as_a_person_writes_it():
+    """Not "1 prompts" or "1 decode steps", as the command line once printed."""
+    from text import plural
+
+    assert [plural(n, "prompt") for n in (0, 1, 2, 1024)] == ["0 prompts", "1 prompt", "2 prompts", "1,024 prompts"]
+    assert plural(1, "pass", "passes") == "1 pass" and plural(3, "pass", "passes") == "3 passes"
+
+
+def test_a_statistics_line_of_one_reads_in_the_singular():
+    from interactive import stats_line
+    from options import Stats
+
+    line = stats_line(Stats(prompt_tokens=1, generated=1, target_calls=1, drafted=1, accepted=1, seconds=0.5), True)
+    assert "1 / 1 draft (" in line and "1 decode step (" in line and "1 token in" in line and "prompt 1 token encoded" in line
