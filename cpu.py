@@ -464,46 +464,50 @@ def uncompiled_kernels() -> Path | None:
 
 def compiled_kernels() -> int:
     """How many CPU kernels MLX has compiled on this machine so far (0 where it compiles none)."""
-    return _compiles()[1]
+    return kernels().read()[1]
 
 
 def compiling_seconds() -> float:
     """The seconds MLX has spent compiling the CPU kernels in its folder, all
-    told (each kernel's, from its source written to its library written): a
-    clock that moves only while kernels compile, so that the engine keeps
-    that time apart from encoding and decoding (options.Stats). A kernel
-    compiles once a machine, so on a later run it stands still; 0 where MLX
-    compiles none. (Another process's compiles, at the same time, count too.)"""
-    return _compiles()[0]
+    told: a clock that moves only while kernels compile, so that the engine
+    keeps that time apart from encoding and decoding (options.Stats). A
+    kernel compiles once a machine, so on a later run it stands still; 0
+    where MLX compiles none. (Another process's compiles, at the same time,
+    count too.)"""
+    return kernels().read()[0]
 
 
-_kernels_read = (None, 0.0, 0)  # ((the folder, its modification time) when read, seconds, kernels)
+class Kernels:
+    """The CPU kernels MLX has compiled into a folder: the seconds their
+    compiles took, each from its source (NAME.cpp) written to its library
+    (libNAME.so) written, and how many; read again only when the folder has
+    changed (a stat a call)."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.last = (None, 0.0, 0)  # (the folder's modification time when read, seconds, kernels)
+
+    def read(self) -> tuple[float, int]:
+        if self.folder is None:
+            return 0.0, 0
+        try:
+            stamp = self.folder.stat().st_mtime_ns
+        except OSError:  # none compiled yet
+            return 0.0, 0
+        last = self.last  # one read: the server's engine thread reads it too
+        if stamp != last[0]:
+            seconds, count = 0.0, 0
+            for library in self.folder.glob("lib*.so"):
+                try:
+                    source = library.with_name(library.name[3:-3] + ".cpp")
+                    seconds += max(library.stat().st_mtime - source.stat().st_mtime, 0)
+                except OSError:  # its source removed
+                    pass
+                count += 1
+            last = self.last = (stamp, seconds, count)
+        return last[1], last[2]
 
 
-@functools.cache  # on first use, as in_use()
-def _kernel_folder_in_use() -> Path | None:
-    return kernel_folder()
-
-
-def _compiles() -> tuple[float, int]:
-    """compiling_seconds() and compiled_kernels(), read again only when the folder has changed (a stat a call)."""
-    global _kernels_read
-    folder = _kernel_folder_in_use()
-    if folder is None:
-        return 0.0, 0
-    try:
-        stamp = (folder, folder.stat().st_mtime_ns)
-    except OSError:  # none compiled yet
-        return 0.0, 0
-    if stamp != _kernels_read[0]:
-        seconds, count = 0.0, 0
-        for library in folder.glob("lib*.so"):
-            try:
-                seconds += max(library.stat().st_mtime - library.with_name(library.name[3:-3] + ".cpp").stat().st_mtime, 0)
-            except OSError:  # its source removed
-                pass
-            count += 1
-        _kernels_read = (stamp, seconds, count)
-        return seconds, count
-    _, seconds, count = _kernels_read  # one read of the global: the server's engine thread calls this too
-    return seconds, count
+@functools.cache  # on first use, as in_use(): the folder of the device MLX computes on then
+def kernels() -> Kernels:
+    return Kernels(kernel_folder())

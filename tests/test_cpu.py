@@ -430,7 +430,7 @@ def test_a_gpus_float32_products_keep_float32s_precision():
     assert float(done.stdout) < 1e-5, done.stderr
 
 
-def test_compiling_seconds_sum_each_kernels_compile_and_move_only_when_one_is_added(tmp_path, monkeypatch):
+def test_compiling_seconds_sum_each_kernels_compile_and_move_only_when_one_is_added(tmp_path):
     """A kernel's compile runs from its source written to its library written;
     the clock reads the folder again only when the folder has changed."""
     import os
@@ -442,14 +442,13 @@ def test_compiling_seconds_sum_each_kernels_compile_and_move_only_when_one_is_ad
         os.utime(tmp_path / f"lib{name}.so", (source_at + seconds, source_at + seconds))
         os.utime(tmp_path, ns=(int(source_at * 1e9), int((source_at + seconds) * 1e9)))  # as the folder's own change
 
-    monkeypatch.setattr(cpu, "_kernel_folder_in_use", lambda: tmp_path)
-    monkeypatch.setattr(cpu, "_kernels_read", (None, 0.0, 0))
-    assert (cpu.compiling_seconds(), cpu.compiled_kernels()) == (0.0, 0)
+    kernels = cpu.Kernels(tmp_path)
+    assert kernels.read() == (0.0, 0) and cpu.Kernels(tmp_path / "none yet").read() == (0.0, 0)
     kernel("Af4OAdd_contiguous", 1000.0, 2.5)
     kernel("Bf4OMultiply_strided_2", 2000.0, 1.25)
-    assert (cpu.compiling_seconds(), cpu.compiled_kernels()) == (3.75, 2)
+    assert kernels.read() == (3.75, 2)
     (tmp_path / "libBf4OMultiply_strided_2.so").unlink()
     os.utime(tmp_path, ns=(int(2001.25e9), int(2001.25e9)))  # the folder's time as it was: not read again
-    assert cpu.compiling_seconds() == 3.75
+    assert kernels.read() == (3.75, 2)
     os.utime(tmp_path, ns=(int(3000e9), int(3000e9)))
-    assert (cpu.compiling_seconds(), cpu.compiled_kernels()) == (2.5, 1)
+    assert kernels.read() == (2.5, 1)
