@@ -117,13 +117,12 @@ class Row:
         self.output += tokens
         if self.settings.logprobs is not None:
             self.request.logprobs += [(lp, top[: self.settings.logprobs]) for lp, top in logprobs[: len(tokens)]]
+        self.timed()  # once: the round decided its tokens together
         for i, token in enumerate(tokens):
             self.produced += 1
             self.stats.generated += 1
-            self.timed()
             yield self.request, token, self.finish(end is not None, cut) if i == len(tokens) - 1 else None
         if not tokens:
-            self.timed()
             yield self.request, None, self.finish(True, cut)
         return self.finish(end is not None, cut)
 

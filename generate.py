@@ -331,7 +331,7 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     if not wall_clock:
         return total
     seconds = time.perf_counter() - started
-    compiling = min(cpu.compiling_seconds() - compiled, seconds - batch.encoding_seconds)  # (another process's count too)
+    compiling = min(max(cpu.compiling_seconds() - compiled, 0.0), seconds - batch.encoding_seconds)  # (others' count too)
     return replace(total, seconds=seconds, encoding_seconds=batch.encoding_seconds, compiling_seconds=compiling)
 
 

@@ -39,9 +39,9 @@ def stats_line(stats: Stats, speculative: bool) -> str:
 
 
 def warm_up_aloud(models: Models, prompt: str, settings: Settings, out=None) -> None:
-    """generate.warm_up before anything is timed, said on stderr when it took
-    a while (MLX compiling its kernels for these settings, once on this
-    machine, tracing the steps' graphs), which no timing then counts."""
+    """generate.warm_up before anything is timed, said (on stderr, or `out`)
+    when it took a while (MLX compiling its kernels for these settings, once
+    on this machine, tracing the steps' graphs), which no timing then counts."""
     kernels, compiling, started = cpu.compiled_kernels(), cpu.compiling_seconds(), time.perf_counter()
     warm_up(models, prompt, settings)
     seconds = time.perf_counter() - started
