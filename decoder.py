@@ -1,18 +1,12 @@
-"""The decoding engine: batches of prompts decoded regularly or by draft and verify, each row with its own settings.
+"""The decoding engine's batches: rows of prompts decoded regularly or by draft and verify, each with its own settings.
 
-A `Request` is one prompt's ids and its `Settings` (options.py). `batch_for`
-makes the batch that decodes rows of the settings' kind: the target alone
-(`RegularBatch`), or draft and verify (`SpeculativeBatch`, with a drafter
-from drafting.py). Requests join a batch between rounds; each round moves
-every row on, by one token or by its accepted drafts and one token of the
-target's; finished rows leave at once:
-
-    batch = batch_for(models, settings, batch_size=8)
-    for request, token, finish in drive(batch, [Request(ids, settings) for ids in prompts]):
-        ...  # finish: None while the row goes on, then "stop" (its end of text) or "length"
-
-The text API (generate.py) and the server feed requests through `drive`, or
-join and round a batch themselves.
+A `Request` is one prompt's ids and its `Settings` (options.py). A `Batch`
+holds the rows decoding together and their caches: `RegularBatch` runs the
+target alone, `SpeculativeBatch` drafts (with a drafter from drafting.py) and
+verifies; beams.py's `BeamBatch` searches. Requests join a batch between
+rounds; each round moves every row on, by one token or by its accepted drafts
+and one token of the target's; finished rows leave at once. batches.py makes
+the batch a request's settings need and drives requests through it.
 """
 
 import math
@@ -24,9 +18,9 @@ from typing import Callable, Iterator
 import cpu
 import mlx.core as mx
 
-from drafting import DraftModel, LookupDrafter, Proposal
+from drafting import Proposal
 from model import T5, DecoderCache
-from options import AUTO_DRAFT, BEAMS, LOOKUP, REGULAR, Settings, Stats
+from options import Settings, Stats
 from sampling import ACCEPT, TOKEN, Penalties, RowPenalties, RowSampling, categorical, log_probabilities, logits_to_probs
 from sampling import one_hot, per_row
 from sampling import random_key, sample, uniform
@@ -528,53 +522,3 @@ class SpeculativeBatch(Batch):
             rows_of = mx.array([r for r, tokens in enumerate(new_tokens) for _ in tokens])
             self.counts = self.counts.at[rows_of, mx.array([t for tokens in new_tokens for t in tokens])].add(1.0)
         self.leave(finished)
-
-
-def batch_for(models, settings: Settings, batch_size: int) -> Batch:
-    """The batch that decodes rows of these settings' kind (Settings.kind)
-    with `models` (loading.Models: a target, its draft model or None, and
-    `drafting`, what num-draft auto has learnt of the pair): the target
-    alone, drafts looked up in the prompt, or the draft model's, num_draft
-    at a time or as many as auto finds worth it. Rows of that kind at other
-    settings may join it: each keeps its own."""
-    kind = settings.kind(models)
-    if kind.startswith(BEAMS):
-        from beams import BeamBatch  # a kind of Batch: it imports this module
-
-        return BeamBatch(models.target, batch_size, settings.num_beams)
-    if kind == REGULAR:
-        return RegularBatch(models.target, batch_size)
-    if kind == LOOKUP:
-        drafter = LookupDrafter(models.target.args.vocab_size)
-    else:
-        drafter = DraftModel(models.draft, models.drafting if kind == AUTO_DRAFT else None, batch_size)
-    return SpeculativeBatch(models.target, drafter, batch_size)
-
-
-def drive(batch: Batch, requests: list[Request], stopped: set[Request] = frozenset()) -> Iterator[Event]:
-    """Decode a list of requests through a batch: waiting prompts join as
-    rows leave (Batch.joining), in input order. Requests the caller adds to
-    `stopped` (their text ended at a stop string) leave at the next round."""
-    waiting = list(requests)
-    while waiting or batch.rows:
-        gone = {row.request for row in batch.rows if row.request in stopped}
-        if gone:
-            batch.cancel(gone)
-        count = batch.joining(len(waiting))
-        if count:
-            batch.join(waiting[:count])
-            waiting = waiting[count:]
-        if batch.rows:
-            yield from batch.round()
-
-
-def warm_up(models, ids: list[int], settings: Settings) -> None:
-    """A few tokens of each decoding path the settings can take (the target
-    alone, and drafting if they draft) on a prompt's ids, so that first-call
-    costs (compiling kernels and the steps for its length, growing the
-    allocator's pools) stay out of timings and answers."""
-    paths = (False, True) if replace(settings, speculative=True).drafts(models) else (False,)
-    for speculative in paths:
-        short = replace(settings, max_tokens=4, speculative=speculative, stop=())
-        for _ in drive(batch_for(models, short, 1), [Request(ids, short)]):
-            pass

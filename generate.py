@@ -21,8 +21,9 @@ from typing import Iterator
 
 import cpu  # before mlx.core
 
-import decoder
-from decoder import Logprob, Request, batch_for, drive
+import batches
+from batches import batch_for, drive
+from decoder import Logprob, Request
 from errors import OptionError
 from loading import Models
 from model import T5
@@ -339,11 +340,11 @@ WARM_UP_TOKENS = 64  # what is kept of a prompt too long to encode for a warm-up
 
 
 def warm_up(models: Models, prompt: str, settings: Settings = Settings()) -> None:
-    """decoder.warm_up on the prompt, cut to its first WARM_UP_TOKENS tokens
+    """batches.warm_up on the prompt, cut to its first WARM_UP_TOKENS tokens
     when its encoding would take over a second, or it runs past the model's
     positions (the run that follows refuses it in a line)."""
     ids = models.tokenizer.encode(prompt)
     past_positions = models.longest_input is not None and len(ids) > models.longest_input  # the run itself refuses it
     if len(ids) > WARM_UP_TOKENS and (past_positions or encoding_seconds(models, len(ids), settings) > 1.0):
         ids = models.tokenizer.encode(models.tokenizer.decode(ids[:WARM_UP_TOKENS]))
-    decoder.warm_up(models, ids, settings)
+    batches.warm_up(models, ids, settings)

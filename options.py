@@ -8,6 +8,7 @@ when it is made; it goes whole from the front end to the round that decodes
 its row (decoder.py), which reports in the row's `Stats`.
 """
 
+import enum
 import math
 import numbers
 from dataclasses import asdict, dataclass, fields, replace
@@ -150,12 +151,26 @@ LISTS = {option.name: option for option in [
 
 BATCH_SIZE = Knob("batch_size", int, lambda v: v >= 1, "an integer >= 1", "prompts decoded together")
 
-# How rows decode (Settings.kind); rows of one kind share a batch.
-REGULAR = "regular"  # the target alone
-LOOKUP = "lookup"  # drafts copied from the prompt and the output (drafting.LookupDrafter)
-DRAFT = "draft"  # the draft model's drafts, num_draft at a time
-AUTO_DRAFT = "auto"  # the draft model's drafts, as many as num-draft auto finds worth it
-BEAMS = "beams"  # beam search, the target alone; rows with as many beams share a batch (Settings.kind)
+class Decoding(enum.Enum):
+    """How rows decode (Settings.kind)."""
+
+    REGULAR = "regular"  # the target alone
+    LOOKUP = "lookup"  # drafts copied from the prompt and the output (drafting.LookupDrafter)
+    DRAFT = "draft"  # the draft model's drafts, num_draft at a time
+    AUTO_DRAFT = "auto"  # the draft model's drafts, as many as num-draft auto finds worth it
+    BEAMS = "beams"  # beam search, the target alone
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How rows decode, and with how many beams: rows of one kind share a batch."""
+
+    how: Decoding
+    beams: int = 1
+
+    @property
+    def drafts(self) -> bool:
+        return self.how in (Decoding.LOOKUP, Decoding.DRAFT, Decoding.AUTO_DRAFT)
 
 
 @dataclass(frozen=True)
@@ -249,17 +264,15 @@ class Settings:
             return [self]
         return [replace(self, n=1, seed=None if self.seed is None else (self.seed + j) % 2**64) for j in range(self.n)]
 
-    def kind(self, models) -> str:
-        """How rows at these settings decode with these models (a target, and
-        a draft model or None): REGULAR, LOOKUP, DRAFT, AUTO_DRAFT, or
-        BEAMS and the number of beams ("beams 4")."""
+    def kind(self, models) -> Kind:
+        """How rows at these settings decode with these models (a target, and a draft model or None)."""
         if self.num_beams > 1:
-            return f"{BEAMS} {self.num_beams}"
+            return Kind(Decoding.BEAMS, self.num_beams)
         if not self.speculative or (not self.prompt_lookup and models.draft is None):
-            return REGULAR
+            return Kind(Decoding.REGULAR)
         if self.prompt_lookup:
-            return LOOKUP
-        return AUTO_DRAFT if self.draft_length == AUTO else DRAFT
+            return Kind(Decoding.LOOKUP)
+        return Kind(Decoding.AUTO_DRAFT if self.draft_length == AUTO else Decoding.DRAFT)
 
     @property
     def draft_length(self) -> int | str:
@@ -273,7 +286,7 @@ class Settings:
 
     def drafts(self, models) -> bool:
         """Whether decoding drafts and verifies (else the target decodes alone)."""
-        return self.kind(models) in (LOOKUP, DRAFT, AUTO_DRAFT)
+        return self.kind(models).drafts
 
     def check_models(self, models) -> "Settings":
         """These settings, if the models can run them; OptionError otherwise."""

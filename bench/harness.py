@@ -185,7 +185,8 @@ def decode(models, prompts: list[list[int]], settings, batch_size: int = 1) -> t
     """Our decoding of prompt ids through the engine's one factory (as
     generate and the server decode): each prompt's tokens and Stats, and the
     run's wall-clock seconds."""
-    from decoder import Request, batch_for, drive
+    from batches import batch_for, drive
+    from decoder import Request
 
     requests = [Request(prompt, settings) for prompt in prompts]
     index = {id(request): i for i, request in enumerate(requests)}

@@ -3,7 +3,7 @@
 Each prompt of a request is a `Job`: the engine's `Request` (its ids and
 Settings), the `TextStream` that turns its tokens into text, and the queue of
 pieces it sends back to the request's event loop. Rows of one drafting kind
-(Settings.kind) share a batch made by decoder.batch_for, and batches of
+(Settings.kind) share a batch made by batches.batch_for, and batches of
 different kinds take rounds in turn.
 """
 
@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from decoder import Request, batch_for, warm_up
+from batches import batch_for, warm_up
+from decoder import Request
 from loading import Models
 from options import Settings
 from serving.metrics import Metrics, Times

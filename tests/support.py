@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-from decoder import Request, batch_for, drive
+from batches import batch_for, drive
+from decoder import Request
 from loading import Models
 from options import Settings, Stats
 

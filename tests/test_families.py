@@ -9,7 +9,8 @@ from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
 
 import convert
 from conftest import ROOT
-from decoder import Request, batch_for, drive
+from batches import batch_for, drive
+from decoder import Request
 from serving.process import ServerProcess
 from loading import Models, load_model
 from options import Settings

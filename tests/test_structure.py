@@ -35,6 +35,49 @@ def test_the_engine_imports_neither_the_loader_nor_any_front_end():
     assert reached <= ENGINE, sorted(reached - ENGINE)
 
 
+def module_imports() -> dict[str, set[str]]:
+    """Each of the project's modules (serving's and bench's by dotted name) and the project's modules it imports."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    found = {}
+    for path in SOURCES:
+        if path.parent.name == "tests" or path.parent.parent.name == "demo":
+            continue
+        found[name(path)] = ast.parse(path.read_text())
+    graph = {}
+    for module, tree in found.items():
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & set(found)
+                names |= submodules or {node.module}  # `from bench import fixtures` imports bench.fixtures
+        graph[module] = {n for n in names if n in found and n != module}
+    return graph
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Layers: a module may import those below it, never one that (through others) imports it back."""
+    graph, circles = module_imports(), []
+
+    def visit(module, path):
+        for imported in sorted(graph[module]):
+            if imported in path:
+                circles.append(path[path.index(imported):] + [imported])
+            elif imported not in done:
+                visit(imported, path + [imported])
+        done.add(module)
+
+    done = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert circles == [], circles
+
+
 def test_nothing_but_the_benchmarks_and_their_own_tests_imports_bench():
     """bench/'s harness and its commands are tested (test_bench.py, and
     test_docs.py parses the commands the docs give); nothing else leans on it."""
