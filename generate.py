@@ -27,7 +27,7 @@ from decoder import Logprob, Request
 from errors import OptionError
 from loading import Models
 from model import T5
-from options import BATCH_SIZE, Settings, Stats, task_preset
+from options import BATCH_SIZE, Settings, Stats, with_task
 from text import TextStream, plural
 
 TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
@@ -143,7 +143,7 @@ class PromptForm:
 
 def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
     """The options as Settings these models can run, and the prompts' form:
-    keywords, over a `task=`'s (options.task_preset), over a whole Settings
+    keywords, over a `task=`'s (options.with_task), over a whole Settings
     given as `settings=` (what the command line passes). TypeError for
     models that are not loading.load's, OptionError for an option out of
     range, a task the model's config does not name, or a language it does
@@ -154,8 +154,10 @@ def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
                         "models = load(TARGET, draft=DRAFT)")
     options = dict(options)
     base, task = options.pop("settings", None), options.pop("task", None)
-    prefix, preset = task_preset(models.tasks, task) if task is not None else ("", {})
-    settings = Settings.of(preset | options, base).check_models(models)
+    if base is not None and not isinstance(base, Settings):
+        raise TypeError(f"settings must be an options.Settings (got {type(base).__name__})")
+    prefix, base = with_task(models.tasks, task, base or Settings(), given=options)
+    settings = Settings.of(options, base).check_models(models)
     return settings, form_of(models, settings, prefix)
 
 

@@ -15,7 +15,7 @@ import cpu
 from errors import OptionError, T5Error
 from generate import encoding_seconds, measure, stream_batch_generate, stream_generate, warm_up
 from loading import Models
-from options import KNOBS, LISTS, Settings, Stats, task_preset
+from options import KNOBS, LISTS, Settings, Stats, task_preset, with_task
 from text import plural
 
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
@@ -335,8 +335,9 @@ class Session:
             self.before_task = {}
             return
         try:
-            prefix, preset = task_preset(self.models.tasks, name)
-            settings = replace(self.settings, **preset).check_models(self.models)
+            _, preset = task_preset(self.models.tasks, name)  # what it sets, to set back with :task none
+            prefix, settings = with_task(self.models.tasks, name, self.settings)
+            settings = settings.check_models(self.models)
         except OptionError as e:
             self.say(str(e))
             return

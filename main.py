@@ -23,7 +23,7 @@ from generate import batch_generate, stream_batch_generate
 from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
 from interactive import warm_up_aloud, why_not_timed
 from loading import load
-from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings, task_preset
+from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings, with_task
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -268,7 +268,7 @@ def run(plan: Plan) -> int:
         not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)  # a task may search with beams
     models = load_models(plan, one_row)
     if plan.task is not None:
-        plan = with_task(models, plan)
+        plan = plan_with_task(models, plan)
         settings = plan.settings
     settings.check_models(models)  # what the models refuse (a language, a length) fails before anything is shown
     if plan.mode == "one-shot":  # warm timings (the loop and --compare warm up themselves)
@@ -294,10 +294,9 @@ def run(plan: Plan) -> int:
     return 0
 
 
-def with_task(models, plan: Plan) -> Plan:
+def plan_with_task(models, plan: Plan) -> Plan:
     """The plan with --task's prefix on its prompts and its options under the flags given."""
-    prefix, preset = task_preset(models.tasks, plan.task)
-    settings = replace(plan.settings, **{name: value for name, value in preset.items() if name not in plan.given})
+    prefix, settings = with_task(models.tasks, plan.task, plan.settings, plan.given)
     prompts = [prefix + prompt for prompt in plan.prompts] if plan.prompts else None
     return replace(plan, settings=settings.check_models(models), prompt=prefix + plan.prompt, prompts=prompts)
 

@@ -350,6 +350,21 @@ def task_preset(tasks: dict, name: str) -> tuple[str, dict]:
     return params.get("prefix", ""), options
 
 
+def with_task(tasks: dict, name: str | None, settings: "Settings", given=(), searching: dict | None = None
+              ) -> tuple[str, "Settings"]:
+    """A task's prompt prefix, and `settings` with the task's options
+    (task_preset) over them but under the options named in `given` (the
+    ones a caller chose itself), and `searching`'s too when the task
+    searches with beams; no task (None): no prefix, settings as they are.
+    Every front end applies a task here."""
+    if name is None:
+        return "", settings
+    prefix, preset = task_preset(tasks, name)
+    if preset.get("num_beams", 1) > 1:
+        preset |= searching or {}
+    return prefix, replace(settings, **{option: value for option, value in preset.items() if option not in given})
+
+
 def checked_bias(given) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (token id, bias) pairs, each checked as OpenAI checks them."""
     pairs = given.items() if isinstance(given, dict) else given

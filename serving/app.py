@@ -25,7 +25,7 @@ import decoder
 from errors import OptionError
 from generate import PromptForm, form_of
 from loading import Models
-from options import Settings, Stats, task_preset
+from options import Settings, Stats, with_task
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
 from serving.metrics import Metrics, Times
@@ -250,15 +250,9 @@ class Completions:
         """The request's Settings (its options, over its task's, over the server's), and its task's prompt prefix."""
         self.check_model(body.model)
         try:
-            defaults, prefix = self.engine.defaults, ""
-            if body.task is not None:
-                prefix, preset = task_preset(self.models.tasks, body.task)
-                if preset.get("num_beams", 1) > 1:  # a task's beam search: as use_beam_search asks for one
-                    if body.n > preset["num_beams"]:
-                        raise ApiError(400, f"n ({body.n}) is more than task {body.task}'s {preset['num_beams']} beams",
-                                       param="n")
-                    preset |= BEAM_DEFAULTS | {"num_return_sequences": body.n}
-                defaults = replace(defaults, **preset)
+            # a task's beam search: as use_beam_search asks for one, its n beams returned
+            prefix, defaults = with_task(self.models.tasks, body.task, self.engine.defaults,
+                                         searching=BEAM_DEFAULTS | {"num_return_sequences": body.n})
             if body.use_beam_search:
                 defaults = replace(defaults, **BEAM_DEFAULTS)
             settings = body.settings(defaults).check_models(self.models)
