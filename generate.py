@@ -105,6 +105,7 @@ class Generation:
     finish_reason: str
     logprobs: list[Logprob] | None = None  # each token's, with logprobs=N asked (Response.logprob)
     beams: list[tuple[str, float]] | None = None  # beam search: the num_return_sequences best beams' texts and scores
+    beam_tokens: list[list[int]] | None = None  # and each one's tokens, as `tokens` are the best's
 
 
 @dataclass(frozen=True)
@@ -260,8 +261,17 @@ def generate(models: Models, prompt: str, **options) -> str:
 
 def beam_texts(models: Models, settings: Settings, request: Request) -> list[tuple[str, float]] | None:
     """A beam search's best beams, as texts with their scores; None without beam search."""
-    return [(TextStream.of(models.tokenizer, settings).whole(tokens, finish), score)
-            for tokens, score, finish in request.sequences] or None
+    beams = searched_beams(models, settings, request)
+    return [(text, score) for text, score, _ in beams] if beams else None
+
+
+def searched_beams(models: Models, settings: Settings, request: Request) -> list[tuple[str, float, list[int]]]:
+    """A beam search's best beams: each one's text, score and the tokens of its text (a stop string cuts both)."""
+    beams = []
+    for tokens, score, finish in request.sequences:
+        stream = TextStream.of(models.tokenizer, settings)
+        beams.append((stream.whole(tokens, finish), score, stream.text_tokens))
+    return beams
 
 
 def texts(batch, requests: list[Request], streams: dict) -> Iterator[Request]:
@@ -298,9 +308,10 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
             stream = streams[id(request)]
             # stats as they are now: a row stopped by a stop string decodes on to the next round
             logprobs = request.logprobs[: stream.received] if settings.logprobs is not None else None
-            beams = beam_texts(models, settings, request)
+            beams = searched_beams(models, settings, request)
             done[id(request)] = Generation(stream.take(), stream.text_tokens, replace(request.stats), stream.finish_reason,
-                                           logprobs, beams)
+                                           logprobs, [(text, score) for text, score, _ in beams] or None,
+                                           [tokens for _, _, tokens in beams] or None)
             while next_out < len(requests) and id(requests[next_out]) in done:
                 yield done.pop(id(requests[next_out]))
                 next_out += 1

@@ -307,7 +307,8 @@ def json_record(generation) -> dict:
     if generation.logprobs is not None:
         record["logprobs"] = [{"logprob": lp, "top": [[t, v] for t, v in top]} for lp, top in generation.logprobs]
     if generation.beams is not None:
-        record["beams"] = [{"text": text, "score": score} for text, score in generation.beams]
+        record["beams"] = [{"text": text, "score": score, "tokens": tokens}
+                           for (text, score), tokens in zip(generation.beams, generation.beam_tokens)]
     return record
 
 

@@ -121,6 +121,9 @@ def test_the_command_line_and_the_loop_search_with_beams(demo, capsys):
                       "--num-return-sequences", "2", "--early-stopping", "false"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["text"] == expected.text and [b["text"] for b in record["beams"]] == [t for t, _ in expected.beams]
+    # every beam's tokens, as the best one's: its text decoded from them
+    assert record["beams"][0]["tokens"] == record["tokens"] and record["beams"][1]["tokens"] != record["tokens"]
+    assert [demo.tokenizer.decode(b["tokens"]) for b in record["beams"]] == [b["text"] for b in record["beams"]]
     assert main.main(["--demo", "--compare", "--num-beams", "3"]) == 2
     assert "--num-beams searches with the target alone" in capsys.readouterr().err
     out = io.StringIO()
