@@ -30,7 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 from decoder import TOKENS_BLOCK, Batch, Row
-from model import T5, DecoderCache
+from cache import DecoderCache
+from model import EncoderDecoder
 from sampling import one_hot
 
 NONE = np.float32(-1e9)  # transformers' score for a slot with no beam: the sum of a beam's log-probabilities never gets there
@@ -93,7 +94,7 @@ class Search:
 class BeamBatch(Batch):
     """Rows that search with `num_beams` beams each, in one batch."""
 
-    def __init__(self, model: T5, batch_size: int, num_beams: int):
+    def __init__(self, model: EncoderDecoder, batch_size: int, num_beams: int):
         super().__init__([model], batch_size)
         self.model, self.width = model, num_beams
 

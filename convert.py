@@ -41,7 +41,7 @@ from tqdm import tqdm
 import families
 from errors import ConversionError, LoadError
 from loading import FORMAT_KEY, could_be_hub_id, read_config
-from model import T5, ModelArgs
+from model import EncoderDecoder, ModelArgs
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
@@ -341,7 +341,7 @@ def plan(reader, config: dict) -> tuple[Weights, ModelArgs]:
             continue
         sources[ours] = source_name
     weights = Weights(reader, sources, family, args, tables)
-    expected = {name: list(p.shape) for name, p in tree_flatten(T5(args).parameters())}
+    expected = {name: list(p.shape) for name, p in tree_flatten(EncoderDecoder(args).parameters())}
     missing = sorted(set(expected) - set(weights.names))
     if missing:
         raise ConversionError(f"the checkpoint does not match its config: no weight for {missing[0]} ({len(missing)} missing)")

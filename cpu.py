@@ -337,7 +337,7 @@ def multiply(x: mx.array, parts: list[tuple]) -> mx.array:
 
 class DecodingProduct:
     """A decoding layer's product x @ weight.T with its parts (product_parts)
-    made once, when the weights are final (`prepare`, which T5.compile_decoding
+    made once, when the weights are final (`prepare`, which EncoderDecoder.compile_decoding
     calls): a compiled step then runs no transpose or slice of its weights
     (a fifth of a narrow model's operations a step). A
     weight replaced afterwards (update) is multiplied as stored, split by
@@ -437,7 +437,7 @@ def use_cores(model: nn.Module, one_row: bool = False) -> nn.Module:
 
 def prepare(model: nn.Module) -> None:
     """Make every DecodingProduct's parts (and transposed storage) once the
-    weights are read; T5.compile_decoding calls it."""
+    weights are read; EncoderDecoder.compile_decoding calls it."""
     for _, module in model.named_modules():
         if isinstance(module, DecodingProduct):
             module.prepare()

@@ -19,7 +19,8 @@ import cpu
 import mlx.core as mx
 
 from drafting import Proposal
-from model import T5, DecoderCache
+from cache import DecoderCache
+from model import EncoderDecoder
 from options import Settings, Stats
 from sampling import ACCEPT, TOKEN, Penalties, RowPenalties, RowSampling, categorical, log_probabilities, logits_to_probs
 from sampling import one_hot, per_row
@@ -46,7 +47,7 @@ Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, f
 TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: no_repeat_ngram_size's graph, once a block
 
 
-def encode_for(models: list[T5], prompts: list[list[int]]) -> list[DecoderCache]:
+def encode_for(models: list[EncoderDecoder], prompts: list[list[int]]) -> list[DecoderCache]:
     """Encode prompts together (padded on the right and masked, when their
     lengths differ; a prompt given more than once, once) into a fresh decoder cache for each model, evaluated at
     once so that the models' work runs side by side. The prompts' products,
@@ -143,7 +144,7 @@ class Batch:
     # give it clocks of theirs.
     clocks = (time.perf_counter, cpu.compiling_seconds)
 
-    def __init__(self, models: list[T5], batch_size: int):
+    def __init__(self, models: list[EncoderDecoder], batch_size: int):
         self.models, self.batch_size = models, batch_size
         self.rows: list[Row] = []
         self.caches: list[DecoderCache] = []
@@ -277,7 +278,7 @@ class RegularBatch(Batch):
     Python work overlaps the model's compute (a row that finishes wastes
     that queued step)."""
 
-    def __init__(self, model: T5, batch_size: int):
+    def __init__(self, model: EncoderDecoder, batch_size: int):
         super().__init__([model], batch_size)
         self.model = model
         self.queued: mx.array | None = None  # each row's next token, in flight
@@ -438,7 +439,7 @@ class SpeculativeBatch(Batch):
     Invariant between rounds, per row: the target's cache holds every token
     but `last`; the drafter's state is its own (drafting.py)."""
 
-    def __init__(self, target: T5, drafter, batch_size: int):
+    def __init__(self, target: EncoderDecoder, drafter, batch_size: int):
         super().__init__([target] + drafter.models, batch_size)
         self.target, self.drafter = target, drafter
         self._deltas = None

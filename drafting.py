@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from model import T5, DecoderCache
+from cache import DecoderCache
+from model import EncoderDecoder
 from sampling import DRAFT, RowSampling, Sampling, logits_to_probs, one_hot, sample
 
 
@@ -259,7 +260,7 @@ class DraftModel:
     row's num_draft tokens a round, or, given what auto learnt of the pair
     (an AutoDraft), as many as `decide` finds worth their cost."""
 
-    def __init__(self, model: T5, auto: AutoDraft | None = None, batch_size: int = 1):
+    def __init__(self, model: EncoderDecoder, auto: AutoDraft | None = None, batch_size: int = 1):
         self.model, self.auto = model, auto
         self.cost = auto.cost(batch_size) if auto else None
         self.clock = auto.clock if auto else time.perf_counter  # the round's timing, for auto's cost

@@ -26,7 +26,7 @@ from batches import batch_for, drive
 from decoder import Logprob, Request
 from errors import OptionError
 from loading import Models
-from model import T5
+from model import EncoderDecoder
 from options import BATCH_SIZE, Settings, Stats, with_task
 from text import TextStream, plural
 
@@ -41,7 +41,7 @@ def assumed_encoding_rate() -> float:
     return 30e9 if cpu.in_use() else 1e12
 
 
-def encoding_flops(model: T5, tokens: int) -> float:
+def encoding_flops(model: EncoderDecoder, tokens: int) -> float:
     """The work of encoding a prompt: its products (2 flops per weight and
     token, cross-attention keys and values included) and attention (its two
     products, 4 flops per query, key and inner dimension), which grows with
@@ -53,7 +53,7 @@ def encoding_flops(model: T5, tokens: int) -> float:
     return tokens * per_token + 4 * a.num_layers * tokens * tokens * inner
 
 
-def encoders(models: Models, settings: Settings) -> list[T5]:
+def encoders(models: Models, settings: Settings) -> list[EncoderDecoder]:
     """The models that encode each prompt: the target, and the draft model when it drafts."""
     return [models.target] + ([models.draft] if settings.drafts(models) and not settings.prompt_lookup else [])
 

@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from drafting import AutoDraft
 from errors import LoadError, ModelNotFound, OptionError
-from model import T5, ModelArgs
+from model import EncoderDecoder, ModelArgs
 
 FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
 MODELS_DIR = Path("mlx_models")  # where convert.py writes by default
@@ -113,7 +113,7 @@ def conversion_advice(name: str) -> str:
     return f"convert a checkpoint there first: `python convert.py --model <hub id or checkpoint folder> --out {name}`"
 
 
-def load_model(folder: str | Path, one_row: bool = False) -> T5:
+def load_model(folder: str | Path, one_row: bool = False) -> EncoderDecoder:
     """A converted folder's T5, checked against its config, every weight read
     and decoding compiled. In a quantized folder (its config says
     "quantization"), the layers with `.scales` are quantized ones. On the CPU
@@ -123,12 +123,12 @@ def load_model(folder: str | Path, one_row: bool = False) -> T5:
     return _mapped(Path(folder), one_row).compile_decoding()  # compiling reads every weight
 
 
-def _mapped(folder: Path, one_row: bool = False) -> T5:
+def _mapped(folder: Path, one_row: bool = False) -> EncoderDecoder:
     """load_model's model before its weights are read: mx.load maps the
     safetensors lazily (never copying through numpy), so a folder is checked
     in moments and read afterwards."""
     config = read_config(folder)
-    model = T5(ModelArgs.from_dict(config))
+    model = EncoderDecoder(ModelArgs.from_dict(config))
     weights = {}
     for path in (folder / name for name in config[FORMAT_KEY]["weight_files"]):
         try:
@@ -249,8 +249,8 @@ class Models:
     long enough to tell. `load` makes one; tests and benchmarks may build
     one from models in hand."""
 
-    target: T5
-    draft: T5 | None = None
+    target: EncoderDecoder
+    draft: EncoderDecoder | None = None
     tokenizer: object = None
     target_path: Path | None = None
     draft_path: Path | None = None
@@ -296,7 +296,7 @@ class Languages:
         return self.codes[name]
 
 
-def check_fit(path: Path, model: T5, tokenizer) -> None:
+def check_fit(path: Path, model: EncoderDecoder, tokenizer) -> None:
     """Warn, once per model, of what would make its output empty or slow."""
     # T5 pads its vocabulary to a multiple of 128 (32128 rows for 32100 pieces);
     # beyond that, the model can choose tokens the tokenizer prints as nothing.

@@ -9,9 +9,10 @@ reads them off a checkpoint's config): umT5's relative bias in every layer;
 the BART family's position tables, LayerNorms before or after each block,
 biases in every projection and on the logits.
 
-Decoding state is explicit: `DecoderCache` holds, per decoder layer, a growing
-self-attention `KVCache` (trimmable, for speculative rollback) and the
-cross-attention keys/values computed once from the encoder output.
+Decoding state is explicit: a `DecoderCache` (cache.py) holds, per decoder
+layer, a growing self-attention `KVCache` (trimmable, for speculative
+rollback) and the cross-attention keys/values computed once from the encoder
+output.
 
 How attention is computed on each path is attention.py's; reading converted
 folders is loading.py's.
@@ -25,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from attention import attend
+from cache import DecoderCache, write
 
 
 @dataclass
@@ -289,181 +291,6 @@ class DecoderLayer(nn.Module):
         return self.ffn_norm(x + self.ffn(x)), keys, values
 
 
-def write(storage: mx.array, positions: mx.array, new: mx.array) -> mx.array:
-    """storage (B, H, capacity, D) with new (B, H, L, D) put at each row's positions (B, L)."""
-    return mx.put_along_axis(storage, positions[:, None, :, None], new, axis=2)
-
-
-class KVCache:
-    """One layer's self-attention keys/values for a batch, in storage
-    preallocated in blocks of positions, so that a step's shapes change once
-    a block, not every token (decode steps are compiled for their shapes).
-    Each row has its own length (`offsets`): the rows of a speculative batch
-    accept different numbers of drafts. Positions past a row's length are
-    stale or empty, and masked. `trim` forgets a row's last positions
-    (rejected drafts); the next step overwrites them."""
-
-    # Every query reads the whole storage, so a block's unused tail is read
-    # every step; each new size compiles a new graph. 64 weighs the two.
-    block = 64
-
-    def __init__(self, rows: int = 1):
-        self.keys = None
-        self.values = None
-        self.offsets = [0] * rows
-
-    @property
-    def offset(self) -> int:
-        assert len(set(self.offsets)) == 1, "rows of different lengths have no one offset"
-        return self.offsets[0]
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def reserve(self, length: int, heads: int, dim: int, dtype) -> None:
-        """Room for `length` more positions in every row, grown a block at a time."""
-        end = max(self.offsets) + length
-        if end > self.capacity:
-            shape = (len(self.offsets), heads, -(-end // self.block) * self.block, dim)
-            self.keys, self.values = (self._resized(old, shape, dtype) for old in (self.keys, self.values))
-
-    def advance(self, length: int, keys: mx.array, values: mx.array) -> None:
-        """Take the storage a step wrote `length` new positions of every row into."""
-        self.keys, self.values = keys, values
-        self.offsets = [offset + length for offset in self.offsets]
-
-    def _resized(self, old, shape, dtype) -> mx.array:
-        new = mx.zeros(shape, dtype)
-        if old is not None:
-            kept = min(old.shape[2], shape[2])
-            new[..., :kept, :] = old[..., :kept, :]
-        return new
-
-    def trim(self, n: int | list[int]) -> None:
-        """Forget the last n positions of every row, or n[b] of row b."""
-        trims = n if isinstance(n, list) else [n] * len(self.offsets)
-        assert all(0 <= t <= o for t, o in zip(trims, self.offsets)), (trims, self.offsets)
-        self.offsets = [o - t for o, t in zip(self.offsets, trims)]
-
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows, in this order (finished rows leave a batch), in
-        storage cut to the block-rounded length of the longest of them: every
-        step reads all of it, and a long row that left would leave it long
-        (the next reserve may grow it again: one copy as a row leaves)."""
-        self.offsets = [self.offsets[row] for row in rows]
-        if self.keys is not None:
-            room = -(-max(self.offsets, default=0) // self.block) * self.block
-            index = mx.array(rows, dtype=mx.int32)
-            self.keys, self.values = (stored[index, :, :room] for stored in (self.keys, self.values))
-
-    def extend(self, other: "KVCache") -> None:
-        """Append other's rows after these (prompts joining a batch)."""
-        stored = [cache for cache in (self, other) if cache.keys is not None]
-        if stored:
-            B, H, capacity, D = max((cache.keys.shape for cache in stored), key=lambda shape: shape[2])
-            dtype = stored[0].keys.dtype
-
-            def rows_of(cache, arrays):  # every row's storage at the common capacity
-                if cache.keys is None:
-                    return mx.zeros((len(cache.offsets), H, capacity, D), dtype)
-                return arrays if arrays.shape[2] == capacity else self._resized(arrays, (arrays.shape[0], H, capacity, D), dtype)
-
-            self.keys = mx.concatenate([rows_of(self, self.keys), rows_of(other, other.keys)])
-            self.values = mx.concatenate([rows_of(self, self.values), rows_of(other, other.values)])
-        self.offsets = self.offsets + other.offsets
-
-
-class DecoderCache:
-    """Everything the decoder keeps between steps for a batch of prompts:
-    each layer's self-attention cache, and the cross-attention keys/values
-    and encoder padding bias, computed once per prompt."""
-
-    # Every step reads the padding too (at most 31 positions a row, 1.5 MB each
-    # in T5-11B at 16 bits: 1.5% of a 4-bit decoder's bytes for one row), and each
-    # new length compiles new graphs, one for every draft count a round may
-    # verify (num-draft auto's eight among them).
-    prompt_block = 32
-
-    @classmethod
-    def room(cls, prompt_length: int) -> int:
-        """The positions a prompt of this length takes in the cache."""
-        return -(-prompt_length // cls.prompt_block) * cls.prompt_block
-
-    def __init__(self, cross_keys_values: list, cross_bias: mx.array | None):
-        rows = cross_keys_values[0][0].shape[0]
-        self.self_attention = [KVCache(rows) for _ in cross_keys_values]
-        self.cross_keys_values = cross_keys_values
-        self.cross_bias = cross_bias  # encoder padding mask (B, 1, 1, S); make_cache always gives one
-
-    @property
-    def offsets(self) -> list[int]:
-        return self.self_attention[0].offsets
-
-    @property
-    def offset(self) -> int:
-        return self.self_attention[0].offset
-
-    def trim(self, n: int | list[int]) -> None:
-        for cache in self.self_attention:
-            cache.trim(n)
-
-    def reserve(self, length: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Every layer's storage, with room for `length` more positions."""
-        _, heads, _, dim = self.cross_keys_values[0][0].shape
-        for cache in self.self_attention:
-            cache.reserve(length, heads, dim, self.cross_keys_values[0][0].dtype)
-        return [cache.keys for cache in self.self_attention], [cache.values for cache in self.self_attention]
-
-    def advance(self, length: int, keys: list[mx.array], values: list[mx.array]) -> None:
-        for cache, k, v in zip(self.self_attention, keys, values):
-            cache.advance(length, k, v)
-
-    def keep(self, rows: list[int], cross_length: int | None = None) -> None:
-        """Only these rows, in this order; cross-attention cut to the room
-        of a cross_length prompt if given (the longest prompt left is shorter)."""
-        index = mx.array(rows)
-        for cache in self.self_attention:
-            cache.keep(rows)
-        cut = slice(None, None if cross_length is None else self.room(cross_length))
-        self.cross_keys_values = [(k[index, :, cut], v[index, :, cut]) for k, v in self.cross_keys_values]
-        if self.cross_bias is not None:
-            self.cross_bias = self.cross_bias[index, ..., cut]
-
-    def reorder(self, rows: list[int]) -> None:
-        """The self-attention caches of these rows, in this order, rows
-        repeated or dropped (beam search's beams, each the continuation of a
-        beam of the same prompt, whose cross-attention is the same)."""
-        for cache in self.self_attention:
-            cache.keep(rows)
-
-    def extend(self, other: "DecoderCache") -> None:
-        """Append other's rows (prompts encoded apart) after these. The
-        shorter prompts' cross-attention keys are padded, and the padding masked."""
-        length = max(cache.cross_keys_values[0][0].shape[2] for cache in (self, other))
-        if self.cross_bias is not None or other.cross_bias is not None or \
-                self.cross_keys_values[0][0].shape[2] != other.cross_keys_values[0][0].shape[2]:
-            self.cross_bias = mx.concatenate([self.cross_bias_over(length), other.cross_bias_over(length)])
-        self.cross_keys_values = [
-            tuple(mx.concatenate([pad_length(a, length), pad_length(b, length)]) for a, b in zip(mine, theirs))
-            for mine, theirs in zip(self.cross_keys_values, other.cross_keys_values)]
-        for mine, theirs in zip(self.self_attention, other.self_attention):
-            mine.extend(theirs)
-
-    def cross_bias_over(self, length: int) -> mx.array:
-        """The cross-attention bias (B, 1, 1, length): -inf at padding and past each prompt's end."""
-        rows, _, own, _ = self.cross_keys_values[0][0].shape
-        dtype = self.cross_keys_values[0][0].dtype
-        bias = mx.zeros((rows, 1, 1, own), dtype) if self.cross_bias is None else self.cross_bias
-        return mx.concatenate([bias, mx.full((rows, 1, 1, length - own), -mx.inf, dtype)], axis=-1)
-
-
-def pad_length(x: mx.array, length: int) -> mx.array:
-    """(B, H, S, D) keys or values with zeros after position S up to length."""
-    missing = length - x.shape[2]
-    return x if missing == 0 else mx.pad(x, [(0, 0), (0, 0), (0, missing), (0, 0)])
-
-
 def padding_bias(mask: mx.array | None, dtype) -> mx.array | None:
     """(B, S) mask of 1 for tokens, 0 for padding -> additive (B, 1, 1, S) bias."""
     if mask is None:
@@ -570,7 +397,12 @@ class Decoder(Stack):
         return self.finish(x), new_keys, new_values
 
 
-class T5(nn.Module):
+class EncoderDecoder(nn.Module):
+    """The one encoder-decoder: T5's by default, every other family a
+    configuration of it (ModelArgs). Prompts encode once (encode,
+    make_cache); the decoder then steps through its cache (decode), each
+    step compiled for its shapes (compile_decoding)."""
+
     most_traces = 64  # compiled decode-step shapes kept (compile_decoding)
 
     def __init__(self, args: ModelArgs):
@@ -583,10 +415,9 @@ class T5(nn.Module):
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         if args.logits_bias:
             self.final_logits_bias = mx.zeros((args.vocab_size,))
-        self._compiled_step = None  # compile_decoding sets it
-        self._paused = None  # the compiled step while `compiled` is switched off
+        self.steps = Plain()  # how decode steps run: op by op, until compile_decoding
+        self._paused = None  # the compiled steps while `compiled` is switched off
         self.cold_steps = 0  # decode steps that ran a shape for the first time, or traced it (compile_decoding)
-        self._run = set()  # the shapes run op by op so far
 
     @property
     def longest_input(self) -> int | None:
@@ -633,22 +464,8 @@ class T5(nn.Module):
         keys, values = cache.reserve(length)
         step = self.decode_step
         shapes = (tokens.shape, keys[0].shape, cache.cross_keys_values[0][0].shape, cache.cross_bias is None)
-        if self._compiled_step is None:
-            if shapes not in self._run:  # its first run: kernels may compile
-                self._run.add(shapes)
-                self.cold_steps += 1
-        elif shapes in self._traced:
-            step = self._compiled_step
-        else:
-            self.cold_steps += 1
-            if shapes in self._seen:
-                if len(self._traced) >= self.most_traces:
-                    self.compile_decoding()  # a fresh start: MLX frees the old traces
-                self._seen.discard(shapes)
-                self._traced.add(shapes)
-                step = self._compiled_step
-            else:
-                self._seen.add(shapes)
+        step, cold = self.steps.step_for(shapes, self.decode_step, self.most_traces)
+        self.cold_steps += cold
         logits, keys, values = step(tokens, mx.array(cache.offsets), keys, values, cache.cross_keys_values, cache.cross_bias)
         cache.advance(length, keys, values)
         return logits
@@ -667,7 +484,7 @@ class T5(nn.Module):
             logits = logits + self.final_logits_bias
         return logits.reshape(B, L, -1), keys, values
 
-    def compile_decoding(self) -> "T5":
+    def compile_decoding(self) -> "EncoderDecoder":
         """Run decode steps as compiled graphs, traced once per shape (rows,
         new tokens, prompt length rounded up to DecoderCache.prompt_block,
         storage capacity) on the shape's second step: MLX then replays the
@@ -687,9 +504,7 @@ class T5(nn.Module):
         builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
         cpu.prepare(self)  # the CPU path's weight views, made once rather than in every step
-        self._compiled_step = mx.compile(self.decode_step)
-        self._traced = set()  # the shapes traced so far
-        self._seen = set()  # the shapes run once, plainly
+        self.steps, self._paused = Traced(self.decode_step), None
         return self
 
     @property
@@ -697,28 +512,66 @@ class T5(nn.Module):
         """Whether decode steps run as compiled graphs (compile_decoding).
         Set False to build every step's graph op by op (what compiling saves:
         `python -m bench steps`), True to compile again."""
-        return self._compiled_step is not None
+        return isinstance(self.steps, Traced)
 
     @compiled.setter
     def compiled(self, on: bool) -> None:
         if on == self.compiled:
             return
         if not on:  # kept, with its traces, for when it is switched on again
-            self._paused, self._compiled_step = self._compiled_step, None
+            self._paused, self.steps = self.steps, Plain()
         elif self._paused is not None:
-            self._compiled_step, self._paused = self._paused, None
+            self.steps, self._paused = self._paused, None
         else:
             self.compile_decoding()
 
     @property
     def traced_shapes(self) -> int:
         """Decode-step shapes traced into compiled graphs so far."""
-        return len(self._traced) if self.compiled else 0
+        return len(self.steps.traced) if self.compiled else 0
 
-    def update(self, parameters: dict, strict: bool = True) -> "T5":
-        self._compiled_step = self._paused = None
+    def update(self, parameters: dict, strict: bool = True) -> "EncoderDecoder":
+        self.steps, self._paused = Plain(), None
         return super().update(parameters, strict)
 
-    def update_modules(self, modules: dict, strict: bool = True) -> "T5":
-        self._compiled_step = self._paused = None
+    def update_modules(self, modules: dict, strict: bool = True) -> "EncoderDecoder":
+        self.steps, self._paused = Plain(), None
         return super().update_modules(modules, strict)
+
+
+class Plain:
+    """Decode steps run op by op (a model not compiled): the first step of
+    each shape is cold (kernels may compile then)."""
+
+    def __init__(self):
+        self.run = set()  # the shapes run so far
+
+    def step_for(self, shapes: tuple, step, most: int) -> tuple:
+        """The function that runs a step of these shapes, and whether the step is cold."""
+        cold = shapes not in self.run
+        self.run.add(shapes)
+        return step, cold
+
+
+class Traced:
+    """Decode steps as compiled graphs, traced on a shape's second step and
+    replayed after: a shape's first step runs plainly (a one-shot run's
+    shapes often never recur, and a trace costs about a step). Past `most`
+    traced shapes, every trace is dropped and tracing starts again (MLX
+    frees them with the compiled function). Every step but a replay is cold."""
+
+    def __init__(self, step):
+        self.step, self.compiled = step, mx.compile(step)
+        self.traced, self.seen = set(), set()  # the shapes traced so far; the shapes run once, plainly
+
+    def step_for(self, shapes: tuple, step, most: int) -> tuple:
+        if shapes in self.traced:
+            return self.compiled, False
+        if shapes not in self.seen:
+            self.seen.add(shapes)
+            return step, True
+        if len(self.traced) >= most:  # a fresh start
+            self.compiled, self.traced = mx.compile(self.step), set()
+        self.seen.discard(shapes)
+        self.traced.add(shapes)
+        return self.compiled, True

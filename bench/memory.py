@@ -152,13 +152,13 @@ def weight_bytes(shapes: dict, format: str, group_size: int = 64) -> int:
     from mlx.utils import tree_flatten
 
     import families
-    from model import T5, ModelArgs
+    from model import EncoderDecoder, ModelArgs
 
     if "model_type" in shapes:  # a family's config, as convert.py reads it
         args = ModelArgs.from_dict(shapes | families.family_of(shapes).arguments(shapes))
     else:
         args = ModelArgs(vocab_size=32128, num_decoder_layers=shapes["num_layers"], **shapes)
-    model = T5(args)  # lazy: only shapes are read
+    model = EncoderDecoder(args)  # lazy: only shapes are read
     bits, total = BITS[format], 0
     for name, array in tree_flatten(model.parameters()):
         if bits and Quantization(bits, group_size).applies(name, array.shape):

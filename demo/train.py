@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import convert  # noqa: E402
-from model import T5, ModelArgs  # noqa: E402
+from model import EncoderDecoder, ModelArgs  # noqa: E402
 
 SP_VOCAB = 2000  # SentencePiece pieces; the tokenizer adds 100 sentinels
 NUM_SENTINELS = 100
@@ -198,7 +198,7 @@ def to_arrays(examples):
 # ---------------------------------------------------------------- training
 
 
-def initialize(model: T5, seed: int) -> None:
+def initialize(model: EncoderDecoder, seed: int) -> None:
     """T5's initialisation (factor 1): attention scores are not scaled by
     1/sqrt(d_kv) at run time, so queries start that much smaller."""
     mx.random.seed(seed)
@@ -217,25 +217,25 @@ def initialize(model: T5, seed: int) -> None:
     model.load_weights(weights)
 
 
-def logits_of(model: T5, inputs, decoder_inputs) -> mx.array:
+def logits_of(model: EncoderDecoder, inputs, decoder_inputs) -> mx.array:
     """One stream (lanes=()): training's products take MKL's own threads (cpu.set_threads)."""
     return model.decode(decoder_inputs, model.make_cache(model.encode(inputs, lanes=()), lanes=()))
 
 
-def loss_fn(model: T5, inputs, decoder_inputs, targets) -> mx.array:
+def loss_fn(model: EncoderDecoder, inputs, decoder_inputs, targets) -> mx.array:
     """Cross-entropy against the true tokens."""
     logits = logits_of(model, inputs, decoder_inputs)
     return nn.losses.cross_entropy(logits, targets, reduction="mean")
 
 
-def distillation_loss(model: T5, inputs, decoder_inputs, teacher_logits) -> mx.array:
+def distillation_loss(model: EncoderDecoder, inputs, decoder_inputs, teacher_logits) -> mx.array:
     """Cross-entropy against the teacher's distribution: the student learns
     what the teacher would predict, not the text."""
     log_probs = nn.log_softmax(logits_of(model, inputs, decoder_inputs), axis=-1)
     return -(mx.softmax(teacher_logits, axis=-1) * log_probs).sum(axis=-1).mean()
 
 
-def agreement(model: T5, teacher: T5, held: list) -> float:
+def agreement(model: EncoderDecoder, teacher: EncoderDecoder, held: list) -> float:
     """How often the two models' argmax agree at each target position, fed
     the true text (the sentinel and EOS positions included). Drafting for
     the teacher, every token is this choice, but after a first disagreement
@@ -247,7 +247,7 @@ def agreement(model: T5, teacher: T5, held: list) -> float:
     return same / total
 
 
-def train(model: T5, data, heldout: list, steps: int, log, teacher: T5 | None = None) -> list[dict]:
+def train(model: EncoderDecoder, data, heldout: list, steps: int, log, teacher: EncoderDecoder | None = None) -> list[dict]:
     """Train on data's batches; with a teacher, learn the teacher's
     predictions instead of the true tokens."""
     # Adafactor as T5 was trained: updates scale with each weight's RMS. With
@@ -309,7 +309,7 @@ def hf_names(args: ModelArgs) -> list[str]:
     return names
 
 
-def save_hugging_face(model: T5, tokenizer_dir: Path, folder: Path) -> Path:
+def save_hugging_face(model: EncoderDecoder, tokenizer_dir: Path, folder: Path) -> Path:
     """The model as a Hugging Face checkpoint, named through convert.py's own table."""
     from transformers import T5Config
 
@@ -355,12 +355,12 @@ def heldout_split(tokenizer, heldout: np.ndarray, seed: int) -> tuple[np.ndarray
     return shuffled, list(itertools.islice(data, 8))
 
 
-def heldout_loss(model: T5, held: list) -> float:
+def heldout_loss(model: EncoderDecoder, held: list) -> float:
     """Mean cross-entropy per target token over the held-out batches (nats)."""
     return float(np.mean([loss_fn(model, *batch).item() for batch in held]))
 
 
-def dequantized(model: T5) -> T5:
+def dequantized(model: EncoderDecoder) -> EncoderDecoder:
     """The same model with float layers holding its quantized weights,
     dequantized: the function the quantized products compute, up to float
     rounding, in BLAS products (on the CPU, MLX's quantized products are
@@ -425,10 +425,10 @@ def main(argv=None) -> int:
 
     summary = {"seed": args.seed, "python": sys.version.split()[0], "sp_vocab": SP_VOCAB, "batch": BATCH}
 
-    def build(name: str, index: int, teacher: T5 | None) -> T5:
+    def build(name: str, index: int, teacher: EncoderDecoder | None) -> EncoderDecoder:
         """Train one model of SIZES[name] and save it both ways."""
         sizes = SIZES[name]
-        model = T5(ModelArgs(vocab_size=len(tokenizer), **sizes))
+        model = EncoderDecoder(ModelArgs(vocab_size=len(tokenizer), **sizes))
         initialize(model, args.seed + index)
         parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
         steps = args.steps or STEPS[name]

@@ -13,7 +13,7 @@ import mlx.core as mx
 from decoder import Request
 from generate import batch_generate, generate, stream_generate
 from loading import Models, load_tokenizer
-from model import KVCache
+from cache import KVCache
 from options import Settings, Stats
 from test_model import append
 

@@ -265,7 +265,7 @@ def rounds_timed(auto: AutoDraft) -> int:
 
 def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_not_timed(pair):
     """The model says which steps ran a shape for the first time or traced
-    it (T5.cold_steps): a fresh pair's first two rounds do, and auto does
+    it (EncoderDecoder.cold_steps): a fresh pair's first two rounds do, and auto does
     not time them."""
     checkpoint = pair["checkpoint"]
     fresh = Models(load_model(checkpoint.mlx_dir), load_model(checkpoint.mlx_dir))

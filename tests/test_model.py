@@ -8,7 +8,8 @@ from support import assert_as_near_as_transformers, in_float64
 
 import mlx.core as mx
 from loading import load_model
-from model import DecoderCache, KVCache, ModelArgs, RelativePositionBias, write
+from cache import DecoderCache, KVCache, write
+from model import ModelArgs, RelativePositionBias
 
 
 def hf_logits(checkpoint, decoder_ids, model=None):

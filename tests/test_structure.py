@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
 PROJECT = {p.stem for p in ROOT.glob("*.py")} | {"serving", "bench"}  # what `import X` may name of ours
 
-ENGINE = {"decoder", "beams", "drafting", "model", "attention", "sampling", "options", "errors", "cpu"}
+ENGINE = {"decoder", "beams", "drafting", "model", "cache", "attention", "sampling", "options", "errors", "cpu"}
 
 
 def imports(path: Path) -> set[str]:
@@ -97,7 +97,7 @@ def test_no_function_is_over_80_lines():
 
 
 def test_no_test_sets_a_private_attribute():
-    """Tests go through public entry points (T5.compiled, T5.traced_shapes, DraftCost's methods ...)."""
+    """Tests go through public entry points (EncoderDecoder.compiled, EncoderDecoder.traced_shapes, DraftCost's methods ...)."""
     setting = re.compile(r"\.\_[a-zA-Z]\w*\s*=[^=]|setattr\([^,]+,\s*[\"']_[a-zA-Z]")
     found = [f"{p.name}:{i}" for p in (ROOT / "tests").glob("*.py")
              for i, line in enumerate(p.read_text().splitlines(), 1) if setting.search(line)]

@@ -7,7 +7,7 @@ import pytest
 
 import mlx.core as mx
 import train
-from model import T5, ModelArgs
+from model import EncoderDecoder, ModelArgs
 
 SENTINELS = list(range(1099, 999, -1))  # <extra_id_0> is the last id, as in T5 tokenizers
 EOS = 1
@@ -83,7 +83,7 @@ def test_every_example_has_the_same_shapes_so_one_compiled_step_serves_all(seed)
 
 def test_training_lowers_the_loss_on_what_it_sees():
     args = ModelArgs(vocab_size=1100, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=2, num_decoder_layers=2)
-    model = T5(args)
+    model = EncoderDecoder(args)
     train.initialize(model, seed=0)
     rng = np.random.default_rng(0)
     pieces = rng.integers(3, 999, (train.BATCH, train.RAW_LENGTH)).astype(np.int32)
@@ -99,8 +99,8 @@ def test_a_student_trained_on_a_teachers_predictions_comes_to_agree_with_it():
     so their argmax agree, which is what speculative decoding accepts. The
     teacher learned other text, so a student of the text itself disagrees."""
     small = dict(vocab_size=1100, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
-    teacher = T5(ModelArgs(d_model=64, d_ff=128, **small))
-    student, control = (T5(ModelArgs(d_model=32, d_ff=64, **small)) for _ in range(2))
+    teacher = EncoderDecoder(ModelArgs(d_model=64, d_ff=128, **small))
+    student, control = (EncoderDecoder(ModelArgs(d_model=32, d_ff=64, **small)) for _ in range(2))
     for model, seed in ((teacher, 1), (student, 2), (control, 2)):
         train.initialize(model, seed=seed)
     rng = np.random.default_rng(0)
@@ -118,7 +118,7 @@ def test_a_student_trained_on_a_teachers_predictions_comes_to_agree_with_it():
 
 def test_initialisation_follows_t5():
     args = ModelArgs(vocab_size=1100, d_model=64, d_kv=16, d_ff=256, num_heads=4, num_layers=1, num_decoder_layers=1)
-    model = T5(args)
+    model = EncoderDecoder(args)
     train.initialize(model, seed=0)
     layer = model.encoder.layers[0]
     assert abs(model.shared.weight.std().item() - 1.0) < 0.05
