@@ -17,16 +17,11 @@ without `.scales` stays in float.
 """
 
 import argparse
-import ctypes
-import functools
 import json
 import math
-import mmap
-import os
 import re
 import shutil
 import signal
-import socket
 import struct
 import sys
 from dataclasses import asdict, dataclass
@@ -34,7 +29,6 @@ from pathlib import Path
 
 import cpu  # before mlx.core
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
@@ -42,6 +36,7 @@ import families
 from errors import ConversionError, LoadError
 from loading import FORMAT_KEY, could_be_hub_id, read_config
 from model import EncoderDecoder, ModelArgs
+from weights import SafetensorsReader, TorchReader, atomic_folder, weight_files
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SAFETENSORS_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
@@ -145,138 +140,6 @@ def read_source_config(folder: Path) -> dict:
         if defaults.get("decoder_start_token_id") is not None:
             config["decoder_start_token_id"] = defaults["decoder_start_token_id"]
     return config
-
-
-def weight_files(folder: Path) -> tuple[str, list[Path]]:
-    """('safetensors' | 'torch', files), preferring safetensors."""
-    for kind, single, index in [
-        ("safetensors", "model.safetensors", "model.safetensors.index.json"),
-        ("torch", "pytorch_model.bin", "pytorch_model.bin.index.json"),
-    ]:
-        if (folder / index).is_file():
-            try:
-                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ConversionError(f"{folder / index} is corrupt ({e})")
-            missing = [s for s in shards if not (folder / s).is_file()]
-            if missing:
-                raise ConversionError(f"{folder} is missing weight shard {missing[0]} named in {index}")
-            return kind, [folder / s for s in shards]
-        if (folder / single).is_file():
-            return kind, [folder / single]
-    raise ConversionError(f"{folder} holds no weights (model.safetensors or pytorch_model.bin)")
-
-
-class SafetensorsReader:
-    """name -> shape and tensors, read with plain file reads (no torch).
-
-    Not a memory map (safetensors' safe_open): every mapped page touched stays
-    in the process's resident memory, so converting T5-11B would hold 45 GB.
-    """
-
-    NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
-
-    def __init__(self, files: list[Path]):
-        self.entries = {}  # name -> (file, byte offset, safetensors dtype, shape)
-        for file in files:
-            size = file.stat().st_size
-            try:
-                with open(file, "rb") as f:
-                    (header_size,) = struct.unpack("<Q", f.read(8))
-                    if header_size > size - 8:
-                        raise ValueError("header runs past the end of the file")
-                    header = json.loads(f.read(header_size))
-                header.pop("__metadata__", None)
-                for name, info in header.items():
-                    start, end = info["data_offsets"]
-                    if info["dtype"] not in self.NUMPY_DTYPES:
-                        raise ValueError(f"{name} has unsupported dtype {info['dtype']}")
-                    itemsize = np.dtype(self.NUMPY_DTYPES[info["dtype"]]).itemsize
-                    if not 0 <= start <= end or end - start != itemsize * math.prod(info["shape"]):
-                        raise ValueError(f"{name}'s offsets do not match its shape")
-                    if 8 + header_size + end > size:
-                        raise ValueError(f"{name} runs past the end of the file")
-                    self.entries[name] = (file, 8 + header_size + start, info["dtype"], info["shape"])
-            except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-                raise ConversionError(f"{file} is truncated or corrupt ({e})")
-            except OSError as e:
-                raise ConversionError(f"cannot read {file}: {e.strerror or e}")
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def shape(self, name: str) -> list[int]:
-        return self.entries[name][3]
-
-    def tensor(self, name: str) -> mx.array:
-        file, offset, dtype, shape = self.entries[name]
-        with open(file, "rb") as f:
-            f.seek(offset)
-            data = np.fromfile(f, dtype=self.NUMPY_DTYPES[dtype], count=math.prod(shape))
-        array = mx.array(data.reshape(shape))
-        return array.view(mx.bfloat16) if dtype == "BF16" else array
-
-
-class TorchReader:
-    """pytorch_model.bin files, loaded memory-mapped (needs PyTorch)."""
-
-    def __init__(self, files: list[Path]):
-        try:
-            import torch
-        except ImportError:
-            raise ConversionError("this checkpoint is pytorch_model.bin: install PyTorch (pip install torch) to convert it")
-        self.tensors, self.mapped = {}, set()
-        for file in files:
-            # Only the zip format (torch >= 1.6) maps; the legacy one is read whole.
-            try:
-                with file.open("rb") as f:
-                    legacy = f.read(2) != b"PK"
-            except OSError as e:
-                raise ConversionError(f"cannot read {file}: {e.strerror or e}")
-            if legacy:
-                print(f"note: {file.name} is in PyTorch's legacy format: it is read whole into memory", file=sys.stderr)
-            try:
-                tensors = torch.load(str(file), map_location="cpu", mmap=not legacy, weights_only=True)
-            except Exception as e:  # torch raises many types for a bad file
-                raise ConversionError(f"{file} is truncated or corrupt ({str(e).splitlines()[0]})")
-            self.tensors.update(tensors)
-            if legacy:  # on the heap: never release these pages
-                self.mapped.difference_update(tensors)
-            else:
-                self.mapped.update(tensors)
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def shape(self, name: str) -> list[int]:
-        return list(self.tensors[name].shape)
-
-    def tensor(self, name: str) -> mx.array:
-        import torch
-
-        tensor = self.tensors[name]
-        array = mx.array(tensor.to(torch.float32).numpy())  # a copy
-        if name in self.mapped:
-            release_pages(tensor.untyped_storage())
-        return array
-
-
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def release_pages(storage) -> None:
-    """Drop the mapped file pages a tensor was read from: read pages count
-    as resident, so converting would otherwise grow memory to the file's size.
-    Only for a storage in a read-only file mapping (a page touched again is
-    read from the file); on heap memory this would zero live data."""
-    if sys.platform != "linux" or storage.nbytes() == 0:
-        return
-    page = mmap.PAGESIZE
-    start = storage.data_ptr() // page * page
-    length = -(-(storage.data_ptr() + storage.nbytes() - start) // page) * page
-    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
 
 
 # ---------------------------------------------------------------- mapping
@@ -450,31 +313,6 @@ def check_output(out: Path, force: bool) -> None:
         raise ConversionError(f"{out} exists and is not a converted model: --force only replaces those; choose another --out")
 
 
-OWNER = ".converting"  # "HOST PID" of the process writing a work folder
-
-
-def remove_leftovers(folder_of_outputs: Path) -> None:
-    """Work folders of conversions that were killed (SIGKILL, power loss),
-    whatever their output: written on this host (see OWNER) by a process that
-    is gone. A conversion stopped by Ctrl-C or SIGTERM removes its own."""
-    pattern = re.compile(r"\..+\.partial-\d{1,9}")
-    for folder in folder_of_outputs.iterdir():
-        if not pattern.fullmatch(folder.name):
-            continue
-        try:
-            host, pid = (folder / OWNER).read_text().split()
-        except (OSError, ValueError):
-            continue  # not ours to judge
-        if host != socket.gethostname():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-        except (PermissionError, OverflowError, ValueError):
-            pass
-
-
 def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Quantization | None = None) -> Path:
     check_output(out, force)
     source = resolve_source(model)
@@ -495,16 +333,7 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
             print(f"note: {len(kept)} weight(s) stay in {dtype_name}, their input dimension not a multiple of "
                   f"{quantization.group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}", file=sys.stderr)
 
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(out.parent)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-        (partial / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
-    except OSError as e:
-        raise ConversionError(f"cannot write {out}: {e.strerror or e}")
-    try:
+    with atomic_folder(out, lambda: check_output(out, force)) as partial:
         shards = shard(weights, dtype, quantization)
         total = sum(nbytes(name, weights.shape(name), dtype, quantization) for name in weights.names)
         names = ["model.safetensors"] if len(shards) == 1 else [
@@ -521,53 +350,16 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         # Its class, where transformers' AutoTokenizer looks: tokenizer_config.json, then config.json.
         tokenizer_config["tokenizer_class"] = (tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class")
                                                or ("MarianTokenizer" if (source / "source.spm").is_file() else None))
-        in_bytes = tokenizer_config["tokenizer_class"] == "ByT5Tokenizer"  # no vocabulary: loading.ByteTokenizer
-        if (source / "source.spm").is_file() and not (partial / "tokenizer.json").is_file():  # Marian's two models
-            families.marian_tokenizer(source).save(str(partial / "tokenizer.json"))
-        elif tokenizer_config["tokenizer_class"] == "M2M100Tokenizer" and not (partial / "tokenizer.json").is_file():
-            families.m2m100_tokenizer(source, tokenizer_config).save(str(partial / "tokenizer.json"))
-        elif not in_bytes and not (partial / "tokenizer.json").is_file():  # what main.py reads without transformers
-            write_tokenizer_json(source, partial / "tokenizer.json")
+        tokenizer = families.write_tokenizer(source, partial, tokenizer_config)
         # config.json last: a folder without it never loads as a model.
         result = output_config(config, args, dtype_name, names, model, quantization)
-        if in_bytes:
-            result["tokenizer"] = {"kind": "bytes", "extra_ids": tokenizer_config.get("extra_ids", 125)}
+        if tokenizer is not None:  # ByT5's bytes: no vocabulary (loading.ByteTokenizer)
+            result["tokenizer"] = tokenizer
         marked = families.languages(tokenizer_config)
         if marked:  # how the tokenizer marks languages, for --src-lang and --tgt-lang
             result["languages"] = marked
         (partial / "config.json").write_text(json.dumps(result, indent=2))
-        (partial / OWNER).unlink()
-        check_output(out, force)  # again: the output may have appeared meanwhile
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            partial.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            partial.rename(out)
-    except OSError as e:  # a full disk, a read-only file system, an unreadable source file
-        shutil.rmtree(partial, ignore_errors=True)
-        where = e.filename and Path(e.filename)
-        if where and partial in (where, *where.parents):
-            raise ConversionError(f"cannot write {out}: {e.strerror or e}")
-        raise ConversionError(f"cannot read {e.filename}: {e.strerror or e}" if where else f"conversion failed: {e}")
-    except BaseException:  # Ctrl-C, SIGTERM, anything else: nothing half-written stays
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return out
-
-
-def write_tokenizer_json(source: Path, path: Path) -> None:
-    """A tokenizer.json for a checkpoint that has only spiece.model (or
-    another tokenizer's own files), through transformers (which converts
-    SentencePiece models)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
-    if not hasattr(tokenizer, "backend_tokenizer"):
-        raise ConversionError(f"{source}'s tokenizer ({type(tokenizer).__name__}) has no fast form to write as "
-                              "tokenizer.json: its models do not convert yet")
-    tokenizer.backend_tokenizer.save(str(path))
 
 
 def read_json(path: Path) -> dict:

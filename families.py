@@ -20,6 +20,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -80,14 +81,30 @@ BART_RENAMES = (
     (r"^lm_head\.weight$", r"lm_head.weight"),
 )
 
-# model_type -> (normalises each block's input, learned positions, positions' first row, a norm after the embeddings)
-BART_KINDS = {"bart": (False, True, 2, True), "mbart": (True, True, 2, True), "marian": (False, False, 0, False),
-              "pegasus": (True, False, 0, False), "m2m_100": (True, False, 2, False)}
+@dataclass(frozen=True)
+class BartKind:
+    """What sets one of the BART family's model types apart."""
+
+    pre_norm: bool  # each block normalises its input (else the sum of its input and output)
+    learned_positions: bool  # a position table in the checkpoint (else sinusoids, computed here)
+    position_offset: int  # the table's row for position 0
+    embedding_norm: bool  # a norm after the embeddings
+    logits_bias: bool = True  # final_logits_bias
+
+
+BART_KINDS = {
+    "bart": BartKind(pre_norm=False, learned_positions=True, position_offset=2, embedding_norm=True),
+    "mbart": BartKind(pre_norm=True, learned_positions=True, position_offset=2, embedding_norm=True),
+    "marian": BartKind(pre_norm=False, learned_positions=False, position_offset=0, embedding_norm=False),
+    "pegasus": BartKind(pre_norm=True, learned_positions=False, position_offset=0, embedding_norm=False),
+    "m2m_100": BartKind(pre_norm=True, learned_positions=False, position_offset=2, embedding_norm=False, logits_bias=False),
+}
 
 
 def bart_arguments(config: dict) -> dict:
     kind = config["model_type"]
-    pre_norm, learned, offset, embedding_norm = BART_KINDS[kind]
+    switches = BART_KINDS[kind]
+    pre_norm, offset = switches.pre_norm, switches.position_offset
     d_model, heads = config["d_model"], config["encoder_attention_heads"]
     if (config.get("decoder_attention_heads", heads), config.get("decoder_ffn_dim", config["encoder_ffn_dim"])) != \
             (heads, config["encoder_ffn_dim"]):
@@ -101,9 +118,9 @@ def bart_arguments(config: dict) -> dict:
             "tie_word_embeddings": config.get("tie_word_embeddings", True), "scale_decoder_outputs": False,
             "positions": "absolute", "position_offset": offset,
             "max_positions": config["max_position_embeddings"] + offset, "norm": "layer", "pre_norm": pre_norm,
-            "final_norm": pre_norm, "embedding_norm": embedding_norm,
+            "final_norm": pre_norm, "embedding_norm": switches.embedding_norm,
             "embedding_scale": math.sqrt(d_model) if config.get("scale_embedding") else 1.0, "linear_bias": True,
-            "logits_bias": kind != "m2m_100"}
+            "logits_bias": switches.logits_bias}
 
 
 def sinusoidal(rows: int, dim: int) -> np.ndarray:
@@ -136,7 +153,7 @@ def fairseq_sinusoidal(rows: int, dim: int, padding_row: int) -> np.ndarray:
 def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
     """The sinusoidal families' position tables, which checkpoints may or may not store."""
     kind = config["model_type"]
-    if BART_KINDS[kind][1]:  # learned: in the checkpoint
+    if BART_KINDS[kind].learned_positions:  # in the checkpoint
         return {}
     if kind == "m2m_100":
         table = fairseq_sinusoidal(args.max_positions, args.d_model, config["pad_token_id"])
@@ -308,3 +325,39 @@ def family_of(config: dict) -> Family:
     if model_type not in FAMILIES:
         raise ConversionError(f"a '{model_type}' model is not one this converts (it takes: {', '.join(FAMILIES)})")
     return FAMILIES[model_type]
+
+
+# ---------------------------------------------------------------- each family's tokenizer
+
+
+def write_tokenizer(source: Path, folder: Path, tokenizer_config: dict) -> dict | None:
+    """Write the tokenizer.json that loading.py reads (with no transformers)
+    into folder, as the checkpoint's tokenizer class makes it, unless the
+    checkpoint brought one; the config's "tokenizer" entry when it is no
+    vocabulary (ByT5's bytes), else None."""
+    kind = tokenizer_config.get("tokenizer_class")
+    if kind == "ByT5Tokenizer":
+        return {"kind": "bytes", "extra_ids": tokenizer_config.get("extra_ids", 125)}
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        return None
+    if (source / "source.spm").is_file():  # Marian's two SentencePiece models
+        marian_tokenizer(source).save(str(path))
+    elif kind == "M2M100Tokenizer":
+        m2m100_tokenizer(source, tokenizer_config).save(str(path))
+    else:
+        write_tokenizer_json(source, path)
+    return None
+
+
+def write_tokenizer_json(source: Path, path: Path) -> None:
+    """A tokenizer.json for a checkpoint that has only spiece.model (or
+    another tokenizer's own files), through transformers (which converts
+    SentencePiece models)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise ConversionError(f"{source}'s tokenizer ({type(tokenizer).__name__}) has no fast form to write as "
+                              "tokenizer.json: its models do not convert yet")
+    tokenizer.backend_tokenizer.save(str(path))

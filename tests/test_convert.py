@@ -16,6 +16,7 @@ from support import assert_as_near_as_transformers, in_float64
 import convert
 import main
 import mlx.core as mx
+import weights
 from loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,7 +182,7 @@ def test_only_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tm
         folder = tmp_path / name
         folder.mkdir()
         if owner:
-            (folder / convert.OWNER).write_text(f"{socket.gethostname()} {pid}")
+            (folder / weights.OWNER).write_text(f"{socket.gethostname()} {pid}")
         return folder
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -195,7 +196,7 @@ def test_only_work_folders_of_killed_conversions_are_removed(v1_1_checkpoint, tm
     ]
     convert.convert(str(v1_1_checkpoint.hf_dir), tmp_path / "out", "float32", force=False)
     assert not any(folder.exists() for folder in killed) and all(folder.exists() for folder in kept)
-    assert not (tmp_path / "out" / convert.OWNER).exists()
+    assert not (tmp_path / "out" / weights.OWNER).exists()
 
 
 def conversion_growth(source: Path, out: Path, quantize: bool, torch_too: bool = False) -> int:
@@ -321,18 +322,18 @@ def test_an_output_that_cannot_be_written_gives_one_line_naming_it(v1_1_checkpoi
 
 def test_an_unreadable_source_file_gives_one_line_naming_it(v1_1_checkpoint, tmp_path, monkeypatch, capsys):
     """As for a model.safetensors of mode 000 (tests may run as root, whom modes do not stop)."""
-    weights = v1_1_checkpoint.hf_dir / "model.safetensors"
+    source_file = v1_1_checkpoint.hf_dir / "model.safetensors"
     real_open = open
 
     def unreadable(file, *args, **kwargs):
-        if Path(file) == weights:
+        if Path(file) == source_file:
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(convert, "open", unreadable, raising=False)
+    monkeypatch.setattr(weights, "open", unreadable, raising=False)  # where the checkpoint's files are read
     assert convert.main(["--model", str(v1_1_checkpoint.hf_dir), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"error: cannot read {weights}: Permission denied" and not (tmp_path / "out").exists()
+    assert err[-1] == f"error: cannot read {source_file}: Permission denied" and not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
