@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import cpu
+import kernels
 import mlx.core as mx
 
 from drafting import Proposal
@@ -78,7 +79,7 @@ class Row:
     request: Request
     started: tuple[float, float]  # on its batch's clocks, when it joined
     key: tuple[int, int]  # its random stream (sampling.random_key)
-    clocks: tuple[Callable[[], float], ...] = (time.perf_counter, cpu.compiling_seconds)  # its batch's (Batch.clocks)
+    clocks: tuple[Callable[[], float], ...] = (time.perf_counter, kernels.compiling_seconds)  # its batch's (Batch.clocks)
     produced: int = 0
     output: list[int] = field(default_factory=list)  # the tokens emitted
     forced_end: bool = False  # its model forces the end of text at max_tokens (forced_eos_token_id)
@@ -142,7 +143,7 @@ class Batch:
     width = 1  # the caches' rows each request takes (beam search: one a beam)
     # What a row's seconds are read from (Stats): the time, and the time MLX has spent compiling kernels. The tests
     # give it clocks of theirs.
-    clocks = (time.perf_counter, cpu.compiling_seconds)
+    clocks = (time.perf_counter, kernels.compiling_seconds)
 
     def __init__(self, models: list[EncoderDecoder], batch_size: int):
         self.models, self.batch_size = models, batch_size

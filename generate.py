@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 import cpu  # before mlx.core
+import kernels
 
 import batches
 from batches import batch_for, drive
@@ -338,14 +339,14 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     requests = [Request(ids, settings) for ids in tokenize(models, prompts, form_of(models, settings))]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
     batch = batch_for(models, settings, batch_size)
-    started, compiled = time.perf_counter(), cpu.compiling_seconds()
+    started, compiled = time.perf_counter(), kernels.compiling_seconds()
     for _ in texts(batch, requests, streams):
         pass
     total = sum((request.stats for request in requests), Stats())
     if not wall_clock:
         return total
     seconds = time.perf_counter() - started
-    compiling = min(max(cpu.compiling_seconds() - compiled, 0.0), seconds - batch.encoding_seconds)  # (others' count too)
+    compiling = min(max(kernels.compiling_seconds() - compiled, 0.0), seconds - batch.encoding_seconds)  # (others' count too)
     return replace(total, seconds=seconds, encoding_seconds=batch.encoding_seconds, compiling_seconds=compiling)
 
 

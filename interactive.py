@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-import cpu
+import kernels
 from errors import OptionError, T5Error
 from generate import encoding_seconds, measure, stream_batch_generate, stream_generate, warm_up
 from loading import Models
@@ -42,12 +42,12 @@ def warm_up_aloud(models: Models, prompt: str, settings: Settings, out=None) -> 
     """generate.warm_up before anything is timed, said (on stderr, or `out`)
     when it took a while (MLX compiling its kernels for these settings, once
     on this machine, tracing the steps' graphs), which no timing then counts."""
-    kernels, compiling, started = cpu.compiled_kernels(), cpu.compiling_seconds(), time.perf_counter()
+    compiled, compiling, started = kernels.compiled_kernels(), kernels.compiling_seconds(), time.perf_counter()
     warm_up(models, prompt, settings)
     seconds = time.perf_counter() - started
-    if cpu.compiled_kernels() > kernels:
-        print(f"Warmed up in {seconds:.1f} s, {cpu.compiling_seconds() - compiling:.1f} s of them MLX compiling "
-              f"{plural(cpu.compiled_kernels() - kernels, 'kernel')} for these settings (once on this machine)",
+    if kernels.compiled_kernels() > compiled:
+        print(f"Warmed up in {seconds:.1f} s, {kernels.compiling_seconds() - compiling:.1f} s of them MLX compiling "
+              f"{plural(kernels.compiled_kernels() - compiled, 'kernel')} for these settings (once on this machine)",
               file=out or sys.stderr, flush=True)
     elif seconds > 2:
         print(f"Warmed up in {seconds:.1f} s", file=out or sys.stderr, flush=True)
@@ -111,7 +111,7 @@ def show_batch(generations, count: int, speculative: bool, tokenizer, out=None, 
     """Each prompt's text (per_prompt of them, n outputs), what it was asked
     for beside (beams, logprobs) and statistics line as it comes (in input
     order), then the whole run's throughput; the summed statistics."""
-    started, total, compiling = time.perf_counter(), Stats(), cpu.compiling_seconds()
+    started, total, compiling = time.perf_counter(), Stats(), kernels.compiling_seconds()
     for number, generation in enumerate(generations):
         prompt, output = divmod(number, per_prompt)
         which = f"prompt {prompt + 1} of {count}" + (f", output {output + 1} of {per_prompt}" if per_prompt > 1 else "")
@@ -120,7 +120,7 @@ def show_batch(generations, count: int, speculative: bool, tokenizer, out=None, 
         print(stats_line(generation.stats, speculative), file=out, flush=True)
         total += generation.stats
     wall = time.perf_counter() - started
-    compiling = min(cpu.compiling_seconds() - compiling, wall)  # (another process's compiles count too)
+    compiling = min(kernels.compiling_seconds() - compiling, wall)  # (another process's compiles count too)
     seconds = wall - compiling
     speed = f"{total.generated / seconds:.1f}" if seconds > 0 else "-"
     print(f"--- {plural(count, 'prompt')}: {plural(total.generated, 'token')} in {seconds:.2f} s ({speed} tokens/s)"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import cpu  # before mlx.core
+import kernels
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -360,9 +361,9 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
                  for path in (target_path, draft_path) if path is not None]
         print(f"Loading {' and '.join(names)} ...", file=sys.stderr, flush=True)
-        if (kernels := cpu.uncompiled_kernels()) is not None:
+        if (folder := kernels.uncompiled_kernels()) is not None:
             print(f"First run of MLX {mx.__version__} here: its CPU kernels are compiled as they are first needed "
-                  f"(once, kept in {kernels}), which slows the first generation by up to half a minute.",
+                  f"(once, kept in {folder}), which slows the first generation by up to half a minute.",
                   file=sys.stderr, flush=True)
     for path, model in ((target_path, target_model), (draft_path, draft_model)):
         if model is not None:

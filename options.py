@@ -393,7 +393,7 @@ class Stats:
     accepted: int = 0
     seconds: float = 0.0  # from when the prompt joined its batch: encoding, then decoding
     encoding_seconds: float = 0.0  # the encoding its row waited for (of the prompts that joined with it too)
-    # MLX compiling CPU kernels while its row waited (once a kernel and machine: cpu.compiling_seconds), in neither
+    # MLX compiling CPU kernels while its row waited (once a kernel and machine: kernels.compiling_seconds), in neither
     compiling_seconds: float = 0.0
 
     def __add__(self, other: "Stats") -> "Stats":

@@ -9,6 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import cpu
+import kernels
 import loading
 import main
 from errors import LoadError, ModelNotFound, T5Error
@@ -62,12 +63,12 @@ def test_models_read_every_weight_before_the_first_timed_generation(v1_1_checkpo
 @pytest.mark.skipif(sys.platform == "darwin" or not cpu.mlx_computes_on_cpu(),
                     reason="MLX compiles CPU kernels with a C++ compiler on Linux only, when it computes on the CPU")
 def test_a_first_run_says_it_waits_for_mlx_to_compile_its_cpu_kernels(v1_1_checkpoint, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cpu.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path))
     loading.load(str(v1_1_checkpoint.mlx_dir), verbose=True)
     assert "First run of MLX" in capsys.readouterr().err
-    kernels = tmp_path / "mlx" / loading.mx.__version__ / "cpu"
-    kernels.mkdir(parents=True)
-    (kernels / "libkernel.so").touch()
+    folder = tmp_path / "mlx" / loading.mx.__version__ / "cpu"
+    folder.mkdir(parents=True)
+    (folder / "libkernel.so").touch()
     loading.load(str(v1_1_checkpoint.mlx_dir), verbose=True)
     assert "First run" not in capsys.readouterr().err
 

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
 PROJECT = {p.stem for p in ROOT.glob("*.py")} | {"serving", "bench"}  # what `import X` may name of ours
 
-ENGINE = {"decoder", "beams", "drafting", "model", "cache", "attention", "sampling", "options", "errors", "cpu"}
+ENGINE = {"decoder", "beams", "drafting", "model", "cache", "attention", "sampling", "options", "errors", "cpu", "kernels"}
 
 
 def imports(path: Path) -> set[str]:
