@@ -14,7 +14,8 @@ from dataclasses import replace
 from typing import Iterator
 
 from beams import BeamBatch
-from decoder import Batch, Event, RegularBatch, Request, SpeculativeBatch
+from decoder import RegularBatch, SpeculativeBatch
+from rows import Batch, Event, Request
 from drafting import DraftModel, LookupDrafter
 from options import Decoding, Settings
 

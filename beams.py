@@ -1,6 +1,6 @@
 """Beam search with the target alone: many prompts' beams in one batch, each answer transformers' generate(num_beams=...).
 
-A `BeamBatch` is a decoder.Batch whose rows take `num_beams` rows of the
+A `BeamBatch` is a rows.Batch whose rows take `num_beams` rows of the
 caches each. A round is one step of every prompt's search:
 
 1. the model scores each beam's last token; its log-softmax, after the
@@ -29,7 +29,7 @@ import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from decoder import TOKENS_BLOCK, Batch, Row
+from rows import TOKENS_BLOCK, Batch, Row
 from cache import DecoderCache
 from model import EncoderDecoder
 from sampling import one_hot

@@ -1,276 +1,27 @@
-"""The decoding engine's batches: rows of prompts decoded regularly or by draft and verify, each with its own settings.
+"""Regular and draft-and-verify decoding: the batches that decode rows with the target alone, or by drafts and one
+verify pass a round, each row with its own settings.
 
-A `Request` is one prompt's ids and its `Settings` (options.py). A `Batch`
-holds the rows decoding together and their caches: `RegularBatch` runs the
-target alone, `SpeculativeBatch` drafts (with a drafter from drafting.py) and
-verifies; beams.py's `BeamBatch` searches. Requests join a batch between
-rounds; each round moves every row on, by one token or by its accepted drafts
-and one token of the target's; finished rows leave at once. batches.py makes
-the batch a request's settings need and drives requests through it.
+`RegularBatch` runs the target alone, a token a round; `SpeculativeBatch`
+drafts (with a drafter from drafting.py) and verifies, each row keeping its
+own accepted prefix (`verify` holds the acceptance rule). Both are rows.py's
+`Batch`; beams.py's `BeamBatch` searches; batches.py makes the one a
+request's settings need and drives requests through it.
 """
 
 import math
 import numbers
-import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Iterator
 
-import cpu
-import kernels
+import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from drafting import Proposal
 from cache import DecoderCache
+from drafting import Proposal
 from model import EncoderDecoder
-from options import Settings, Stats
-from sampling import ACCEPT, TOKEN, Penalties, RowPenalties, RowSampling, categorical, log_probabilities, logits_to_probs
+from rows import Batch, Event, Logprob, Row
+from sampling import ACCEPT, TOKEN, RowPenalties, RowSampling, categorical, log_probabilities, logits_to_probs
 from sampling import one_hot, per_row
-from sampling import random_key, sample, uniform
-
-
-@dataclass(eq=False)
-class Request:
-    """One prompt for the engine: its ids, how to decode them, and the
-    statistics its decoding updates."""
-
-    ids: list[int]
-    settings: Settings = Settings()
-    stats: Stats = field(default_factory=Stats)
-    logprobs: list["Logprob"] = field(default_factory=list)  # each output token's, when settings.logprobs asks
-    sequences: list[tuple[list[int], float, str]] = field(default_factory=list)  # beams.Search.best: the best beams
-
-
-# An output token's log-probability, and the most likely tokens' (id, log-probability), most likely first.
-Logprob = tuple[float, list[tuple[int, float]]]
-
-
-Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, finish reason or None)
-TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: no_repeat_ngram_size's graph, once a block
-
-
-def encode_for(models: list[EncoderDecoder], prompts: list[list[int]]) -> list[DecoderCache]:
-    """Encode prompts together (padded on the right and masked, when their
-    lengths differ; a prompt given more than once, once) into a fresh decoder cache for each model, evaluated at
-    once so that the models' work runs side by side. The prompts' products,
-    of many rows, are computed here, apart from decoding's few-row ones: the
-    CPU's BLAS wants them done differently."""
-    distinct = list(dict.fromkeys(tuple(prompt) for prompt in prompts))  # a prompt given n times is encoded once
-    rows = [distinct.index(tuple(prompt)) for prompt in prompts]
-    prompts = [list(prompt) for prompt in distinct]
-    length = max(len(prompt) for prompt in prompts)
-    mask = None
-    if any(len(prompt) < length for prompt in prompts):
-        mask = mx.array([[1] * len(prompt) + [0] * (length - len(prompt)) for prompt in prompts])
-    caches = []
-    for model in models:
-        tokens = mx.array([prompt + [model.args.pad_token_id] * (length - len(prompt)) for prompt in prompts])
-        caches.append(model.make_cache(model.encode(tokens, mask), mask))
-        if len(prompts) < len(rows):
-            caches[-1].keep(rows)
-    with cpu.many_rows():
-        mx.eval([cache.cross_keys_values for cache in caches])
-    return caches
-
-
-@dataclass(eq=False)
-class Row:
-    """A request's place in a batch, and where its decoding stands."""
-
-    request: Request
-    started: tuple[float, float]  # on its batch's clocks, when it joined
-    key: tuple[int, int]  # its random stream (sampling.random_key)
-    clocks: tuple[Callable[[], float], ...] = (time.perf_counter, kernels.compiling_seconds)  # its batch's (Batch.clocks)
-    produced: int = 0
-    output: list[int] = field(default_factory=list)  # the tokens emitted
-    forced_end: bool = False  # its model forces the end of text at max_tokens (forced_eos_token_id)
-    last: int = 0  # speculative: the token the target has not seen
-    drafting: object = None  # the drafter's own state for the row (beam search: its beams.Search)
-
-    @property
-    def settings(self) -> Settings:
-        return self.request.settings
-
-    @property
-    def stats(self) -> Stats:
-        return self.request.stats
-
-    def end(self, tokens: list[int], eos: int | None) -> int | None:
-        """Where in tokens the row's output ends: the first EOS or stop token id, if any."""
-        stops = self.settings.stop_token_ids
-        return next((i for i, token in enumerate(tokens) if token == eos or token in stops), None)
-
-    def emit(self, tokens: list[int], eos: int | None, logprobs: list[Logprob] | None = None) -> Iterator[Event]:
-        """Yield an event for each token the row decided, counting it as it
-        goes (and keeping its `logprobs`, when the row asks for them); the
-        output ends at EOS (itself not output, token None when it came
-        first), after a stop token id (output, as vLLM does) or at
-        max_tokens. Returns the finish reason, or None while the row goes on."""
-        end = self.end(tokens, eos)
-        # An end of text the model's config forces at max_tokens ends the output by its length.
-        cut = end is not None and self.forced_end and self.produced + end + 1 == self.settings.max_tokens
-        if end is not None:
-            tokens = tokens[: end + (tokens[end] != eos)]
-        self.output += tokens
-        if self.settings.logprobs is not None:
-            self.request.logprobs += [(lp, top[: self.settings.logprobs]) for lp, top in logprobs[: len(tokens)]]
-        self.timed()  # once: the round decided its tokens together
-        for i, token in enumerate(tokens):
-            self.produced += 1
-            self.stats.generated += 1
-            yield self.request, token, self.finish(end is not None, cut) if i == len(tokens) - 1 else None
-        if not tokens:
-            yield self.request, None, self.finish(True, cut)
-        return self.finish(end is not None, cut)
-
-    def timed(self) -> None:
-        """Its statistics' seconds, now: since it joined, and of those MLX's compiling (another process's compiles
-        at the same time count too: never more than the row's time)."""
-        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, self.started))
-        self.stats.seconds, self.stats.compiling_seconds = seconds, min(compiling, seconds)
-
-    def finish(self, ended: bool, cut: bool = False) -> str | None:
-        if ended:
-            return "length" if cut else "stop"
-        return "length" if self.produced >= self.settings.max_tokens else None
-
-
-class Batch:
-    """The rows decoding together and their caches (the target's, then any
-    the drafter keeps), row i in row i of each. Prompts that join together
-    are encoded together: a prompt encoded alone costs up to twice as much
-    (`python -m bench batch`)."""
-
-    width = 1  # the caches' rows each request takes (beam search: one a beam)
-    # What a row's seconds are read from (Stats): the time, and the time MLX has spent compiling kernels. The tests
-    # give it clocks of theirs.
-    clocks = (time.perf_counter, kernels.compiling_seconds)
-
-    def __init__(self, models: list[EncoderDecoder], batch_size: int):
-        self.models, self.batch_size = models, batch_size
-        self.rows: list[Row] = []
-        self.caches: list[DecoderCache] = []
-        self._sampling = None  # the rows' RowSampling, made again when they change
-        self._penalties = None  # (the rows' RowPenalties or None,), made again when they change
-        self.counts: mx.array | None = None  # (B, V): each row's output tokens counted, while a row has penalties
-        self.encoding_seconds = 0.0  # every join's, all told
-
-    @property
-    def free(self) -> int:
-        return self.batch_size - len(self.rows)
-
-    def joining(self, waiting: int) -> int:
-        """How many of `waiting` prompts to take now: as many as fit, once half
-        the batch is free (or all of them fit), so that they encode together."""
-        count = min(self.free, waiting)
-        return 0 if count == 0 or count < min(waiting, self.batch_size // 2) else count
-
-    def join(self, requests: list[Request]) -> list[Row]:
-        """Encode these requests' prompts together and give them rows."""
-        assert 0 < len(requests) <= self.free
-        started = tuple(clock() for clock in self.clocks)
-        caches = encode_for(self.models, [request.ids for request in requests])
-        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, started))
-        encoded = max(seconds - compiling, 0.0)  # a kernel compiled on the way is compiling's
-        forced_end = self.models[0].args.forced_eos_token_id is not None
-        rows = [Row(request, started, random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0),
-                    self.clocks, forced_end=forced_end) for request in requests]
-        self.encoding_seconds += encoded
-        for request in requests:
-            request.stats.prompt_tokens = len(request.ids)
-            request.stats.encoding_seconds = encoded  # each row waited for the whole join's encoding
-        self.joined(rows, caches)
-        if self.caches:
-            for mine, theirs in zip(self.caches, caches):
-                mine.extend(theirs)
-        else:
-            self.caches = caches
-        if self.counts is not None or any(self.row_penalties(row) != Penalties() for row in rows):
-            # Rows without penalties count from here on, and never read their counts.
-            old = self.counts if self.counts is not None else mx.zeros((len(self.rows) * self.width, self.vocabulary))
-            self.counts = mx.concatenate([old, mx.zeros((len(rows) * self.width, self.vocabulary))])
-        self.rows += rows
-        self._sampling = self._penalties = None
-        return rows
-
-    def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
-        """What a kind of batch does with rows that join, on their own caches before they merge."""
-
-    def leave(self, positions: set[int]) -> list[int]:
-        """Drop the rows at these positions; the positions kept."""
-        kept = [i for i in range(len(self.rows)) if i not in positions]
-        if positions:
-            self.rows = [self.rows[i] for i in kept]
-            cache_rows = [i * self.width + j for i in kept for j in range(self.width)]
-            if kept:
-                longest = max(len(row.request.ids) for row in self.rows)
-                for cache in self.caches:
-                    cache.keep(cache_rows, longest)
-            else:
-                self.caches = []
-            self._sampling = self._penalties = None
-            penalized = any(self.row_penalties(row) != Penalties() for row in self.rows)
-            self.counts = self.counts[mx.array(cache_rows)] if penalized and self.counts is not None else None
-        return kept
-
-    def cancel(self, requests: set[Request]) -> None:
-        """Drop these requests' rows (a client gone, a stop string found)."""
-        self.leave({i for i, row in enumerate(self.rows) if row.request in requests})
-
-    @property
-    def sampling(self) -> RowSampling:
-        if self._sampling is None:
-            self._sampling = RowSampling([row.settings.sampling for row in self.rows], [row.key for row in self.rows])
-        return self._sampling
-
-    @property
-    def penalties(self) -> RowPenalties | None:
-        if self._penalties is None:
-            self._penalties = (self.penalties_of(self.rows),)
-        return self._penalties[0]
-
-    def penalties_of(self, rows: list[Row]) -> RowPenalties | None:
-        """These rows' RowPenalties (one a cache row), None when none has any."""
-        args = self.models[0].args
-        penalties = [self.row_penalties(row) for row in rows for _ in range(self.width)]
-        starts = [self.start(row) for row in rows for _ in range(self.width)]
-        return RowPenalties.of(penalties, starts, args.eos_token_id, args.vocab_size, args.forced_eos_token_id)
-
-    def start(self, row: Row) -> int:
-        """The token a row's decoder starts from: its model's, or its target language's (mBART's)."""
-        chosen = row.settings.decoder_start_token_id
-        return self.models[0].args.decoder_start_token_id if chosen is None else chosen
-
-    def row_penalties(self, row: Row) -> Penalties:
-        """A row's Penalties, with the tokens its model's config forces (BART's
-        first token, the end of text at max_tokens)."""
-        return forced(row.settings, self.models[0].args)
-
-    def tokens(self, rows: list[Row], then: mx.array | None = None) -> mx.array | None:
-        """What no_repeat_ngram_size reads, when a row has it: each row's start
-        token and output, then `then` (B, n), padded on the left with -1."""
-        if self.penalties is None or not self.penalties.needs_tokens:
-            return None
-        longest = -(-(max(len(row.output) for row in rows) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
-        seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [self.start(row)] + row.output for row in rows])
-        return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)
-
-    @property
-    def top_logprobs(self) -> int | None:
-        """The most alternatives a row asks logprobs for; None when no row asks for logprobs."""
-        asked = [row.settings.logprobs for row in self.rows if row.settings.logprobs is not None]
-        return max(asked) if asked else None
-
-    @property
-    def vocabulary(self) -> int:
-        return self.models[0].args.vocab_size
-
-    def eos(self, row: Row) -> int | None:
-        return None if row.settings.ignore_eos else self.models[0].args.eos_token_id
-
-    def round(self) -> Iterator[Event]:
-        """One round: every row moves on; yields each new token's event as it
-        is counted, and the finished rows leave once all are out."""
-        raise NotImplementedError
+from sampling import sample, uniform
 
 
 class RegularBatch(Batch):
@@ -343,20 +94,6 @@ def logprob_lists(picked: mx.array, ids: mx.array | None, values: mx.array | Non
     if ids is None:
         return [[(lp, []) for lp in row] for row in picked]
     return [[(lp, list(zip(i, v))) for lp, i, v in zip(*row)] for row in zip(picked, ids.tolist(), values.tolist())]
-
-
-def forced(settings: Settings, args) -> Penalties:
-    """The settings' Penalties with what the model's config forces: its first
-    output token (forced_bos_token_id, or the settings' own: a target
-    language) and the end of text as the last (forced_eos_token_id), as
-    transformers' generate forces them."""
-    penalties = settings.penalties
-    first = args.forced_bos_token_id if settings.forced_bos_token_id is None else settings.forced_bos_token_id
-    if first is not None:
-        penalties = replace(penalties, forced_first=first)
-    if args.forced_eos_token_id is not None:
-        penalties = replace(penalties, forced_end_at=settings.max_tokens - 1)
-    return penalties
 
 
 def greedy_accept(scores: mx.array, drafts: mx.array, delta, best: mx.array) -> mx.array:

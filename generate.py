@@ -24,7 +24,7 @@ import kernels
 
 import batches
 from batches import batch_for, drive
-from decoder import Logprob, Request
+from rows import Logprob, Request
 from errors import OptionError
 from loading import Models
 from model import EncoderDecoder
@@ -81,7 +81,7 @@ class Response:
     has token None, carries any text held back until the end, and says why
     generation stopped: finish_reason "stop" (the end of the text, or a stop
     string) or "length" (max_tokens). With `logprobs=N` asked, `logprob`
-    is the token's decoder.Logprob: the target's log-probability of it,
+    is the token's rows.Logprob: the target's log-probability of it,
     before processors and temperature (vLLM's default), and the N most
     likely tokens' (id, log-probability)."""
 

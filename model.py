@@ -58,7 +58,7 @@ class ModelArgs:
     embedding_scale: float = 1.0  # the embeddings times this (sqrt(d_model) where a config says scale_embedding)
     linear_bias: bool = False  # every projection has a bias (the BART family)
     logits_bias: bool = False  # a bias added to the logits (final_logits_bias)
-    forced_bos_token_id: int | None = None  # the first output token, whatever the logits (decoder.forced)
+    forced_bos_token_id: int | None = None  # the first output token, whatever the logits (rows.forced)
     forced_eos_token_id: int | None = None  # the end of text forced at max_tokens
 
     @classmethod

@@ -21,7 +21,7 @@ def run_batch(args) -> dict:
     transformers' batched generate (its assisted mode takes no batches), with
     both models' encoding alone as the floor under a run. Batch size 1 is
     prompt-by-prompt decoding. Runs alternate within a pass; medians over passes."""
-    from decoder import encode_for
+    from rows import encode_for
     from loading import Models, load_model, load_tokenizer
     from options import Settings
 

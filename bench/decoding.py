@@ -145,7 +145,7 @@ def draft_round_seconds(draft, k: int, rounds: int = 30) -> float:
     """A round's drafting of k tokens, as the draft model proposes them (no host sync between steps)."""
     import mlx.core as mx
 
-    from decoder import Request, Row, encode_for
+    from rows import Request, Row, encode_for
     from drafting import DraftModel
     from sampling import RowSampling, Sampling
 

@@ -186,7 +186,7 @@ def decode(models, prompts: list[list[int]], settings, batch_size: int = 1) -> t
     generate and the server decode): each prompt's tokens and Stats, and the
     run's wall-clock seconds."""
     from batches import batch_for, drive
-    from decoder import Request
+    from rows import Request
 
     requests = [Request(prompt, settings) for prompt in prompts]
     index = {id(request): i for i, request in enumerate(requests)}

@@ -34,7 +34,7 @@ def encode_worker(folder: str, length: int, hf: bool) -> None:
     else:
         import mlx.core as mx
 
-        from decoder import encode_for
+        from rows import encode_for
         from loading import load_model
 
         model = load_model(folder)

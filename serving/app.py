@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import decoder
+import rows
 from errors import OptionError
 from generate import PromptForm, form_of
 from loading import Models
@@ -325,7 +325,7 @@ class Completions:
                                 f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
-        jobs = [Job(decoder.Request(ids, copy), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
+        jobs = [Job(rows.Request(ids, copy), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
                     times=Times(arrived)) for ids in encoded for copy in replace(settings, n=copies).copies()]
         try:
             self.engine.submit(jobs)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batches import batch_for, warm_up
-from decoder import Request
+from rows import Request
 from loading import Models
 from options import Settings
 from serving.metrics import Metrics, Times

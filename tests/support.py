@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from batches import batch_for, drive
-from decoder import Request
+from rows import Request
 from loading import Models
 from options import Settings, Stats
 

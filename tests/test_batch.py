@@ -10,7 +10,7 @@ from support import chi_square_passes, decode, decode_batch, regular
 
 import main
 import mlx.core as mx
-from decoder import Request
+from rows import Request
 from generate import batch_generate, generate, stream_generate
 from loading import Models, load_tokenizer
 from cache import KVCache

@@ -13,7 +13,7 @@ from support import assert_as_near_as_transformers, in_float64
 import main
 from conftest import ROOT
 from batches import batch_for, drive
-from decoder import Request
+from rows import Request
 from errors import OptionError
 from generate import batch_generate, generate
 from interactive import Session

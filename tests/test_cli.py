@@ -133,12 +133,12 @@ def test_starting_up_imports_neither_pytorch_nor_transformers():
 
 def test_ctrl_c_stops_a_one_shot_run_with_its_statistics_so_far(v1_1_checkpoint):
     """Ctrl-C mid-generation ends the line, prints the statistics so far, and exits 130."""
-    code = ("import sys, time, decoder, main\n"
-            "real = decoder.Row.emit\n"
+    code = ("import sys, time, rows, main\n"
+            "real = rows.Row.emit\n"
             "def slow(*args):\n"
             "    time.sleep(0.05)\n"
             "    return (yield from real(*args))\n"
-            "decoder.Row.emit = slow\n"
+            "rows.Row.emit = slow\n"
             f"sys.exit(main.main(['--model', {str(v1_1_checkpoint.mlx_dir)!r}, '--regular-decode', '--max-tokens', '500']))")
     process = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(main.__file__),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -15,7 +15,7 @@ from support import chi_square_passes, decode, decode_batch, regular
 
 import main
 import mlx.core as mx
-from decoder import Request, Row, encode_for
+from rows import Request, Row, encode_for
 from drafting import AutoDraft, DraftCost, DraftModel, PromptLookup
 from errors import OptionError
 from generate import generate

@@ -10,7 +10,7 @@ from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
 import convert
 from conftest import ROOT
 from batches import batch_for, drive
-from decoder import Request
+from rows import Request
 from serving.process import ServerProcess
 from loading import Models, load_model
 from options import Settings
@@ -329,13 +329,13 @@ def test_a_prompt_past_the_position_table_is_refused(family):
 
 def test_the_command_line_refuses_a_prompt_past_the_positions_before_encoding_it(family, capsys, monkeypatch):
     """Its warm-up too: MLX reads past a table's end unchecked (garbage on a CPU, a crash when far past)."""
-    import decoder
     import main
+    import rows
 
     if load_model(family.mlx_dir).longest_input is None:
         pytest.skip("relative positions have no end")
-    encoded, real = [], decoder.encode_for
-    monkeypatch.setattr(decoder, "encode_for", lambda models, prompts: encoded.extend(map(len, prompts)) or real(models, prompts))
+    encoded, real = [], rows.encode_for
+    monkeypatch.setattr(rows, "encode_for", lambda models, prompts: encoded.extend(map(len, prompts)) or real(models, prompts))
     assert main.main(["--model", str(family.mlx_dir), "--regular-decode", "--prompt", "word " * 300]) == 2
     assert "positions stop at 256" in capsys.readouterr().err and max(encoded, default=0) <= 256
 

@@ -13,7 +13,7 @@ from support import assert_as_near_as_transformers, decode_batch, in_float64
 
 import main
 from conftest import ROOT
-from decoder import Request, encode_for
+from rows import Request, encode_for
 from generate import batch_generate, stream_generate
 from loading import load
 from options import Settings

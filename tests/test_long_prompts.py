@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import decoder
+import rows
 import generate
 import main
 from conftest import ROOT
@@ -44,7 +45,7 @@ def slow_encoding(monkeypatch):
     """Encoding a prompt of more than 512 tokens takes each model 1.5 s longer
     on the engine's clock, as on a slow machine (nothing sleeps); the list of
     such encodings (their lengths, one per model) comes back."""
-    encoded, real, clock = [], decoder.encode_for, EngineClock()
+    encoded, real, clock = [], rows.encode_for, EngineClock()
 
     def slow(models, prompts):
         if max(map(len, prompts)) > generate.TRAINED_LENGTH:
@@ -52,8 +53,8 @@ def slow_encoding(monkeypatch):
             clock.advance(1.5 * len(models))
         return real(models, prompts)
 
-    monkeypatch.setattr(decoder, "encode_for", slow)
-    monkeypatch.setattr(decoder.Batch, "clocks", (clock, lambda: 0.0))  # and MLX compiles nothing
+    monkeypatch.setattr(rows, "encode_for", slow)
+    monkeypatch.setattr(rows.Batch, "clocks", (clock, lambda: 0.0))  # and MLX compiles nothing
     return encoded
 
 
@@ -94,7 +95,7 @@ def test_seconds_mlx_spends_compiling_kernels_count_as_neither_encoding_nor_deco
     from loading import load
 
     clock, compiling = EngineClock(), EngineClock(tick=0.0)
-    real_encode, real_step = decoder.encode_for, decoder.RegularBatch.step
+    real_encode, real_step = rows.encode_for, decoder.RegularBatch.step
 
     def compiles(seconds):
         clock.advance(seconds)
@@ -110,9 +111,9 @@ def test_seconds_mlx_spends_compiling_kernels_count_as_neither_encoding_nor_deco
             compiles(3.0)
         return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(decoder, "encode_for", encode)
+    monkeypatch.setattr(rows, "encode_for", encode)
     monkeypatch.setattr(decoder.RegularBatch, "step", step)
-    monkeypatch.setattr(decoder.Batch, "clocks", (clock, compiling))
+    monkeypatch.setattr(rows.Batch, "clocks", (clock, compiling))
     models = load(main.DEMO_DIR / "target")
     (generation,) = batch_generate(models, ["import <extra_id_0>"], max_tokens=5, speculative=False)
     stats = generation.stats
@@ -163,7 +164,7 @@ def test_the_encoding_estimate_grows_with_the_square_of_the_length():
 MEMORY_PROBE = r"""
 import re, resource, sys
 from pathlib import Path
-from decoder import encode_for  # before mlx.core, through cpu.py: the fast BLAS
+from rows import encode_for  # before mlx.core, through cpu.py: the fast BLAS
 from loading import load_model
 
 def peak():  # bytes. Linux's ru_maxrss counts the parent's memory from before the exec: VmHWM does not

@@ -16,7 +16,7 @@ from transformers import MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsP
 
 import main
 from conftest import ROOT
-from decoder import Request
+from rows import Request
 from generate import generate, stream_generate
 from interactive import Session
 from loading import Models, load

@@ -13,7 +13,8 @@ from support import chi_square_passes, decode, regular
 import main
 import mlx.core as mx
 import sweep
-from decoder import encode_for, verify
+from decoder import verify
+from rows import encode_for
 from loading import Models
 from options import Settings, Stats
 from sampling import RowSampling, Sampling
