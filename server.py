@@ -36,7 +36,8 @@ from errors import OptionError, T5Error
 from loading import load
 from options import KNOBS, Settings
 from text import plural
-from serving.app import Access, Limits, create_app, ip_literal
+from serving.app import Limits, create_app
+from serving.guard import Access, ip_literal
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
@@ -189,7 +190,7 @@ def allowed_hosts(host: str, given: list[str] | None) -> frozenset | None:
     """The host names answered: the address listened on (with "localhost"
     on a loopback address) and those given; None (any) for "*", or on every
     interface unless hosts are given. Any IP address is answered too
-    (serving.app.Access): only names can be rebound."""
+    (serving.guard.Access): only names can be rebound."""
     if given and "*" in given:
         return None
     everywhere = host == "" or ip_literal(host) and ipaddress.ip_address(host).is_unspecified

@@ -1,4 +1,4 @@
-"""The HTTP side: a guard in front of the routes, and each request's answer, whole or streamed.
+"""The routes, behind the guard (guard.py), and each request's answer, whole or streamed.
 
 A request's prompts become jobs for the engine (engine.py); `complete` waits
 for every job's text and answers once, `stream` sends each piece as a
@@ -7,9 +7,6 @@ OpenAI's error shape (shapes.py) with the status OpenAI's clients expect.
 """
 
 import asyncio
-import hashlib
-import hmac
-import ipaddress
 import json
 import logging
 import time
@@ -28,155 +25,26 @@ from loading import Models
 from options import Settings, Stats, with_task
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
-from serving.metrics import Metrics, Times
+from serving.guard import Access, ApiError, Guard
+from serving.metrics import Times
 from serving.schema import ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
 from text import TextStream, token_text
 
 log = logging.getLogger("t5-server")
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param, self.headers = status, message, type, code, param, headers
-
-    def response(self, metrics: Metrics) -> JSONResponse:
-        """The error in OpenAI's shape, counted by status."""
-        metrics.error(self.status)
-        return JSONResponse(shapes.error_body(self.message, self.type, self.code, self.param), status_code=self.status,
-                            headers=self.headers)
-
-
-def host_name(header: str) -> str | None:
-    """The host a Host header names, without its port ("[::1]:8080" -> "::1"); None if it is malformed."""
-    host = header.strip().lower()
-    if host.startswith("["):  # an IPv6 literal, and perhaps a port
-        name, bracket, port = host[1:].partition("]")
-        return name if bracket and (not port or port[:1] == ":" and port[1:].isdigit()) else None
-    name, colon, port = host.partition(":")
-    return name if not colon or port.isdigit() else None
-
-
-def ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
-
-
-@dataclass(frozen=True)
-class Access:
-    """Who may ask: the API key (None: anyone), and the hosts a request's
-    Host header may name (None: any). The hosts guard against DNS
-    rebinding: a web page whose name has come to resolve to this machine
-    sends its own name. An address (127.0.0.1, a pod's IP) cannot be
-    rebound, and browsers always send a Host header: both pass."""
-
-    api_key: str | None = None
-    hosts: frozenset | None = None
-
-    def refusal(self, path: str, headers: dict) -> ApiError | None:
-        host = headers.get(b"host")
-        if self.hosts is not None and host is not None:
-            name = host_name(host.decode("latin-1"))
-            if name is None or not (name in self.hosts or ip_literal(name)):
-                return ApiError(400, "this server does not answer for that Host header (server.py --allowed-hosts)",
-                                code="invalid_host")
-        if self.api_key is None or path == "/health":  # load balancers probe without a key
-            return None
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not same(token.strip(), self.api_key.encode()):
-            return ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key",
-                            headers={"WWW-Authenticate": "Bearer"})
-        return None
-
-
-def same(given: bytes, key: bytes) -> bool:
-    """Compared in constant time, as digests: neither the key's characters nor its length show in the time taken."""
-    return hmac.compare_digest(hashlib.sha256(given).digest(), hashlib.sha256(key).digest())
-
-
-class ClientGone(Exception):
-    """The client left before its body arrived: there is no one to answer."""
-
-
-class Guard:
-    """Checks before the app sees a request: the Host header and the API key
-    (Access), shutdown, and the body, read whole within `read_timeout`
-    seconds and at most `max_body_bytes` (declared or counted: a chunked
-    body has no declared length). Plain ASGI: a BaseHTTPMiddleware would
-    relay every streamed chunk through a task."""
-
-    def __init__(self, app, engine: Engine, access: Access, max_body_bytes: int, read_timeout: float):
-        self.app, self.engine, self.access = app, engine, access
-        self.max_body_bytes, self.read_timeout = max_body_bytes, read_timeout
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        scope.setdefault("state", {})["arrived"] = time.perf_counter()  # request.state.arrived: the metrics' clock
-        headers = dict(scope["headers"])
-        try:
-            refused = self.access.refusal(scope["path"], headers)
-            if refused:
-                raise refused
-            if self.engine.draining and scope["method"] == "POST":
-                raise ApiError(503, "the server is shutting down", "server_error")
-            if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
-                raise self.too_big()
-            body = await self.body(receive) if scope["method"] == "POST" else None
-        except ApiError as e:
-            return await e.response(self.engine.metrics)(scope, receive, send)
-        except ClientGone:
-            return
-        if body is None:
-            return await self.app(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:  # after the body: what the client does next (a disconnect)
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
-
-    def too_big(self) -> ApiError:
-        return ApiError(413, f"the body is over {self.max_body_bytes:,} bytes")
-
-    async def body(self, receive) -> bytes:
-        deadline, parts, size = time.monotonic() + self.read_timeout, [], 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                raise ApiError(408, f"the body did not arrive within {self.read_timeout:g} s", code="timeout",
-                               headers={"Connection": "close"})
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            if size > self.max_body_bytes:
-                raise self.too_big()
-            if not message.get("more_body", False):
-                return b"".join(parts)
-
-
 @dataclass
 class Call:
     """One request's answer in the making: its id and time, and a job per prompt."""
 
-    chat: bool
+    shapes: shapes.Shapes  # the endpoint's
     jobs: list[Job]
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.id = f"{self.shapes.id_prefix}-{uuid.uuid4().hex[:24]}"
 
     @property
     def stats(self) -> Stats:
@@ -333,7 +201,7 @@ class Completions:
             raise ApiError(429, "the queue is full: try again shortly", "rate_limit_error", headers={"Retry-After": "1"})
         return jobs
 
-    def logprobs(self, job: Job, chat: bool, start: int, stop: int) -> dict | None:
+    def logprobs(self, job: Job, shown_as: shapes.Shapes, start: int, stop: int) -> dict | None:
         """The logprobs of a job's tokens start..stop-1 in OpenAI's shape; None unless asked for."""
         if job.request.settings.logprobs is None:
             return None
@@ -344,10 +212,10 @@ class Completions:
             before = tokens[max(i - 4, 0) : i]
             alternatives = [(token_text(tokenizer, before, t, skip), v) for t, v in top]
             shown.append((token_text(tokenizer, before, tokens[i], skip), logprob, alternatives))
-        return shapes.logprobs(chat, shown, job.stream.starts[start:stop])
+        return shown_as.logprobs(shown, job.stream.starts[start:stop])
 
-    async def answer(self, request: Request, body: CompletionBody, chat: bool):
-        call = Call(chat, self.jobs_for(body, request.state.arrived))
+    async def answer(self, request: Request, body: CompletionBody, shown_as: shapes.Shapes):
+        call = Call(shown_as, self.jobs_for(body, request.state.arrived))
         if body.stream:
             return Events(self.stream(call, body.include_usage), call.jobs)
         return await self.complete(call, request)
@@ -365,43 +233,43 @@ class Completions:
                         job.beams.append(TextStream.of(self.models.tokenizer, job.request.settings))
                         choices.append((job.beams[-1].whole(tokens, finish), job.beams[-1].finish_reason, None))
                 else:
-                    choices.append((text, job.stream.finish_reason, self.logprobs(job, call.chat, 0, job.stream.received)))
+                    choices.append((text, job.stream.finish_reason, self.logprobs(job, call.shapes, 0, job.stream.received)))
         finally:  # a job failed, or this was cancelled: the others stop too
             client_left = watcher.done() and not watcher.cancelled()  # it saw the disconnect
             watcher.cancel()
             for job in call.jobs:
                 job.cancel()
         call.log(client_left)
-        return shapes.completion(call.id, call.created, self.name, call.chat, choices, call.usage, call.stats)
+        return call.shapes.completion(call.id, call.created, self.name, choices, call.usage, call.stats)
 
     async def stream(self, call: Call, include_usage: bool):
-        """Server-sent events: a chat's role chunks, each choice's pieces as
-        they come (interleaved when there are several), the usage if asked,
-        then [DONE]. Starlette cancels this generator when the client goes:
-        the response (Events) cancels the jobs then."""
+        """Server-sent events: each choice's opening chunk, if its endpoint
+        sends one (chat's role), each choice's pieces as they come
+        (interleaved when there are several), the usage if asked, then
+        [DONE]. Starlette cancels this generator when the client goes: the
+        response (Events) cancels the jobs then."""
         def event(data: dict) -> str:
             return f"data: {json.dumps(data)}\n\n"
 
-        def chunk(index, text, finish, first=False, stats=None, given=None):
-            return event(shapes.chunk(call.id, call.created, self.name, call.chat, index, text, finish, first=first,
-                                      stats=stats, with_usage=include_usage, given=given))
+        def chunk(choice: dict, stats=None) -> str:
+            return event(call.shapes.chunk(call.id, call.created, self.name, choice, stats, with_usage=include_usage))
 
         ended = False
         try:
-            if call.chat:
-                for i in range(len(call.jobs)):
-                    yield chunk(i, None, None, first=True)
+            for i in range(len(call.jobs)):
+                if (opening := call.shapes.opening(i)) is not None:
+                    yield chunk(opening)
             sent = [0] * len(call.jobs)  # each choice's tokens whose logprobs went out
             async for index, piece, finish, settled in interleaved(call.jobs):
                 if index is None:  # an error event
                     yield event(piece)
                     continue
                 job = call.jobs[index]
-                given = self.logprobs(job, call.chat, sent[index], settled)
+                given = self.logprobs(job, call.shapes, sent[index], settled)
                 sent[index] = settled
-                yield chunk(index, piece, finish, stats=job.request.stats if finish else None, given=given)
+                yield chunk(call.shapes.piece(index, piece, finish, given), job.request.stats if finish else None)
             if include_usage:
-                yield event(shapes.usage_chunk(call.id, call.created, self.name, call.chat, call.usage))
+                yield event(call.shapes.usage_chunk(call.id, call.created, self.name, call.usage))
             yield "data: [DONE]\n\n"
             ended = True
         finally:  # also when Starlette cancels this because the client left
@@ -464,6 +332,9 @@ async def interleaved(jobs: list[Job]):
             task.cancel()
 
 
+OTHER_BODY_BYTES = 4096  # a body sent to a path no route takes: it is refused whole, so none needs to be read
+
+
 def create_app(models: Models, engine: Engine, names: list[str], access: Access = Access(), limits: Limits = Limits(),
                max_body_bytes: int = 1 << 20, read_timeout: float = 30.0) -> FastAPI:
     """The routes: completions and chat, models, health and metrics, behind the guard."""
@@ -474,15 +345,18 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected_error)
-    app.add_middleware(Guard, engine=engine, access=access, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
+    # Each route's body limit: the text routes take max_body_bytes; a path no route takes, what an error needs.
+    body_limits = {path: max_body_bytes for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")}
+    app.add_middleware(Guard, engine=engine, access=access, max_body_bytes=min(max_body_bytes, OTHER_BODY_BYTES),
+                       read_timeout=read_timeout, body_limits=body_limits)
 
     @app.post("/v1/completions")
     async def completion(request: Request, body: Completion):
-        return await completions.answer(request, body, chat=False)
+        return await completions.answer(request, body, shapes.COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completion(request: Request, body: ChatCompletion):
-        return await completions.answer(request, body, chat=True)
+        return await completions.answer(request, body, shapes.CHAT)
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
@@ -490,17 +364,16 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
         completions.check_model(body.model)
         ids = completions.text_ids(body.text, add_special_tokens=body.add_special_tokens)
         strings = [models.tokenizer.decode([token]) for token in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": completions.max_prompt_tokens, "tokens": ids, "token_strs": strings}
+        return shapes.tokenized(ids, completions.max_prompt_tokens, strings)
 
     @app.post("/detokenize")
     async def detokenize(body: Detokenize):
         completions.check_model(body.model)
-        return {"prompt": models.tokenizer.decode(completions.known(body.tokens, "tokens"))}
+        return shapes.detokenized(models.tokenizer.decode(completions.known(body.tokens, "tokens")))
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}
-                                           for name in names]}
+        return shapes.model_list(names)
 
     @app.get("/health")
     async def health():

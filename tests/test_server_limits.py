@@ -67,7 +67,7 @@ def test_a_host_header_it_does_not_answer_for_is_refused(limited):
 @pytest.mark.parametrize("header, name", [("localhost", "localhost"), ("LocalHost:8080", "localhost"), ("[::1]", "::1"),
                                           ("[::1]:8080", "::1"), ("[::1]junk", None), ("a:b", None), ("[::1", None)])
 def test_a_host_header_is_read_as_a_name_and_a_port_or_refused(header, name):
-    from serving.app import host_name
+    from serving.guard import host_name
 
     assert host_name(header) == name
 
@@ -95,6 +95,16 @@ def test_a_chunked_body_over_the_limit_gets_a_413(limited):
 
     response = httpx.post(limited.url + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "over 10,000 bytes" in response.json()["error"]["message"]
+
+
+def test_each_route_reads_a_body_up_to_its_own_limit(limited):
+    """The text routes up to --max-body-bytes; a path no route takes, 4,096
+    bytes: a large body sent there is refused before it is read."""
+    padding = {"model": "default", "prompt": "x", "max_tokens": 1, "user": "u" * 8000}  # about 8 kB
+    assert httpx.post(limited.url + "/v1/completions", json=padding).status_code == 200
+    refused = httpx.post(limited.url + "/v1/nowhere", json=padding)
+    assert refused.status_code == 413 and "over 4,096 bytes" in refused.json()["error"]["message"]
+    assert httpx.post(limited.url + "/v1/nowhere", json={"x": 1}).status_code == 404
 
 
 @pytest.mark.parametrize("method, path, body, status", [

@@ -87,6 +87,14 @@ def test_nothing_but_the_benchmarks_and_their_own_tests_imports_bench():
     assert leaning == []
 
 
+def test_no_module_is_over_500_lines_but_the_models_forward_code():
+    """A file a newcomer can read top to bottom; model.py, the forward code of every family, may run longer (the
+    tests are specifications, read a test at a time)."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in SOURCES
+            if p.name != "model.py" and p.parent.name != "tests" and (n := len(p.read_text().splitlines())) > 500]
+    assert long == []
+
+
 def test_no_function_is_over_80_lines():
     """Long functions hide the steps a reader follows."""
     long = []
