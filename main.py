@@ -20,8 +20,9 @@ from pathlib import Path
 
 from errors import ModelNotFound, T5Error, UsageError
 from generate import batch_generate, stream_batch_generate
-from interactive import Session, announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup
-from interactive import warm_up_aloud, why_not_timed
+from display import announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup, warm_up_aloud
+from display import why_not_timed
+from interactive import Session
 from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings, with_task
 from sweep import check_plot_path, parse_list, sweep

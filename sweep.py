@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from errors import OptionError, SweepError
 from generate import measure_batch
-from interactive import warm_up_aloud
+from display import warm_up_aloud
 from loading import Models
 from options import AUTO, KNOBS, Settings, Stats
 from text import plural

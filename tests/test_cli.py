@@ -11,6 +11,7 @@ import time
 import pytest
 from checkpoints import reference_greedy
 
+import display
 import interactive
 import main
 
@@ -107,8 +108,8 @@ def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):
 
 def test_fill_spans_puts_each_span_where_its_sentinel_was():
     prompt = "def <extra_id_0>(self): return <extra_id_1>.x"
-    assert interactive.fill_spans(prompt, "<extra_id_0> area<extra_id_1> self") == "def «area»(self): return «self».x"
-    assert interactive.fill_spans(prompt, "<extra_id_0> area") == "def «area»(self): return «?».x"
+    assert display.fill_spans(prompt, "<extra_id_0> area<extra_id_1> self") == "def «area»(self): return «self».x"
+    assert display.fill_spans(prompt, "<extra_id_0> area") == "def «area»(self): return «?».x"
 
 
 def test_a_prompts_file_line_that_is_not_utf8_is_named(tmp_path, capsys):

@@ -140,12 +140,12 @@ def test_the_demo_does_not_encode_a_long_prompt_again_for_its_speedup_line(long_
 def test_the_demos_speedup_takes_fewer_runs_when_they_cost_more(capsys, monkeypatch):
     """A run of each mode costing 2 s: two runs of each fit the 5 s the line may take, and it says so."""
     from options import Stats
-    from interactive import show_speedup
+    from display import show_speedup
     from loading import load
 
     models = load(main.DEMO_DIR / "target", draft=main.DEMO_DIR / "draft")
     runs = []
-    monkeypatch.setattr("interactive.measure", lambda *args: runs.append(1) or Stats(generated=10, seconds=1.0))
+    monkeypatch.setattr("display.measure", lambda *args: runs.append(1) or Stats(generated=10, seconds=1.0))
     show_speedup(models, "x", Settings(), answer=Stats(generated=10, seconds=1.0))
     assert len(runs) == 4 and "medians of 2 runs each: a run of each takes about 2.0 s" in capsys.readouterr().out
 

@@ -100,7 +100,7 @@ def test_a_count_reads_as_a_person_writes_it():
 
 
 def test_a_statistics_line_of_one_reads_in_the_singular():
-    from interactive import stats_line
+    from display import stats_line
     from options import Stats
 
     line = stats_line(Stats(prompt_tokens=1, generated=1, target_calls=1, drafted=1, accepted=1, seconds=0.5), True)
