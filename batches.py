@@ -16,14 +16,14 @@ from typing import Iterator
 from beams import BeamBatch
 from decoder import RegularBatch, SpeculativeBatch
 from rows import Batch, Event, Request
-from drafting import DraftModel, LookupDrafter
+from drafting import AutoDraft, DraftModel, LookupDrafter
 from options import Decoding, Settings
 
 
 def batch_for(models, settings: Settings, batch_size: int) -> Batch:
     """The batch that decodes rows of these settings' kind (Settings.kind)
     with `models` (loading.Models: a target, its draft model or None, and
-    `drafting`, what num-draft auto has learnt of the pair): the target
+    in `learned.drafting` what num-draft auto has learnt of the pair): the target
     alone, drafts looked up in the prompt, or the draft model's, num_draft
     at a time or as many as auto finds worth it. Rows of that kind at other
     settings may join it: each keeps its own."""
@@ -35,7 +35,10 @@ def batch_for(models, settings: Settings, batch_size: int) -> Batch:
     if kind.how is Decoding.LOOKUP:
         drafter = LookupDrafter(models.target.args.vocab_size)
     else:
-        drafter = DraftModel(models.draft, models.drafting if kind.how is Decoding.AUTO_DRAFT else None, batch_size)
+        auto = None
+        if kind.how is Decoding.AUTO_DRAFT:
+            auto = models.learned.drafting = models.learned.drafting or AutoDraft()
+        drafter = DraftModel(models.draft, auto, batch_size)
     return SpeculativeBatch(models.target, drafter, batch_size)
 
 

@@ -113,8 +113,11 @@ class BeamBatch(Batch):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.penalties is not None:  # on the log-probabilities, as transformers' beam search applies processors
             positions = mx.array([len(beam) for search in searches for beam in search.running])
+            history = None
+            if self.penalties.reads_tokens:
+                history = [list(self.opening(row).start) + beam for row, search in zip(rows, searches) for beam in search.running]
             logprobs = self.penalties.apply(logprobs[:, None], self.counts[:, None], positions[:, None],
-                                            self.beam_tokens(rows, searches))[:, 0]
+                                            self.beam_tokens(rows, searches), history)[:, 0]
         totals = (logprobs.reshape(len(rows), K, V) + mx.array(np.stack([s.scores for s in searches]))[..., None])
         totals = totals.reshape(len(rows), K * V)
         top = mx.argpartition(-totals, 2 * K - 1, axis=-1)[:, : 2 * K]
@@ -145,9 +148,11 @@ class BeamBatch(Batch):
         return set(row.settings.stop_token_ids) | ({eos} if eos is not None else set())
 
     def beam_tokens(self, rows: list[Row], searches: list[Search]) -> mx.array | None:
-        """Each beam's start token and tokens, padded on the left with -1, for no_repeat_ngram_size."""
+        """Each beam's opening and tokens, padded on the left with -1, for no_repeat_ngram_size."""
         if not self.penalties.needs_tokens:
             return None
         longest = -(-(max(len(s.running[0]) for s in searches) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
-        return mx.array([[-1] * (longest - 1 - len(beam)) + [self.start(row)] + beam
-                         for row, search in zip(rows, searches) for beam in search.running])
+        opened = [list(self.opening(row).start) for row in rows]
+        longest += max(len(opening) for opening in opened) - 1
+        return mx.array([[-1] * (longest - len(opening) - len(beam)) + opening + beam
+                         for row, opening, search in zip(rows, opened, searches) for beam in search.running])

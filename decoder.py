@@ -37,15 +37,20 @@ class RegularBatch(Batch):
         self.queued_logits: mx.array | None = None  # the target's logits it came from, for logprobs
 
     def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling, penalties: RowPenalties | None = None,
-             counts: mx.array | None = None, seen: mx.array | None = None) -> tuple[mx.array, mx.array]:
+             counts: mx.array | None = None, seen: mx.array | None = None, history: list[list[int]] | None = None,
+             opened: list[int] | None = None) -> tuple[mx.array, mx.array]:
         """Each row's next token after `tokens` (B,), and the logits (B, V)
         the target gave before any processor; with penalties, given the
-        output's counts and, for no_repeat_ngram_size, its tokens (`seen`)."""
+        output's counts and, for no_repeat_ngram_size, its tokens (`seen`;
+        `history` on the host, for rules that read them). `opened`: each
+        row's opening tokens before `tokens` in the cache."""
         # The output position each row's new token takes: rows that sample, or have penalties, need it.
-        positions = None if sampling.all_greedy and penalties is None else mx.array(cache.offsets)
+        positions = None
+        if not sampling.all_greedy or penalties is not None:
+            positions = mx.array([offset - before for offset, before in zip(cache.offsets, opened or [0] * len(tokens))])
         raw = logits = self.model.decode(tokens[:, None], cache)[:, -1]
         if penalties is not None:
-            logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None], seen)[:, 0]
+            logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None], seen, history)[:, 0]
         token = sample(logits, sampling, positions)
         mx.async_eval(token)
         return token, raw
@@ -55,8 +60,12 @@ class RegularBatch(Batch):
         sampling = RowSampling([row.settings.sampling for row in rows], [row.key for row in rows])
         penalties = self.penalties_of(rows)
         counts = None if penalties is None else mx.zeros((len(rows), self.vocabulary))
-        seen = start[:, None] if penalties is not None and penalties.needs_tokens else None
-        first, logits = self.step(start, caches[0], sampling, penalties, counts, seen)
+        seen = history = None
+        if penalties is not None and penalties.needs_tokens:
+            seen = mx.array(pad_left([list(self.opening(row).start) for row in rows]))
+        if penalties is not None and penalties.reads_tokens:
+            history = [list(self.opening(row).start) for row in rows]
+        first, logits = self.step(start, caches[0], sampling, penalties, counts, seen, history, self.opened(rows))
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])
         self.queued_logits = logits if self.queued_logits is None else mx.concatenate([self.queued_logits, logits])
 
@@ -70,8 +79,12 @@ class RegularBatch(Batch):
             logprobs = log_probabilities(logits[:, None], current[:, None], self.top_logprobs)
             mx.async_eval(*(a for a in logprobs if a is not None))
         if any(row.produced + 1 < row.settings.max_tokens for row in self.rows):  # else no row reads it
+            # Rules that read the tokens before them read this round's on the host: then nothing overlaps.
+            history = self.history(self.rows, [[token] for token in current.tolist()]) if self.penalties is not None \
+                and self.penalties.reads_tokens else None
             self.queued, self.queued_logits = self.step(current, self.caches[0], self.sampling, self.penalties,
-                                                        self.counts, self.tokens(self.rows, current[:, None]))
+                                                        self.counts, self.tokens(self.rows, current[:, None]), history,
+                                                        self.opened(self.rows))
         logprobs = [None] * len(self.rows) if logprobs is None else logprob_lists(*logprobs)
         finished = set()
         for position, (row, value, given) in enumerate(zip(self.rows, current.tolist(), logprobs)):
@@ -80,12 +93,22 @@ class RegularBatch(Batch):
                 finished.add(position)
         self.leave(finished)
 
+    def opened(self, rows: list[Row]) -> list[int]:
+        """Each row's opening tokens before its last, which its cache holds ahead of its output."""
+        return [len(self.opening(row).start) - 1 for row in rows]
+
     def leave(self, positions: set[int]) -> list[int]:
         kept = super().leave(positions)
         if positions and self.queued is not None:
             self.queued = self.queued[mx.array(kept)] if kept else None
             self.queued_logits = self.queued_logits[mx.array(kept)] if kept else None
         return kept
+
+
+def pad_left(tokens: list[list[int]]) -> list[list[int]]:
+    """Rows of tokens padded on the left with -1 to the longest."""
+    longest = max(len(row) for row in tokens)
+    return [[-1] * (longest - len(row)) + row for row in tokens]
 
 
 def logprob_lists(picked: mx.array, ids: mx.array | None, values: mx.array | None) -> list[list[Logprob]]:
@@ -185,7 +208,7 @@ class SpeculativeBatch(Batch):
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         for row in rows:
             row.last = self.start(row)
-            self.drafter.start(row, row.last)
+            self.drafter.start(row, self.opening(row).start)
         self._deltas = None
 
     def leave(self, positions: set[int]) -> list[int]:
@@ -223,8 +246,9 @@ class SpeculativeBatch(Batch):
         if penalties is not None:  # each position after the row's output and the drafts before it
             drafted = mx.cumsum(one_hot(proposal.drafts, self.vocabulary), axis=1)
             before = mx.concatenate([mx.zeros((len(rows), 1, self.vocabulary)), drafted], axis=1)
+            history = self.history(rows, proposal.drafts.tolist()) if penalties.reads_tokens else None
             target_logits = penalties.apply(target_logits, self.counts[:, None] + before, positions[:, None] + mx.arange(k + 1),
-                                            self.tokens(rows, proposal.drafts))
+                                            self.tokens(rows, proposal.drafts), history)
         num_accepted, next_tokens = verify(target_logits, proposal.logits, proposal.drafts, self.sampling, self.deltas,
                                            mx.array(proposal.limits), positions)
         logprobs = ()

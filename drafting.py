@@ -15,7 +15,7 @@ the target lately accepted, by the draft's confidence, at the row's
 settings), the batch's `DraftCost` (what one more draft costs a round, and
 what the batch makes a second, from the rounds' times on its clock), and the
 rule, `decide`. `AutoDraft` keeps them for a pair from one generation to the
-next (loading.Models.drafting).
+next (loading.Models.learned).
 """
 
 import time
@@ -270,10 +270,10 @@ class DraftModel:
         """The most drafts a row at these settings asks for in a round."""
         return AutoDraft.cap if self.auto else settings.draft_length
 
-    def start(self, row, token: int) -> None:
-        """Begin drafting for a row whose decoder starts from token."""
+    def start(self, row, opening: tuple[int, ...]) -> None:
+        """Begin drafting for a row whose decoder opens with these tokens (the draft has seen none of them)."""
         calibration = self.auto.calibration(row.settings) if self.auto else None
-        row.drafting = Unseen([token], calibration)
+        row.drafting = Unseen(list(opening), calibration)
 
     def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None,
                 cache: DecoderCache, penalized: tuple | None = None) -> Proposal:
@@ -413,8 +413,9 @@ class LookupDrafter:
     def longest(self, settings) -> int:
         return settings.num_draft
 
-    def start(self, row, token: int) -> None:
-        row.drafting = PromptLookup(row.request.ids)
+    def start(self, row, opening: tuple[int, ...]) -> None:
+        source = row.request.source  # features have no tokens to copy: drafts come from the output alone
+        row.drafting = PromptLookup(list(source) if isinstance(source, (list, tuple)) else [])
 
     def propose(self, rows, limits: list[int], sampling: RowSampling, positions: mx.array | None, cache=None,
                 penalized=None) -> Proposal:

@@ -28,7 +28,8 @@ from rows import Logprob, Request
 from errors import OptionError
 from loading import Models
 from model import EncoderDecoder
-from options import BATCH_SIZE, Settings, Stats, with_task
+from options import BATCH_SIZE, Settings, Stats
+from plans import Plan, PromptForm, resolve, with_presets
 from text import TextStream, plural
 
 TRAINED_LENGTH = 512  # T5's pre-training inputs; longer ones work, less well
@@ -63,14 +64,14 @@ def encoding_seconds(models: Models, tokens: int, settings: Settings) -> float:
     """A rough estimate of a prompt's encoding, from the speed the pair's
     earlier prompts were encoded at."""
     flops = sum(encoding_flops(model, tokens) for model in encoders(models, settings))
-    return flops / (models.encoding_rate or assumed_encoding_rate())
+    return flops / (models.learned.encoding_rate or assumed_encoding_rate())
 
 
 def learn_encoding_rate(models: Models, settings: Settings, stats: Stats) -> None:
     """Keep the speed a prompt was encoded at, when it took long enough to tell."""
     if stats.encoding_seconds > 0.5:
         flops = sum(encoding_flops(model, stats.prompt_tokens) for model in encoders(models, settings))
-        models.encoding_rate = flops / stats.encoding_seconds
+        models.learned.encoding_rate = flops / stats.encoding_seconds
 
 
 @dataclass
@@ -109,47 +110,13 @@ class Generation:
     beam_tokens: list[list[int]] | None = None  # and each one's tokens, as `tokens` are the best's
 
 
-@dataclass(frozen=True)
-class PromptForm:
-    """How a prompt's text becomes ids: after a task's prefix, and with a
-    multilingual model's source-language code where its tokenizer puts it."""
-
-    prefix: str = ""
-    language: int | None = None  # the source language's token
-
-    def ids(self, models: Models, text: str, keep: int | None = None) -> list[int]:
-        """The text's ids in this form; at most `keep` of them (the prefix
-        and the language whole, the text's last tokens), when given."""
-        tokenizer = models.tokenizer
-        ids = self.marked(models, tokenizer.encode(self.prefix + text, add_special_tokens=self.language is None))
-        if keep is None or len(ids) <= keep:
-            return ids
-        # The prefix and the special tokens the tokenizer or the language puts around the text stay whole.
-        head = tokenizer.encode(self.prefix, add_special_tokens=False) if self.prefix else []
-        body = tokenizer.encode(text, add_special_tokens=False)
-        before, after = [], []
-        if self.language is None:  # the tokenizer's own: around the text in encode(text)
-            whole = tokenizer.encode(text)
-            at = next((i for i in range(len(whole) - len(body) + 1) if whole[i : i + len(body)] == body), 0)
-            before, after = whole[:at], whole[at + len(body) :]
-        room = max(keep - len(head) - len(before) - len(after) - (2 if self.language is not None else 0), 1)
-        return self.marked(models, before + head + body[-room:] + after)
-
-    def marked(self, models: Models, ids: list[int]) -> list[int]:
-        """ids with the source language's code and the end of text, where the tokenizer puts them."""
-        if self.language is None:
-            return ids
-        ids = ids + [models.target.args.eos_token_id]
-        return ids + [self.language] if models.languages.source == "after" else [self.language] + ids
-
-
-def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
-    """The options as Settings these models can run, and the prompts' form:
-    keywords, over a `task=`'s (options.with_task), over a whole Settings
-    given as `settings=` (what the command line passes). TypeError for
-    models that are not loading.load's, OptionError for an option out of
-    range, a task the model's config does not name, or a language it does
-    not know."""
+def plan_for(models: Models, options: dict) -> Plan:
+    """The options, resolved against these models (plans.resolve): keywords,
+    over a `task=`'s and the model's generation defaults
+    (plans.with_presets), over a whole Settings given as `settings=` (what
+    the command line passes, its presets applied). TypeError for models that
+    are not loading.load's, OptionError for an option out of range, a task
+    the model's config does not name, or a language it does not know."""
     if not isinstance(models, Models):
         shown = f" {models!r}" if isinstance(models, str) else ""
         raise TypeError(f"models must be what loading.load returns (got {type(models).__name__}{shown}): "
@@ -158,17 +125,9 @@ def settings_for(models: Models, options: dict) -> tuple[Settings, PromptForm]:
     base, task = options.pop("settings", None), options.pop("task", None)
     if base is not None and not isinstance(base, Settings):
         raise TypeError(f"settings must be an options.Settings (got {type(base).__name__})")
-    prefix, base = with_task(models.tasks, task, base or Settings(), given=options)
-    settings = Settings.of(options, base).check_models(models)
-    return settings, form_of(models, settings, prefix)
-
-
-def form_of(models: Models, settings: Settings, prefix: str = "") -> PromptForm:
-    """The form prompts take at these settings (checked against the models): a prefix, a source language's code
-    (Marian's: the target's)."""
-    if models.languages is not None and models.languages.source == "target first":
-        return PromptForm(prefix, None if settings.tgt_lang is None else models.languages.code(settings.tgt_lang, "target"))
-    return PromptForm(prefix, None if settings.src_lang is None else models.languages.code(settings.src_lang, "source"))
+    # Settings given whole have the model's generation defaults already (the command line's: main.with_presets)
+    prefix, base, _ = with_presets(models, base or Settings(), given=options, task=task, generation=base is None)
+    return resolve(Settings.of(options, base), models, prefix)
 
 
 def check_prompts(prompts: list[str]) -> None:
@@ -231,10 +190,11 @@ def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response
     multilingual model's language codes, "eng_Latn" say); or settings=, a whole options.Settings, with any keywords
     over it. Options and the prompt are checked at the call, before any
     decoding: OptionError names one out of range."""
-    settings, form = settings_for(models, options)
+    plan = plan_for(models, options)
+    settings = plan.settings
     if settings.n > 1:
         raise OptionError(f"n={settings.n}: stream_generate and generate give one output; batch_generate gives n")
-    request = Request(one_prompt(models, prompt, form), settings)
+    request = plan.request(one_prompt(models, prompt, plan.form))
     stream = TextStream.of(models.tokenizer, settings)
 
     def responses():
@@ -297,10 +257,11 @@ def stream_batch_generate(models: Models, prompts: list[str], *, batch_size: int
     the batch and waiting prompts take its place. Greedy at delta 0, each
     text equals `generate` on its prompt alone. Options as for
     stream_generate; they, batch_size and every prompt are checked at the call."""
-    settings, form = settings_for(models, options)
+    plan = plan_for(models, options)
+    settings = plan.settings
     BATCH_SIZE.check(batch_size)
     # n outputs of each prompt: its rows join together, and the prompt is encoded once
-    requests = [Request(ids, copy) for ids in tokenize(models, prompts, form) for copy in settings.copies()]
+    requests = [plan.request(ids, copy) for ids in tokenize(models, prompts, plan.form) for copy in settings.copies()]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
 
     def generations():
@@ -336,7 +297,8 @@ def measure_batch(models: Models, prompts: list[str], settings: Settings, batch_
     """Every prompt's statistics summed, ended as their texts are (for
     timings); with wall_clock, seconds is the whole batch run's,
     encoding_seconds its encoding and compiling_seconds MLX's compiling."""
-    requests = [Request(ids, settings) for ids in tokenize(models, prompts, form_of(models, settings))]
+    plan = resolve(settings, models)
+    requests = [plan.request(ids) for ids in tokenize(models, prompts, plan.form)]
     streams = {id(request): TextStream.of(models.tokenizer, settings) for request in requests}
     batch = batch_for(models, settings, batch_size)
     started, compiled = time.perf_counter(), kernels.compiling_seconds()

@@ -9,7 +9,8 @@ from display import compare, show_batch, show_filled, show_generation, warm_up_a
 from errors import OptionError, T5Error
 from generate import stream_batch_generate
 from loading import Models
-from options import KNOBS, LISTS, Settings, task_preset, with_task
+from options import KNOBS, LISTS, Settings, task_preset
+from plans import resolve, with_presets
 
 
 ALWAYS_SHOWN = ("num_draft", "delta", "temp", "top_k", "top_p", "max_tokens", "seed")
@@ -74,7 +75,7 @@ class Session:
     def change(self, **changes) -> None:
         """New settings, or the reason they cannot be."""
         try:
-            self.settings = replace(self.settings, **changes).check_models(self.models)
+            self.settings = resolve(replace(self.settings, **changes), self.models).settings
             self.say(self.describe())
         except OptionError as e:
             self.say(str(e))
@@ -137,8 +138,8 @@ class Session:
             return
         try:
             _, preset = task_preset(self.models.tasks, name)  # what it sets, to set back with :task none
-            prefix, settings = with_task(self.models.tasks, name, self.settings)
-            settings = settings.check_models(self.models)
+            prefix, settings, _ = with_presets(self.models, self.settings, task=name, generation=False)
+            settings = resolve(settings, self.models).settings
         except OptionError as e:
             self.say(str(e))
             return

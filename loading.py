@@ -21,8 +21,8 @@ import kernels
 import mlx.core as mx
 import mlx.nn as nn
 
-from drafting import AutoDraft
-from errors import LoadError, ModelNotFound, OptionError
+from errors import LoadError, ModelNotFound
+from languages import Languages
 from model import EncoderDecoder, ModelArgs
 
 FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
@@ -241,60 +241,39 @@ def load_tokenizer(folder: str | Path):
 
 
 @dataclass
+class Learned:
+    """What decoding learns of a pair from one generation to the next:
+    `drafting`, what num-draft auto has learnt (drafting.AutoDraft, made when
+    auto first runs); `encoding_rate`, the flops a second a prompt was last
+    encoded at (generate.encoding_seconds), None until a prompt takes long
+    enough to tell."""
+
+    drafting: object = None
+    encoding_rate: float | None = None
+
+
+@dataclass
 class Models:
     """A target, its draft (None: regular decoding only) and their shared
-    tokenizer, with what decoding learns about them from one generation to
-    the next: `drafting`, what num-draft auto has learnt of the pair
-    (drafting.AutoDraft); `encoding_rate`, the flops a second a prompt was
-    last encoded at (generate.encoding_seconds), None until a prompt takes
-    long enough to tell. `load` makes one; tests and benchmarks may build
-    one from models in hand."""
+    tokenizer, as loaded, with what their configs say, and (`learned`) what
+    decoding learns of them while running. `load` makes one; tests and
+    benchmarks may build one from models in hand."""
 
     target: EncoderDecoder
     draft: EncoderDecoder | None = None
     tokenizer: object = None
     target_path: Path | None = None
     draft_path: Path | None = None
-    drafting: AutoDraft = field(default_factory=AutoDraft, repr=False)
-    encoding_rate: float | None = None
     tasks: dict = field(default_factory=dict)  # the target's config's task_specific_params (options.task_preset)
-    languages: "Languages | None" = None  # a multilingual target's language codes
+    languages: Languages | None = None  # a multilingual target's language codes
+    generation: dict = field(default_factory=dict)  # the target's generation_config.json (plans.generation_defaults)
+    learned: Learned = field(default_factory=Learned, repr=False)
 
     @property
     def longest_input(self) -> int | None:
         """The most positions a prompt or an output may take in either model (T5.longest_input); None: no end."""
         ends = [model.longest_input for model in (self.target, self.draft) if model is not None and model.longest_input]
         return min(ends) if ends else None
-
-
-@dataclass(frozen=True)
-class Languages:
-    """A multilingual model's language codes (code -> token id), and where
-    a prompt's source-language code goes: "before" its text, or "after" its
-    end of text; or, "target first", the target language's code before the
-    text (Marian's). convert.py records which, from the tokenizer's class."""
-
-    codes: dict
-    source: str
-
-    @classmethod
-    def of(cls, config: dict, tokenizer) -> "Languages | None":
-        marked = config.get("languages")
-        if not marked:
-            return None
-        pattern = re.compile(marked["pattern"])
-        # Codes are added tokens (a piece of text of the same shape is not one), where the tokenizer says which.
-        tokens = tokenizer.added_tokens() if hasattr(tokenizer, "added_tokens") else tokenizer.get_vocab()
-        codes = {token: index for token, index in tokens.items() if pattern.match(token)}
-        return cls(codes, marked["source"]) if codes else None
-
-    def code(self, name: str, which: str) -> int:
-        """A code's token id (Marian's fra for >>fra<< too, M2M-100's en for __en__); OptionError naming the codes
-        there are."""
-        name = next((code for code in (name, f">>{name}<<", f"__{name}__") if code in self.codes), name)
-        if name not in self.codes:
-            raise OptionError(f"unknown {which} language {name!r} (this model's: {', '.join(sorted(self.codes))})")
-        return self.codes[name]
 
 
 def check_fit(path: Path, model: EncoderDecoder, tokenizer) -> None:
@@ -371,4 +350,17 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
             check_fit(path, model, tokenizer)
     config = read_config(target_path)
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve(),
-                  tasks=config.get("task_specific_params") or {}, languages=Languages.of(config, tokenizer))
+                  tasks=config.get("task_specific_params") or {}, languages=Languages.of(config, tokenizer),
+                  generation=read_generation_config(target_path))
+
+
+def read_generation_config(folder: Path) -> dict:
+    """A converted folder's generation_config.json (convert.py copies the checkpoint's), or {} where it has none."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        generation = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path} is damaged ({e}): convert the model again")
+    return generation if isinstance(generation, dict) else {}

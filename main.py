@@ -24,7 +24,8 @@ from display import announce_encoding, compare, show_batch, show_filled, show_ge
 from display import why_not_timed
 from interactive import Session
 from loading import load
-from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings, with_task
+from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
+from plans import resolve, with_presets
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -260,18 +261,17 @@ def load_models(plan: Plan, one_row: bool = False):
 
 def run(plan: Plan) -> int:
     settings = plan.settings
+    # Regular decoding of one prompt at a time: each of the target's steps takes one row.
+    one_row = plan.mode != "sweep" and not settings.speculative and settings.num_beams == 1 and settings.n == 1 and \
+        plan.task is None and (not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)
+    models = load_models(plan, one_row)
+    plan = with_model_presets(models, plan)
+    settings = plan.settings
+    resolve(settings, models)  # what the models refuse (a language, a length) fails before anything is shown
     if plan.mode == "sweep":
-        sweep(load_models(plan), plan.prompts, settings, plan.num_drafts, plan.deltas, plan.plot, repeats=plan.repeats,
+        sweep(models, plan.prompts, settings, plan.num_drafts, plan.deltas, plan.plot, repeats=plan.repeats,
               batch_size=plan.batch_size)
         return 0
-    # Regular decoding of one prompt at a time: each of the target's steps takes one row.
-    one_row = not settings.speculative and settings.num_beams == 1 and settings.n == 1 and plan.task is None and (
-        not plan.prompts or len(plan.prompts) == 1 or plan.batch_size == 1)  # a task may search with beams
-    models = load_models(plan, one_row)
-    if plan.task is not None:
-        plan = plan_with_task(models, plan)
-        settings = plan.settings
-    settings.check_models(models)  # what the models refuse (a language, a length) fails before anything is shown
     if plan.mode == "one-shot":  # warm timings (the loop and --compare warm up themselves)
         warm_up_aloud(models, plan.prompts[0] if plan.prompts else plan.prompt, settings)
     if plan.prompts or (settings.n > 1 and plan.mode == "one-shot"):  # n outputs of one prompt: a batch of them
@@ -295,11 +295,15 @@ def run(plan: Plan) -> int:
     return 0
 
 
-def plan_with_task(models, plan: Plan) -> Plan:
-    """The plan with --task's prefix on its prompts and its options under the flags given."""
-    prefix, settings = with_task(models.tasks, plan.task, plan.settings, plan.given)
+def with_model_presets(models, plan: Plan) -> Plan:
+    """The plan with the model's generation defaults and --task's options
+    under the flags given (plans.with_presets), and the task's prefix on its
+    prompts; a line on stderr where a default gives way to what the flags ask."""
+    prefix, settings, notes = with_presets(models, plan.settings, plan.given, plan.task)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     prompts = [prefix + prompt for prompt in plan.prompts] if plan.prompts else None
-    return replace(plan, settings=settings.check_models(models), prompt=prefix + plan.prompt, prompts=prompts)
+    return replace(plan, settings=settings, prompt=prefix + plan.prompt, prompts=prompts)
 
 
 def json_record(generation) -> dict:

@@ -433,11 +433,18 @@ class EncoderDecoder(nn.Module):
         activations = getattr(self.shared, "scales", self.shared.weight).dtype  # a quantized embedding's: its scales'
         return self.args.num_decoder_layers * 2 * self.args.num_heads * self.args.d_kv * activations.size
 
-    def encode(self, tokens: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> mx.array:
-        """(B, S) prompt ids (and optional padding mask) -> (B, S, d_model).
-        Independent blocks of the work take the lanes (streams) in turn:
-        by default cpu.lanes(), one per core on the CPU path, none elsewhere."""
-        return self.encoder(self.shared(tokens), mask, cpu.lanes() if lanes is None else lanes)
+    def encode(self, source: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> mx.array:
+        """(B, S) prompt ids, or (B, S, F) features (rows.Request.source), and an
+        optional padding mask -> (B, S, d_model). Independent blocks of the work
+        take the lanes (streams) in turn: by default cpu.lanes(), one per core
+        on the CPU path, none elsewhere."""
+        return self.encoder(self.source_input(source), mask, cpu.lanes() if lanes is None else lanes)
+
+    def source_input(self, source: mx.array) -> mx.array:
+        """The encoder's input layer, as the family has it: token ids through
+        the shared embedding (every text family). A family whose source is
+        features (speech's log-mel frames) has its stem here instead."""
+        return self.shared(source)
 
     def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None,
                    lanes: tuple | None = None) -> DecoderCache:

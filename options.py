@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable
 
 from errors import OptionError
+from rules import BadWords
 from sampling import Penalties, Sampling
 
 AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth it (drafting.AutoDraft)
@@ -174,6 +175,24 @@ class Kind:
 
 
 @dataclass(frozen=True)
+class Opening:
+    """How a row's decoder opens: the tokens it starts from, before its
+    first output token (the model's decoder start token; mBART's target
+    language; any prefix of several), and a first output token forced
+    whatever the logits, None for none (NLLB's and M2M-100's target
+    language, BART's BOS: transformers' forced_bos_token_id), which stays
+    in the output as transformers gives it."""
+
+    start: tuple[int, ...]
+    forced: int | None = None
+
+    @classmethod
+    def of(cls, args) -> "Opening":
+        """The model's own (its config's decoder start token and forced first token)."""
+        return cls((args.decoder_start_token_id,), args.forced_bos_token_id)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every option of one generation, each checked against its knob."""
 
@@ -202,8 +221,7 @@ class Settings:
     ignore_eos: bool = False  # decode on past the end of text, to max_tokens (benchmarks)
     skip_special_tokens: bool = False  # leave special tokens (<extra_id_0>, </s>, <pad>) out of the text
     logit_bias: dict | tuple = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
-    forced_bos_token_id: int | None = None  # tgt_lang's token, set by check_models: the first output token
-    decoder_start_token_id: int | None = None  # or the decoder's start (mBART's), set by check_models
+    bad_words_ids: tuple = ()  # token sequences never output (transformers' bad_words_ids: rules.BadWords)
     src_lang: str | None = None  # a multilingual model's language codes: the prompt's ("eng_Latn", "en_XX", ...)
     tgt_lang: str | None = None  # and the output's
 
@@ -228,6 +246,12 @@ class Settings:
         if self.temp < MIN_TEMPERATURE:
             object.__setattr__(self, "temp", 0.0)
         object.__setattr__(self, "logit_bias", checked_bias(self.logit_bias))
+        words = self.bad_words_ids
+        if not isinstance(words, (list, tuple)) or not all(
+                isinstance(sequence, (list, tuple)) and sequence and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in sequence) for sequence in words):
+            raise OptionError(f"bad_words_ids must be a list of token id lists, each non-empty (got {words!r})")
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(sequence) for sequence in words))
         if self.prompt_lookup and self.num_draft == AUTO:
             raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
                               "the longest draft")
@@ -249,9 +273,6 @@ class Settings:
         unknown = set(options) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown option {sorted(unknown)[0]!r} (options: {', '.join(f.name for f in fields(cls))})")
-        derived = sorted(set(options) & {"forced_bos_token_id", "decoder_start_token_id"})
-        if derived:  # check_models sets them from the languages, and would replace them
-            raise TypeError(f"{derived[0]} is not an option: tgt_lang (a multilingual model's target language) sets it")
         if base is not None and not isinstance(base, Settings):
             raise TypeError(f"settings must be an options.Settings (got {type(base).__name__})")
         return cls(**options) if base is None else replace(base, **options)
@@ -289,32 +310,19 @@ class Settings:
         return self.kind(models).drafts
 
     def check_models(self, models) -> "Settings":
-        """These settings, if the models can run them; OptionError otherwise."""
+        """These settings, if the models can run their numbers; OptionError
+        otherwise (plans.resolve checks the languages)."""
         if self.num_draft == AUTO and models.draft is None:
             raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
         vocabulary, longest = models.target.args.vocab_size, models.longest_input
         if longest is not None and self.max_tokens > longest:
             raise OptionError(f"max_tokens is {self.max_tokens:,}: this model's positions stop at {longest:,}")
-        if any(token >= vocabulary for token, _ in self.logit_bias):
-            raise OptionError(f"logit_bias's keys must be token ids below {vocabulary:,}")
-        if any(token >= vocabulary for token in self.stop_token_ids):
-            raise OptionError(f"stop_token_ids must be token ids below {vocabulary:,}")
-        if self.src_lang is None and self.tgt_lang is None:
-            return replace(self, forced_bos_token_id=None, decoder_start_token_id=None)
-        if models.languages is None:
-            raise OptionError("this model's tokenizer marks no languages: it takes no src-lang or tgt-lang")
-        if models.languages.source == "target first":  # Marian's: the target's code in the prompt (generate.form_of)
-            if self.src_lang is not None:
-                raise OptionError("this model marks only the target language, in the prompt: it takes tgt-lang, not src-lang")
-            if self.tgt_lang is not None:
-                models.languages.code(self.tgt_lang, "target")
-            return replace(self, forced_bos_token_id=None, decoder_start_token_id=None)
-        if self.src_lang is not None:
-            models.languages.code(self.src_lang, "source")
-        target = None if self.tgt_lang is None else models.languages.code(self.tgt_lang, "target")
-        if models.languages.source == "after":  # mBART's (cc25, en-ro): the target's code starts the decoder
-            return replace(self, forced_bos_token_id=None, decoder_start_token_id=target)
-        return replace(self, forced_bos_token_id=target, decoder_start_token_id=None)
+        for name, tokens in (("logit_bias's keys", [token for token, _ in self.logit_bias]),
+                             ("stop_token_ids", self.stop_token_ids),
+                             ("bad_words_ids", [token for sequence in self.bad_words_ids for token in sequence])):
+            if any(token >= vocabulary for token in tokens):
+                raise OptionError(f"{name} must be token ids below {vocabulary:,}")
+        return self
 
     @property
     def sampling(self) -> Sampling:
@@ -323,7 +331,8 @@ class Settings:
     @property
     def penalties(self) -> Penalties:
         return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_tokens,
-                         self.logit_bias, self.no_repeat_ngram_size, self.stop_token_ids if self.min_tokens else ())
+                         self.logit_bias, self.no_repeat_ngram_size, self.stop_token_ids if self.min_tokens else (),
+                         rules=(BadWords(self.bad_words_ids),) if self.bad_words_ids else ())
 
 
 # transformers' generation parameters, as a model's config names them for a task, and the options they are here.
@@ -348,21 +357,6 @@ def task_preset(tasks: dict, name: str) -> tuple[str, dict]:
         if shift and theirs in params:
             options[ours] = max(params[theirs] + shift, 0 if ours == "min_tokens" else 1)
     return params.get("prefix", ""), options
-
-
-def with_task(tasks: dict, name: str | None, settings: "Settings", given=(), searching: dict | None = None
-              ) -> tuple[str, "Settings"]:
-    """A task's prompt prefix, and `settings` with the task's options
-    (task_preset) over them but under the options named in `given` (the
-    ones a caller chose itself), and `searching`'s too when the task
-    searches with beams; no task (None): no prefix, settings as they are.
-    Every front end applies a task here."""
-    if name is None:
-        return "", settings
-    prefix, preset = task_preset(tasks, name)
-    if preset.get("num_beams", 1) > 1:
-        preset |= searching or {}
-    return prefix, replace(settings, **{option: value for option, value in preset.items() if option not in given})
 
 
 def checked_bias(given) -> tuple[tuple[int, float], ...]:

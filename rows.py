@@ -19,20 +19,27 @@ import mlx.core as mx
 
 from cache import DecoderCache
 from model import EncoderDecoder
-from options import Settings, Stats
+from options import Opening, Settings, Stats
 from sampling import Penalties, RowPenalties, RowSampling, random_key
+
+
+# What a request's encoder reads: token ids (a text), or an array of features, (frames, features) (speech), which the
+# model's input layer takes (EncoderDecoder.source_input). Its length is len(source) either way.
+Source = "list[int] | mx.array"
 
 
 @dataclass(eq=False)
 class Request:
-    """One prompt for the engine: its ids, how to decode them, and the
-    statistics its decoding updates."""
+    """One prompt for the engine: its source (token ids, or features), how
+    to decode it, and the statistics its decoding updates."""
 
-    ids: list[int]
+    source: list[int]  # or an mx.array of features (Source)
     settings: Settings = Settings()
     stats: Stats = field(default_factory=Stats)
     logprobs: list["Logprob"] = field(default_factory=list)  # each output token's, when settings.logprobs asks
     sequences: list[tuple[list[int], float, str]] = field(default_factory=list)  # beams.Search.best: the best beams
+    opening: Opening | None = None  # how its decoder opens; None: the model's own (Opening.of)
+    rules: tuple = ()  # rules.Rule objects the plan adds to the settings' own (plans.Plan.rules)
 
 
 # An output token's log-probability, and the most likely tokens' (id, log-probability), most likely first.
@@ -43,24 +50,32 @@ Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, f
 TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: no_repeat_ngram_size's graph, once a block
 
 
-def encode_for(models: list[EncoderDecoder], prompts: list[list[int]]) -> list[DecoderCache]:
-    """Encode prompts together (padded on the right and masked, when their
-    lengths differ; a prompt given more than once, once) into a fresh decoder cache for each model, evaluated at
-    once so that the models' work runs side by side. The prompts' products,
-    of many rows, are computed here, apart from decoding's few-row ones: the
-    CPU's BLAS wants them done differently."""
-    distinct = list(dict.fromkeys(tuple(prompt) for prompt in prompts))  # a prompt given n times is encoded once
-    rows = [distinct.index(tuple(prompt)) for prompt in prompts]
-    prompts = [list(prompt) for prompt in distinct]
-    length = max(len(prompt) for prompt in prompts)
+def encode_for(models: list[EncoderDecoder], sources: list) -> list[DecoderCache]:
+    """Encode sources together (padded on the right and masked, when their
+    lengths differ; a source given more than once, once) into a fresh decoder
+    cache for each model, evaluated at once so that the models' work runs
+    side by side. Token ids pad with the model's pad token, features with
+    zeros. The sources' products, of many rows, are computed here, apart from
+    decoding's few-row ones: the CPU's BLAS wants them done differently."""
+    tokens = all(isinstance(source, (list, tuple)) for source in sources)
+    # a source given n times is encoded once (features: the same array)
+    keys = [tuple(source) if tokens else id(source) for source in sources]
+    distinct = list(dict.fromkeys(keys))
+    rows = [distinct.index(key) for key in keys]
+    sources = [sources[keys.index(key)] for key in distinct]
+    lengths = [len(source) for source in sources]
+    length = max(lengths)
     mask = None
-    if any(len(prompt) < length for prompt in prompts):
-        mask = mx.array([[1] * len(prompt) + [0] * (length - len(prompt)) for prompt in prompts])
+    if any(n < length for n in lengths):
+        mask = mx.array([[1] * n + [0] * (length - n) for n in lengths])
     caches = []
     for model in models:
-        tokens = mx.array([prompt + [model.args.pad_token_id] * (length - len(prompt)) for prompt in prompts])
-        caches.append(model.make_cache(model.encode(tokens, mask), mask))
-        if len(prompts) < len(rows):
+        if tokens:
+            inputs = mx.array([list(source) + [model.args.pad_token_id] * (length - n) for source, n in zip(sources, lengths)])
+        else:
+            inputs = mx.stack([mx.pad(source, [(0, length - n), (0, 0)]) for source, n in zip(sources, lengths)])
+        caches.append(model.make_cache(model.encode(inputs, mask), mask))
+        if len(sources) < len(rows):
             caches[-1].keep(rows)
     with cpu.many_rows():
         mx.eval([cache.cross_keys_values for cache in caches])
@@ -163,15 +178,16 @@ class Batch:
         """Encode these requests' prompts together and give them rows."""
         assert 0 < len(requests) <= self.free
         started = tuple(clock() for clock in self.clocks)
-        caches = encode_for(self.models, [request.ids for request in requests])
+        caches = encode_for(self.models, [request.source for request in requests])
         seconds, compiling = (clock() - start for clock, start in zip(self.clocks, started))
         encoded = max(seconds - compiling, 0.0)  # a kernel compiled on the way is compiling's
         forced_end = self.models[0].args.forced_eos_token_id is not None
         rows = [Row(request, started, random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0),
                     self.clocks, forced_end=forced_end) for request in requests]
+        self.open(rows, caches[0])
         self.encoding_seconds += encoded
         for request in requests:
-            request.stats.prompt_tokens = len(request.ids)
+            request.stats.prompt_tokens = len(request.source)
             request.stats.encoding_seconds = encoded  # each row waited for the whole join's encoding
         self.joined(rows, caches)
         if self.caches:
@@ -190,6 +206,18 @@ class Batch:
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         """What a kind of batch does with rows that join, on their own caches before they merge."""
 
+    def open(self, rows: list[Row], cache: DecoderCache) -> None:
+        """Feed the target each joining row's opening but its last token (the
+        step that decides the first output token feeds that), padded on the
+        right where they differ, the padding's positions trimmed at once."""
+        lengths = [len(self.opening(row).start) - 1 for row in rows]
+        width = max(lengths)
+        if width == 0:
+            return
+        inputs = [list(self.opening(row).start[:-1]) + [0] * (width - n) for row, n in zip(rows, lengths)]
+        mx.eval(self.models[0].decode(mx.array(inputs), cache))
+        cache.trim([width - n for n in lengths])
+
     def leave(self, positions: set[int]) -> list[int]:
         """Drop the rows at these positions; the positions kept."""
         kept = [i for i in range(len(self.rows)) if i not in positions]
@@ -197,7 +225,7 @@ class Batch:
             self.rows = [self.rows[i] for i in kept]
             cache_rows = [i * self.width + j for i in kept for j in range(self.width)]
             if kept:
-                longest = max(len(row.request.ids) for row in self.rows)
+                longest = max(len(row.request.source) for row in self.rows)
                 for cache in self.caches:
                     cache.keep(cache_rows, longest)
             else:
@@ -227,18 +255,22 @@ class Batch:
         """These rows' RowPenalties (one a cache row), None when none has any."""
         args = self.models[0].args
         penalties = [self.row_penalties(row) for row in rows for _ in range(self.width)]
-        starts = [self.start(row) for row in rows for _ in range(self.width)]
-        return RowPenalties.of(penalties, starts, args.eos_token_id, args.vocab_size, args.forced_eos_token_id)
+        openings = [self.opening(row).start for row in rows for _ in range(self.width)]
+        return RowPenalties.of(penalties, openings, args.eos_token_id, args.vocab_size, args.forced_eos_token_id)
+
+    def opening(self, row: Row) -> Opening:
+        """How a row's decoder opens: its request's, or its model's."""
+        return row.request.opening or Opening.of(self.models[0].args)
 
     def start(self, row: Row) -> int:
-        """The token a row's decoder starts from: its model's, or its target language's (mBART's)."""
-        chosen = row.settings.decoder_start_token_id
-        return self.models[0].args.decoder_start_token_id if chosen is None else chosen
+        """The token that decides a row's first output token: its opening's last."""
+        return self.opening(row).start[-1]
 
     def row_penalties(self, row: Row) -> Penalties:
-        """A row's Penalties, with the tokens its model's config forces (BART's
-        first token, the end of text at max_tokens)."""
-        return forced(row.settings, self.models[0].args)
+        """A row's Penalties, with its opening's forced first token, the end of
+        text its model's config forces at max_tokens, and its request's rules."""
+        penalties = forced(row.settings, self.models[0].args, self.opening(row).forced)
+        return replace(penalties, rules=penalties.rules + row.request.rules) if row.request.rules else penalties
 
     def tokens(self, rows: list[Row], then: mx.array | None = None) -> mx.array | None:
         """What no_repeat_ngram_size reads, when a row has it: each row's start
@@ -246,8 +278,18 @@ class Batch:
         if self.penalties is None or not self.penalties.needs_tokens:
             return None
         longest = -(-(max(len(row.output) for row in rows) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
-        seen = mx.array([[-1] * (longest - 1 - len(row.output)) + [self.start(row)] + row.output for row in rows])
+        opened = [list(self.opening(row).start) for row in rows]
+        longest += max(len(opening) for opening in opened) - 1
+        seen = mx.array([[-1] * (longest - len(opening) - len(row.output)) + opening + row.output
+                         for row, opening in zip(rows, opened)])
         return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)
+
+    def history(self, rows: list[Row], then: list[list[int]] | None = None) -> list[list[int]] | None:
+        """What rules that read the tokens before them read (RowPenalties.reads_tokens), when a row has one: each
+        row's opening and output, then `then`'s tokens, on the host."""
+        if self.penalties is None or not self.penalties.reads_tokens:
+            return None
+        return [list(self.opening(row).start) + row.output + (then[i] if then else []) for i, row in enumerate(rows)]
 
     @property
     def top_logprobs(self) -> int | None:
@@ -268,13 +310,12 @@ class Batch:
         raise NotImplementedError
 
 
-def forced(settings: Settings, args) -> Penalties:
-    """The settings' Penalties with what the model's config forces: its first
-    output token (forced_bos_token_id, or the settings' own: a target
-    language) and the end of text as the last (forced_eos_token_id), as
-    transformers' generate forces them."""
+def forced(settings: Settings, args, first: int | None) -> Penalties:
+    """The settings' Penalties with the forced first output token (the row's
+    opening's: a target language, or the model's forced_bos_token_id) and
+    the end of text the model's config forces as the last
+    (forced_eos_token_id), as transformers' generate forces them."""
     penalties = settings.penalties
-    first = args.forced_bos_token_id if settings.forced_bos_token_id is None else settings.forced_bos_token_id
     if first is not None:
         penalties = replace(penalties, forced_first=first)
     if args.forced_eos_token_id is not None:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
+import numpy as np
+
+import rules
 
 # What a draw at a position decides: a draft, a draft's acceptance, the target's token.
 DRAFT, ACCEPT, TOKEN = range(3)
@@ -34,7 +37,8 @@ class Penalties:
     included) masked (transformers' NoRepeatNGramLogitsProcessor); the
     first output token forced, and the end of text at a position, as
     transformers' ForcedBOS- and ForcedEOSTokenLogitsProcessor force them
-    (the forced token's logit 0, every other -inf)."""
+    (the forced token's logit 0, every other -inf). `rules` ban tokens
+    after the penalties, before the forced tokens (rules.py)."""
 
     repetition: float = 1.0
     presence: float = 0.0
@@ -45,6 +49,7 @@ class Penalties:
     ends: tuple[int, ...] = ()  # tokens besides the end of text that end a row (stop_token_ids)
     forced_first: int | None = None  # the first output token, whatever the logits (forced_bos_token_id)
     forced_end_at: int | None = None  # the output position where the end of text is forced (forced_eos_token_id)
+    rules: tuple = ()  # rules.Rule objects: bans that are not penalties (bad_words_ids, a family's own)
 
 
 class RowPenalties:
@@ -52,65 +57,82 @@ class RowPenalties:
     logits (B, n, V) given what each row had output before each of its n
     positions. Rows without penalties hold neutral values, which change nothing."""
 
-    def __init__(self, penalties: list[Penalties], starts: list[int], eos: int, vocabulary: int,
+    def __init__(self, penalties: list[Penalties], openings: list, eos: int, vocabulary: int,
                  forced_end: int | None = None):
-        self.start = mx.array(starts)[:, None, None]  # each row's decoder start token, which counts as seen
+        # Each row's decoder opening (its start token, or tokens), which counts as seen.
+        openings = [opening if isinstance(opening, tuple) else (opening,) for opening in openings]
+        self.opened = dense([[(token, 1.0) for token in opening] for opening in openings], vocabulary)[:, None] > 0
         self.forced_end = eos if forced_end is None else forced_end  # forced_eos_token_id
         self.repetition, self.presence, self.frequency, self.min_tokens = (
             mx.array([getattr(p, name) for p in penalties], dtype=mx.float32)
             for name in ("repetition", "presence", "frequency", "min_tokens"))
         self.bias = mx.zeros((len(penalties), 1))  # broadcast: no row has a bias
         if any(p.bias for p in penalties):
-            self.bias = dense(penalties, vocabulary, lambda p: p.bias)
+            self.bias = dense([p.bias for p in penalties], vocabulary)
         self.ends = mx.arange(vocabulary)[None] == eos  # (1 or B, V): what min_tokens holds back
         if any(p.ends for p in penalties):
-            self.ends = dense(penalties, vocabulary, lambda p: [(eos, 1.0)] + [(t, 1.0) for t in p.ends]) > 0
+            self.ends = dense([[(eos, 1.0)] + [(t, 1.0) for t in p.ends] for p in penalties], vocabulary) > 0
         self.ngram = mx.array([p.no_repeat_ngram for p in penalties])
         self.longest_ngram = max(p.no_repeat_ngram for p in penalties)
         self.forced_first, self.forced_end_at = (
             mx.array([-1 if getattr(p, name) is None else getattr(p, name) for p in penalties])
             for name in ("forced_first", "forced_end_at"))
+        self.rules = [p.rules for p in penalties]
+        self.fixed_bans = rules.fixed_bans(self.rules, vocabulary)  # (B, V) or None
+        self.vocabulary = vocabulary
 
     @classmethod
-    def of(cls, penalties: list[Penalties], starts: list[int], eos: int, vocabulary: int,
+    def of(cls, penalties: list[Penalties], openings: list, eos: int, vocabulary: int,
            forced_end: int | None = None) -> "RowPenalties | None":
         """None when no row has any: decoding then costs nothing more."""
-        return cls(penalties, starts, eos, vocabulary, forced_end) if any(p != Penalties() for p in penalties) else None
+        return cls(penalties, openings, eos, vocabulary, forced_end) if any(p != Penalties() for p in penalties) else None
 
     @property
     def needs_tokens(self) -> bool:
         """Whether apply needs the rows' tokens (for no_repeat_ngram), not only their counts."""
         return self.longest_ngram > 0
 
-    def apply(self, logits: mx.array, counts: mx.array, positions: mx.array, tokens: mx.array | None = None) -> mx.array:
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether a row has a rule that reads the tokens before it: apply then takes them on the host (`history`)."""
+        return any(rule.looks_back != 0 for row in self.rules for rule in row)
+
+    def apply(self, logits: mx.array, counts: mx.array, positions: mx.array, tokens: mx.array | None = None,
+              history: list[list[int]] | None = None) -> mx.array:
         """logits (B, n, V); counts (B, n, V): each token's count in the row's
         output before each position; positions (B, n): the output position
         each decides (its count of tokens before it); tokens (B, L), when
-        needs_tokens: each row's start token, output and any drafts, padded
+        needs_tokens: each row's opening, output and any drafts, padded
         on the left with -1, the n positions deciding what follows its last
-        n prefixes (lengths L - n + 1 to L)."""
+        n prefixes (lengths L - n + 1 to L); history, the same as lists on
+        the host, for the rules that read them (None: those rules are not
+        applied, as drafters leave them to the target)."""
         banned = mx.array(False)
         if self.needs_tokens:
             banned = ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1])
+        if self.fixed_bans is not None:
+            banned = banned | self.fixed_bans[:, None]
+        if history is not None and self.reads_tokens:
+            banned = banned | rules.reading_bans(self.rules, history, logits.shape[1], self.vocabulary)
         return _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
-                         self.bias, self.ends, self.start, banned, self.forced_first, self.forced_end_at, self.forced_end)
+                         self.bias, self.ends, self.opened, banned, self.forced_first, self.forced_end_at, self.forced_end)
 
 
-def dense(penalties: list[Penalties], vocabulary: int, pairs) -> mx.array:
+def dense(pairs: list, vocabulary: int) -> mx.array:
     """(B, V): each row's (token, value) pairs, zeros elsewhere."""
-    table = [[0.0] * vocabulary for _ in penalties]
-    for row, p in enumerate(penalties):
-        for token, value in pairs(p):
-            table[row][token] = value
+    table = np.zeros((len(pairs), vocabulary), np.float32)
+    for row, row_pairs in enumerate(pairs):
+        for token, value in row_pairs:
+            table[row, token] = value
     return mx.array(table)
 
 
 @mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
-def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, start, banned,
+def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, opened, banned,
               forced_first, forced_end_at, forced_end):
     logits = logits.astype(mx.float32)
     vocabulary = mx.arange(logits.shape[-1])
-    seen = (counts > 0) | (vocabulary == start)
+    seen = (counts > 0) | opened
     repetition = repetition[:, None, None]
     logits = mx.where(seen, mx.where(logits > 0, logits / repetition, logits * repetition), logits)
     logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]

@@ -32,9 +32,12 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dataclasses import replace
+
 from errors import OptionError, T5Error
 from loading import load
 from options import KNOBS, Settings
+from plans import resolve, with_presets
 from text import plural
 from serving.app import Limits, create_app
 from serving.guard import Access, ip_literal
@@ -253,7 +256,12 @@ def main(argv=None) -> int:
         return 1
     try:
         models = load(args.model, draft=args.draft_model, verbose=True)
-        defaults.check_models(models)
+        # The model's generation defaults under the flags given; beams only where a request asks (use_beam_search).
+        given = {name for name in SERVER_KNOBS if getattr(args, name) is not None}
+        _, defaults, _ = with_presets(models, defaults, given, search=False)
+        defaults = resolve(defaults, models).settings
+        if defaults.max_tokens > args.max_tokens_limit:  # a model's max_length past the limit: the limit
+            defaults = replace(defaults, max_tokens=args.max_tokens_limit)
     except T5Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

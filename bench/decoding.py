@@ -154,7 +154,7 @@ def draft_round_seconds(draft, k: int, rounds: int = 30) -> float:
     drafter, times = DraftModel(draft), []
     for _ in range(rounds + 3):
         row = Row(Request(PROMPT_IDS), (0.0, 0.0), (0, 0))
-        drafter.start(row, draft.args.decoder_start_token_id)
+        drafter.start(row, (draft.args.decoder_start_token_id,))
         start = time.perf_counter()
         proposal = drafter.propose([row], [k], RowSampling([Sampling()]), None, cache)
         mx.eval(proposal.drafts, proposal.logits)

@@ -18,11 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import rows
 from errors import OptionError
-from generate import PromptForm, form_of
 from loading import Models
-from options import Settings, Stats, with_task
+from options import Stats
+from plans import Plan, PromptForm, resolve, with_presets
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
 from serving.guard import Access, ApiError, Guard
@@ -53,7 +52,7 @@ class Call:
     @property
     def usage(self) -> dict:
         """Tokens the prompts took (each prompt once), and tokens whose text the client received (every beam returned)."""
-        prompts = {id(job.request.ids): len(job.request.ids) for job in self.jobs}
+        prompts = {id(job.request.source): len(job.request.source) for job in self.jobs}
         received = sum(sum(beam.received for beam in job.beams) if job.beams else job.stream.received for job in self.jobs)
         return shapes.usage(sum(prompts.values()), received)
 
@@ -114,18 +113,20 @@ class Completions:
             raise ApiError(404, f"the model {model!r} does not exist here (GET /v1/models: {self.name!r})",
                            code="model_not_found", param="model")
 
-    def settings(self, body: CompletionBody) -> tuple[Settings, str]:
-        """The request's Settings (its options, over its task's, over the server's), and its task's prompt prefix."""
+    def plan(self, body: CompletionBody) -> Plan:
+        """The request's plan: its options, over its task's, over the server's (with the model's generation
+        defaults), resolved against the models."""
         self.check_model(body.model)
         try:
             # a task's beam search: as use_beam_search asks for one, its n beams returned
-            prefix, defaults = with_task(self.models.tasks, body.task, self.engine.defaults,
-                                         searching=BEAM_DEFAULTS | {"num_return_sequences": body.n})
+            prefix, defaults, _ = with_presets(self.models, self.engine.defaults, task=body.task, generation=False,
+                                               searching=BEAM_DEFAULTS | {"num_return_sequences": body.n})
             if body.use_beam_search:
                 defaults = replace(defaults, **BEAM_DEFAULTS)
-            settings = body.settings(defaults).check_models(self.models)
+            plan = resolve(body.settings(defaults), self.models, prefix)
         except (OptionError, TypeError) as e:
             raise ApiError(400, str(e))
+        settings = plan.settings
         if settings.num_beams == 1 and (body.length_penalty is not None or body.early_stopping is not None):
             raise ApiError(400, "length_penalty and early_stopping go with beam search (use_beam_search)",
                            param="length_penalty" if body.length_penalty is not None else "early_stopping")
@@ -135,7 +136,7 @@ class Completions:
             field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
             raise ApiError(400, f"{field} is {settings.max_tokens:,}, more than this server's {self.limits.max_tokens:,}",
                            param=field)
-        return settings, prefix
+        return plan
 
     def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1,
                form: PromptForm = PromptForm()) -> list[list[int]]:
@@ -184,16 +185,17 @@ class Completions:
         return list(ids)
 
     def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
-        settings, prefix = self.settings(body)
+        plan = self.plan(body)
+        settings = plan.settings
         copies = 1 if settings.num_beams > 1 else body.n  # jobs a prompt takes: n samples, or one search of n beams
-        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, form_of(self.models, settings, prefix))
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, plan.form)
         needed = sum(len(ids) + settings.max_tokens for ids in encoded) * copies * settings.num_beams
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "
                                 f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
-        jobs = [Job(rows.Request(ids, copy), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
+        jobs = [Job(plan.request(ids, copy), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
                     times=Times(arrived)) for ids in encoded for copy in replace(settings, n=copies).copies()]
         try:
             self.engine.submit(jobs)

@@ -140,7 +140,7 @@ class Engine:
         for job in taken:
             job.times.admitted = now
             self.metrics.queue_time.observe(now - job.times.arrived)
-            self.metrics.prompt_tokens.inc(len(job.request.ids))
+            self.metrics.prompt_tokens.inc(len(job.request.source))
         by_kind = {}
         for job in taken:
             by_kind.setdefault(job.request.settings.kind(self.models), []).append(job)

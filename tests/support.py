@@ -10,12 +10,15 @@ import numpy as np
 from batches import batch_for, drive
 from rows import Request
 from loading import Models
+from plans import resolve
 from options import Settings, Stats
 
 
 def decode(models: Models, prompt: list[int], settings: Settings = Settings(), stats: Stats | None = None) -> list[int]:
-    """One prompt's token ids, decoded as `generate` decodes it: a batch of one."""
-    request = Request(prompt, settings, stats if stats is not None else Stats())
+    """One prompt's token ids, decoded as `generate` decodes it: a batch of one (its settings resolved against the
+    models: a target language opens the decoder)."""
+    request = resolve(settings, models).request(prompt)
+    request.stats = stats if stats is not None else Stats()
     return [token for _, token, _ in drive(batch_for(models, settings, 1), [request]) if token is not None]
 
 

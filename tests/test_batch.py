@@ -313,3 +313,87 @@ def test_rows_with_their_own_settings_each_decode_as_they_would_alone(pair, prom
         assert counts(alone_request.stats) == counts(together_requests[i].stats), f"row {i}"
     for i in (0, 4):
         assert together[i] == regular(target, chosen[i], settings[i].max_tokens)
+
+
+def test_a_source_of_features_decodes_as_its_token_ids_alone_and_padded_in_a_batch(v1_1_checkpoint, tmp_path):
+    """A request's source may be features, (frames, F), which the family's
+    input layer reads (EncoderDecoder.source_input). With one-hot features
+    read through the embedding's table, each prompt decodes to what its ids
+    give, regular and drafted, alone and beside features of other lengths
+    (padded with zeros and masked)."""
+    from loading import load_model
+
+    def listening(folder):  # a model whose input layer takes features: one-hot rows times the embedding's table
+        model = load_model(folder)
+        model.source_input = lambda features: features @ model.shared.weight
+        return model
+
+    target, draft = listening(v1_1_checkpoint.mlx_dir), listening(v1_1_checkpoint.mlx_dir)
+    tokenizer = load_tokenizer(v1_1_checkpoint.mlx_dir)
+    prompts = [tokenizer.encode(text) for text in PROMPTS[:3]]
+    assert len({len(p) for p in prompts}) == 3, "the sources must differ in length for padding to matter"
+    vocabulary = target.args.vocab_size
+    features = [mx.array(np.eye(vocabulary, dtype=np.float32)[prompt]) for prompt in prompts]
+    reading_ids = Models(load_model(v1_1_checkpoint.mlx_dir), load_model(v1_1_checkpoint.mlx_dir))
+    for models, settings in ((Models(target), Settings(max_tokens=16, speculative=False)),
+                             (Models(target, draft), Settings(max_tokens=16, num_draft=3))):
+        expected = [decode(reading_ids, prompt, settings) for prompt in prompts]
+        assert len(set(expected[0])) >= 5, "the output must vary for this to test anything"
+        assert [decode(models, source, settings) for source in features] == expected
+        together, _ = decode_batch(models, [Request(source, settings) for source in features], 3)
+        assert together == expected
+
+
+@pytest.fixture(scope="module")
+def unit_v1_1(tmp_path_factory, tokenizer_dir, tokenizer):
+    """v1.1 at initializer_factor 1: logits of order one, which a logit bias of 100 outweighs."""
+    from conftest import build
+    from loading import load_model
+
+    checkpoint = build("v1_1_gated_untied", tmp_path_factory, tokenizer_dir, tokenizer, initializer_factor=1.0)
+    return checkpoint, {"target": load_model(checkpoint.mlx_dir), "drafts": {"close": load_model(checkpoint.mlx_dir)}}
+
+
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2},
+                                     {"min_tokens": 6, "logit_bias": {1: 100.0}}])
+def test_a_decoder_opening_of_several_tokens_continues_as_transformers_continues_it(v1_1_checkpoint, pair, unit_v1_1,
+                                                                                     options):
+    """A row's decoder may open with several tokens (as Whisper's start,
+    language and task do): each row continues its own opening as
+    transformers' generate continues decoder_input_ids (the opening counted
+    as seen by the penalties, not as output by min_tokens), regular,
+    drafted, looked up and in beams, with openings of different lengths in
+    one batch."""
+    import torch
+
+    from options import Opening
+
+    if "min_tokens" in options:  # the end of text made likeliest, min_tokens holding it back
+        v1_1_checkpoint, pair = unit_v1_1
+    hf_model, prompt = v1_1_checkpoint.hf_model, v1_1_checkpoint.prompt_ids
+    openings = [(0,), (0, 17, 300), (0, 41, 99, 7, 250)]
+
+    def theirs(opening, **more):
+        names = {"min_tokens": "min_new_tokens", "logit_bias": "sequence_bias"}
+        named = {names.get(name, name): value for name, value in options.items()}
+        if "sequence_bias" in named:
+            named["sequence_bias"] = {(token,): bias for token, bias in named["sequence_bias"].items()}
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), decoder_input_ids=torch.tensor([list(opening)]),
+                                    max_new_tokens=16, do_sample=False, **({"num_beams": 1} | named | more))
+        return [token for token in out[0, len(opening):].tolist() if token != 1]
+
+    expected = [theirs(opening) for opening in openings]
+    if "min_tokens" in options:
+        assert {len(tokens) for tokens in expected} == {6}, "the end of text must come as soon as min_tokens lets it"
+    else:
+        assert len({tuple(tokens) for tokens in expected}) == 3, "each opening must steer the output"
+    target = pair["target"]
+    for models, settings in ((Models(target), Settings(max_tokens=16, speculative=False, **options)),
+                             (Models(target, pair["drafts"]["close"]), Settings(max_tokens=16, num_draft=3, **options)),
+                             (Models(target), Settings(max_tokens=16, num_draft=3, prompt_lookup=True, **options))):
+        requests = [Request(prompt, settings, opening=Opening(opening)) for opening in openings]
+        assert decode_batch(models, requests, 3)[0] == expected, settings
+    beams = Settings(max_tokens=16, num_beams=3, speculative=False, **options)
+    requests = [Request(prompt, beams, opening=Opening(opening)) for opening in openings]
+    assert decode_batch(Models(target), requests, 3)[0] == [theirs(opening, num_beams=3) for opening in openings]

@@ -20,7 +20,7 @@ from drafting import AutoDraft, DraftCost, DraftModel, PromptLookup
 from errors import OptionError
 from generate import generate
 from interactive import Session
-from loading import Models, load, load_model, load_tokenizer
+from loading import Learned, Models, load, load_model, load_tokenizer
 from options import Settings, Stats
 from sampling import RowSampling, Sampling
 
@@ -122,7 +122,8 @@ def test_a_dropped_draft_leaves_the_draft_cache_as_one_draft_would(pair):
     change the draft's next proposals, and so the counts)."""
     target, draft, prompt = pair["target"], pair["drafts"]["close"], pair["checkpoint"].prompt_ids
     dropped, one = Stats(), Stats()
-    out = decode(Models(target, draft, drafting=DropsTheSecond()), prompt, Settings(max_tokens=40, num_draft="auto"), dropped)
+    models = Models(target, draft, learned=Learned(DropsTheSecond()))
+    out = decode(models, prompt, Settings(max_tokens=40, num_draft="auto"), dropped)
     assert out == decode(Models(target, draft), prompt, Settings(max_tokens=40, num_draft=1), one)
     assert (dropped.drafted, dropped.accepted, dropped.target_calls) == (one.drafted, one.accepted, one.target_calls)
 
@@ -149,7 +150,7 @@ def drafts_taken(auto: AutoDraft, draft, prompt: list[int]) -> int:
     (cache,) = encode_for([draft], [prompt])
     drafter = DraftModel(draft, auto)
     row = Row(Request(prompt, AUTO), (0.0, 0.0), (0, 0))
-    drafter.start(row, draft.args.decoder_start_token_id)
+    drafter.start(row, (draft.args.decoder_start_token_id,))
     return drafter.propose([row], [AutoDraft.cap], RowSampling([Sampling()]), None, cache).drafts.shape[1]
 
 
@@ -271,7 +272,7 @@ def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_not_timed(pair):
     fresh = Models(load_model(checkpoint.mlx_dir), load_model(checkpoint.mlx_dir))
     stats = Stats()
     decode(fresh, checkpoint.prompt_ids, Settings(max_tokens=30, num_draft="auto"), stats)
-    assert stats.target_calls > 2 and rounds_timed(fresh.drafting) <= stats.target_calls - 2
+    assert stats.target_calls > 2 and rounds_timed(fresh.learned.drafting) <= stats.target_calls - 2
 
 
 @pytest.mark.parametrize("compiled, cold", [(True, [1, 1, 0, 0]), (False, [1, 0, 0, 0])])
@@ -404,12 +405,13 @@ def test_compare_runs_prompt_lookup_against_regular(capsys):
 
 def test_models_keep_what_auto_learnt_between_generations():
     models = load(DEMO / "target", draft=DEMO / "draft")
-    assert isinstance(models.drafting, AutoDraft) and not models.drafting.calibrations
+    assert models.learned.drafting is None  # nothing learnt yet
     generate(models, "x = 1", num_draft="auto", max_tokens=10)
-    (calibration,) = models.drafting.calibrations.values()
+    assert isinstance(models.learned.drafting, AutoDraft)
+    (calibration,) = models.learned.drafting.calibrations.values()
     judged = sum(calibration.judged)
     generate(models, "y = 2", num_draft="auto", max_tokens=10)
-    assert list(models.drafting.calibrations.values()) == [calibration] and sum(calibration.judged) != judged
+    assert list(models.learned.drafting.calibrations.values()) == [calibration] and sum(calibration.judged) != judged
 
 
 def test_auto_keeps_each_settings_record_whatever_batch_its_rows_shared(pair, prompt_ids):
@@ -419,7 +421,7 @@ def test_auto_keeps_each_settings_record_whatever_batch_its_rows_shared(pair, pr
     exact, lenient = Settings(max_tokens=20, num_draft="auto"), Settings(max_tokens=20, num_draft="auto", delta=0.5)
     requests = [Request(prompt, exact if i % 2 else lenient) for i, prompt in enumerate(prompt_ids)]
     decode_batch(models, requests, 4)
-    calibrations = models.drafting.calibrations
+    calibrations = models.learned.drafting.calibrations
     assert set(calibrations) == {(0.0, exact.sampling), (0.5, lenient.sampling)}
     for settings in (exact, lenient):
         rows = [r for r in requests if r.settings is settings]

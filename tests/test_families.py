@@ -376,8 +376,8 @@ def test_a_truncated_prompt_keeps_its_marks_and_the_nearer_positions_end_limits_
     from types import SimpleNamespace
 
     from errors import OptionError
-    from generate import PromptForm
-    from loading import Languages
+    from languages import SourceAfter
+    from plans import PromptForm, resolve
 
     class Marked:  # encodes as NLLB's tokenizer.json does by default: [eng_Latn] text [EOS]
         def encode(self, text, add_special_tokens=True):
@@ -389,16 +389,17 @@ def test_a_truncated_prompt_keeps_its_marks_and_the_nearer_positions_end_limits_
     assert PromptForm("p:").ids(models, "abcdef", keep=6) == [5, 10 + ord("p"), 10 + ord(":"), 10 + ord("e"), 10 + ord("f"), 2]
     ends = Models(SimpleNamespace(longest_input=512), SimpleNamespace(longest_input=256))
     assert ends.longest_input == 256 and Models(SimpleNamespace(longest_input=None)).longest_input is None
-    after = SimpleNamespace(target=SimpleNamespace(args=SimpleNamespace(vocab_size=100), longest_input=None),
-                            longest_input=None, languages=Languages({"en_XX": 50, "ro_RO": 51}, "after"))
-    assert Settings(src_lang="en_XX").check_models(after).src_lang == "en_XX"
-    chosen = Settings(tgt_lang="ro_RO").check_models(after)
-    assert (chosen.decoder_start_token_id, chosen.forced_bos_token_id) == (51, None)
-    for derived in ("decoder_start_token_id", "forced_bos_token_id"):
-        with pytest.raises(TypeError, match=f"{derived} is not an option: tgt_lang .* sets it"):
+    args = SimpleNamespace(vocab_size=100, decoder_start_token_id=2, forced_bos_token_id=None, eos_token_id=2)
+    after = SimpleNamespace(target=SimpleNamespace(args=args, longest_input=None), draft=None, longest_input=None,
+                            languages=SourceAfter({"en_XX": 50, "ro_RO": 51}))
+    assert resolve(Settings(src_lang="en_XX"), after).form.marks == ((), (2, 50))
+    chosen = resolve(Settings(tgt_lang="ro_RO"), after)
+    assert (chosen.opening.start, chosen.opening.forced) == ((51,), None)
+    for derived in ("decoder_start_token_id", "forced_bos_token_id"):  # the models decide them: no option sets them
+        with pytest.raises(TypeError, match=f"unknown option '{derived}'"):
             Settings.of({derived: 51})
     with pytest.raises(OptionError, match="unknown target language 'xx'"):
-        Settings(tgt_lang="xx").check_models(after)
+        resolve(Settings(tgt_lang="xx"), after)
 
 
 def converted_with_tokenizer(model_class, config, folder, tmp_path, names: tuple):
@@ -493,15 +494,15 @@ def test_marians_two_sentencepiece_models_convert_to_one_tokenizer_as_transforme
     assert generation.text == theirs.decode(generation.tokens) and len(generation.tokens) > 0
     # a multilingual opus-mt's target language: its code before the text, as MarianTokenizer reads ">>fra<< ..."
     from errors import OptionError
-    from generate import form_of
+    from plans import resolve
 
     assert models.languages.codes == {">>fra<<": vocab[">>fra<<"]}
     for name in ("fra", ">>fra<<"):
-        settings = Settings(tgt_lang=name).check_models(models)
-        assert form_of(models, settings).ids(models, "Bonjour  le monde") == theirs(">>fra<< Bonjour  le monde").input_ids
-        assert settings.forced_bos_token_id is None
+        plan = resolve(Settings(tgt_lang=name), models)
+        assert plan.form.ids(models, "Bonjour  le monde") == theirs(">>fra<< Bonjour  le monde").input_ids
+        assert plan.opening.forced is None
     with pytest.raises(OptionError, match="takes tgt-lang, not src-lang"):
-        Settings(src_lang="fra").check_models(models)
+        resolve(Settings(src_lang="fra"), models)
     assert batch_generate(models, ["Bonjour"], max_tokens=5, tgt_lang="fra", speculative=False)[0].tokens
 
 
@@ -573,7 +574,7 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
 
     import transformers
 
-    from generate import form_of
+    from plans import resolve
 
     folder, vocab = m2m100_tokenizer_files
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -587,7 +588,7 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
     differ = [line for line in lines if models.tokenizer.encode(line) != theirs(line).input_ids]
     assert differ == []
     theirs.src_lang = "fr"
-    french = form_of(models, Settings(src_lang="fr").check_models(models))
+    french = resolve(Settings(src_lang="fr"), models).form
     assert all(french.ids(models, line) == theirs(line).input_ids for line in lines[:200])
     # Ids with unknowns aside (SentencePiece drops the spaces around a skipped <unk>)
     for ids in (ids for ids in (theirs(line).input_ids for line in lines) if vocab["<unk>"] not in ids):
@@ -596,7 +597,7 @@ def test_m2m100s_bpe_model_and_dictionary_convert_to_one_tokenizer_as_transforme
     prompt = theirs("Return the value.").input_ids
     expected = hf_model.generate(torch.tensor([prompt]), forced_bos_token_id=theirs.get_lang_id("de"), max_new_tokens=8,
                                  do_sample=False, num_beams=1)[0, 1:].tolist()
-    ours = decode(models, prompt, Settings(max_tokens=8, speculative=False, tgt_lang="de").check_models(models))
+    ours = decode(models, prompt, Settings(max_tokens=8, speculative=False, tgt_lang="de"))
     assert ours == expected[: len(ours)] and ours[0] == theirs.get_lang_id("de")
 
 
@@ -616,6 +617,7 @@ def test_mbarts_target_language_starts_the_decoder_as_transformers_generate_star
 
     from generate import batch_generate
     from loading import load
+    from plans import resolve
 
     hf_model = family_checkpoint("mbart", tmp_path / "hf", tokenizer_dir, seed=9)  # greedy choices won by 9e-3 of the scale
     family_checkpoint("mbart", tmp_path / "draft-hf", tokenizer_dir, seed=1, layers=1)
@@ -644,9 +646,50 @@ def test_mbarts_target_language_starts_the_decoder_as_transformers_generate_star
                 assert ours.tokens == theirs(start, **options), (options, speculative, code)
     for settings in (Settings(max_tokens=12, speculative=False), Settings(max_tokens=12, num_draft=3),
                      Settings(max_tokens=12, repetition_penalty=1.3)):  # a batch's rows, each with its own start
-        languages = [replace(settings, src_lang="en_XX", tgt_lang=code).check_models(models) for code in ("ro_RO", "de_DE")]
-        tokens, _ = decode_batch(models, [Request(ids, chosen) for chosen in languages], 2)
+        plans = [resolve(replace(settings, src_lang="en_XX", tgt_lang=code), models) for code in ("ro_RO", "de_DE")]
+        tokens, _ = decode_batch(models, [plan.request(ids) for plan in plans], 2)
         assert tokens == [theirs(start, repetition_penalty=settings.repetition_penalty) for start in (1101, 1102)]
     beams = batch_generate(models, [prompt], src_lang="en_XX", tgt_lang="de_DE", max_tokens=12, num_beams=3,
                            speculative=False)[0]
     assert beams.tokens == theirs(1102, num_beams=3)
+
+
+def test_marians_pad_ban_in_its_generation_config_holds_as_transformers_applies_it(tmp_path, tokenizer_dir):
+    """Marian's generation_config.json bans <pad> (bad_words_ids [[pad]]).
+    With <pad> made the likeliest token everywhere (its final_logits_bias
+    raised), the output, given no options, is what transformers' generate
+    gives with the ban: regular, drafted and in beams, no <pad> in any;
+    without the ban it would be <pad> throughout."""
+    import json
+
+    from loading import load
+    from plans import with_presets
+
+    hf_model = family_checkpoint("marian", tmp_path / "hf", tokenizer_dir)
+    pad = hf_model.config.pad_token_id
+    with torch.no_grad():
+        hf_model.final_logits_bias[0, pad] = 1e3
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(generation | {"bad_words_ids": [[pad]]}))
+    family_checkpoint("marian", tmp_path / "draft-hf", tokenizer_dir, seed=1, layers=1)
+    for name in ("hf", "draft-hf"):
+        convert.convert(str(tmp_path / name), tmp_path / f"{name}-mlx", "float32", force=False)
+
+    def theirs(**options):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, do_sample=False, bad_words_ids=[[pad]],
+                                    **({"num_beams": 1} | options))
+        return [t for t in out[0, 1:].tolist() if t != 2]
+
+    assert pad not in theirs() and len(set(theirs())) >= 5
+
+    def ours(models, **options):  # the model's generation defaults under the options given, as every front end puts them
+        _, settings, _ = with_presets(models, Settings(max_tokens=20, **options), given={"max_tokens", *options})
+        return decode(models, PROMPTS[0], settings)
+
+    alone, paired = load(tmp_path / "hf-mlx"), load(tmp_path / "hf-mlx", draft=tmp_path / "draft-hf-mlx")
+    assert ours(alone, speculative=False) == theirs()
+    assert ours(paired, num_draft=3) == theirs()
+    assert ours(alone, num_beams=3) == theirs(num_beams=3)
+    assert set(ours(alone, speculative=False, bad_words_ids=())) == {pad}

@@ -391,7 +391,7 @@ import sys
 import decoder, server
 real = decoder.SpeculativeBatch.round
 def round(self):
-    if any(1 in row.request.ids[:1] for row in self.rows):  # a prompt whose first token is EOS
+    if any(1 in row.request.source[:1] for row in self.rows):  # a prompt whose first token is EOS
         raise RuntimeError("a planted failure")
     return (yield from real(self))
 decoder.SpeculativeBatch.round = round

@@ -104,3 +104,59 @@ def test_the_command_line_the_loop_and_the_server_take_a_task(tasked, capsys):
         assert refused.status_code == 400 and "names no task 'poetry'" in refused.json()["error"]["message"]
     finally:
         server.stop()
+
+
+# bart-large-cnn's generation_config.json, with lengths cut to fit a test, and a token banned as Marian's bans <pad>
+GENERATION = {"num_beams": 4, "length_penalty": 2.0, "early_stopping": True, "no_repeat_ngram_size": 3,
+              "min_length": 12, "max_length": 25}
+
+
+@pytest.fixture(scope="module")
+def configured(unit_scale_checkpoint, tmp_path_factory):
+    """The checkpoint's conversion with a generation_config.json of its own, and the token it bans."""
+    checkpoint = unit_scale_checkpoint
+    if checkpoint.hf_model.config.num_decoder_layers > checkpoint.hf_model.config.num_layers:
+        pytest.skip("transformers' generate() breaks when the decoder is deeper than the encoder")
+    folder = tmp_path_factory.mktemp("configured") / "mlx"
+    shutil.copytree(checkpoint.mlx_dir, folder)
+    ids = checkpoint.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        plain = checkpoint.hf_model.generate(ids, do_sample=False, **GENERATION)[0, 1:].tolist()
+    banned = max(set(plain), key=plain.count)
+    generation = GENERATION | {"bad_words_ids": [[banned]]}
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return checkpoint, folder, generation
+
+
+def transformers_generation(checkpoint, generation: dict, **overrides) -> list[int]:
+    ids = checkpoint.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = checkpoint.hf_model.generate(ids, do_sample=False, **(generation | overrides))
+    return [token for token in out[0, 1:].tolist() if token not in (0, 1)]  # no padding, no EOS
+
+
+def test_the_models_generation_defaults_apply_where_the_caller_gives_none_as_transformers_applies_them(configured, capsys):
+    """With no options, the API decodes as transformers' generate() does
+    with the same generation_config.json (beams, length penalty, early
+    stopping, no-repeat n-grams, lengths, bad words); an option given
+    overrides its default and keeps the others. With a draft loaded, the
+    command line drafts and says in one line that the config's beams gave
+    way; --num-beams searches."""
+    checkpoint, folder, generation = configured
+    models = load(folder)
+    searched = transformers_generation(checkpoint, generation)
+    assert searched != transformers_generation(checkpoint, {}, max_new_tokens=24), "the defaults must change the output"
+    assert batch_generate(models, [PROMPT])[0].tokens == searched
+    greedy = transformers_generation(checkpoint, generation, num_beams=1)
+    assert batch_generate(models, [PROMPT], num_beams=1)[0].tokens == greedy != searched
+    assert main.main(["--model", str(folder), "--regular-decode", "--json", "--prompt", PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == searched
+    assert main.main(["--model", str(folder), "--draft-model", str(folder), "--json", "--prompt", PROMPT]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tokens"] == greedy
+    assert "note: the model's generation config searches with 4 beams; drafting with the loaded draft model runs " \
+           "instead (--num-beams 4 searches, with the target alone)\n" in err
+    assert main.main(["--model", str(folder), "--draft-model", str(folder), "--json", "--prompt", PROMPT,
+                      "--num-beams", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tokens"] == searched and "note:" not in err

@@ -1,0 +1,90 @@
+"""Rules: a row's bans on its next token that are not penalties, as small objects with one interface.
+
+A rule says which tokens may not come next, given the tokens before: the
+row's decoder opening and its output, and, when a round verifies drafts,
+the drafts before the position. Every batch applies a row's rules at every
+position it decides (the target's, after the penalties, before any forced
+token), so that regular, drafted and beam decoding all keep them and
+speculative decoding stays exact: a draft a rule bans has probability 0.
+
+A rule that reads no token before it (`looks_back` 0) is one fixed ban,
+applied on the device with the penalties at no cost a round. A rule that
+reads them is evaluated on the host, at each position, with the tokens
+before it; a round with such a row reads its tokens (or drafts) back before
+the target's pass. Drafters apply fixed bans only: the target's verdict keeps
+the others, at some cost in accepted drafts.
+"""
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+import cpu  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+
+
+class Rule:
+    """A ban on the next token: `banned(before)` gives the tokens that may not
+    follow `before` (a range, or any collection of ids); `looks_back`, how many
+    of the tokens before it reads (0: none, a fixed ban; None: all of them)."""
+
+    looks_back: int | None = 0
+
+    def banned(self, before: Sequence[int]) -> Iterable[int]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class BadWords(Rule):
+    """transformers' NoBadWordsLogitsProcessor (`bad_words_ids`): a sequence's
+    last token is banned where the tokens before it end with the rest of it;
+    a sequence of one token is never output (Marian's `<pad>`)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+
+    @property
+    def looks_back(self) -> int:
+        return max(len(sequence) for sequence in self.sequences) - 1
+
+    def banned(self, before: Sequence[int]) -> list[int]:
+        before = list(before)
+        return [sequence[-1] for sequence in self.sequences
+                if len(sequence) == 1 or before[len(before) - len(sequence) + 1 :] == list(sequence[:-1])]
+
+
+def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int) -> mx.array | None:
+    """(B, V): each row's bans from rules that read nothing before them; None when no row has one."""
+    fixed = [[rule for rule in row if rule.looks_back == 0] for row in rules]
+    if not any(fixed):
+        return None
+    mask = np.zeros((len(rules), vocabulary), bool)
+    for row, row_rules in enumerate(fixed):
+        for rule in row_rules:
+            mark(mask[row], rule.banned(()))
+    return mx.array(mask)
+
+
+def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries: int, vocabulary: int) -> mx.array:
+    """(B, queries, V): each row's bans from rules that read the tokens before
+    them, at each of the last `queries` prefixes of the row's tokens (its
+    opening, output and any drafts: lengths L - queries + 1 to L)."""
+    mask = np.zeros((len(rules), queries, vocabulary), bool)
+    for row, (row_rules, seen) in enumerate(zip(rules, tokens)):
+        for rule in row_rules:
+            if rule.looks_back == 0:
+                continue
+            for query in range(queries):
+                before = seen[: len(seen) - queries + 1 + query]
+                if rule.looks_back is not None:
+                    before = before[max(len(before) - rule.looks_back, 0) :]
+                mark(mask[row, query], rule.banned(before))
+    return mx.array(mask)
+
+
+def mark(mask: np.ndarray, banned: Iterable[int]) -> None:
+    """Set `banned` (a range or ids) in a row's (V,) mask."""
+    if isinstance(banned, range):
+        mask[banned.start : banned.stop : banned.step] = True
+    else:
+        mask[list(banned)] = True
