@@ -66,6 +66,6 @@ def warm_up(models, ids: list[int], settings: Settings) -> None:
     allocator's pools) stay out of timings and answers."""
     paths = (False, True) if replace(settings, speculative=True).drafts(models) else (False,)
     for speculative in paths:
-        short = replace(settings, max_tokens=4, speculative=speculative, stop=())
+        short = replace(settings, max_tokens=4, min_tokens=min(settings.min_tokens, 4), speculative=speculative, stop=())
         for _ in drive(batch_for(models, short, 1), [Request(ids, short)]):
             pass

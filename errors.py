@@ -17,7 +17,11 @@ class T5Error(Exception):
 
 
 class OptionError(T5Error, ValueError):
-    """A generation option out of its range."""
+    """A generation option out of its range; `param`, the option, where one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class LoadError(T5Error):

@@ -173,6 +173,10 @@ class Tokenizer:
         """The tokens added to the model's vocabulary (special ones: language codes, sentinels)."""
         return {token.content: index for index, token in self.backend.get_added_tokens_decoder().items()}
 
+    def special_ids(self) -> set[int]:
+        """The ids decode leaves out with skip_special_tokens."""
+        return {index for index, token in self.backend.get_added_tokens_decoder().items() if token.special}
+
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
@@ -211,6 +215,10 @@ class ByteTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return {**{chr(b): b + 3 for b in range(256)}, **self.names}
+
+    def special_ids(self) -> set[int]:
+        """The ids decode leaves out with skip_special_tokens."""
+        return set(self.by_id)
 
     def __len__(self) -> int:
         return 259 + len(self.extra)

@@ -9,7 +9,6 @@ its row (decoder.py), which reports in the row's `Stats`.
 """
 
 import enum
-import math
 import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable
@@ -26,6 +25,8 @@ SEEDED_AUTO_DRAFTS = 5
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's chat limit)
 MAX_SAMPLES = 16  # n: outputs of one prompt
+MAX_BEAMS = 64  # num_beams (the server's best_of: MAX_SAMPLES)
+MAX_DRAFTS = 64  # num_draft
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,11 @@ class Knob:
             return value
         if self.type is bool:
             if not isinstance(value, bool):
-                raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})")
+                raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})", self.name)
             return value
         kind = numbers.Real if self.type is float else numbers.Integral
         if not isinstance(value, kind) or isinstance(value, bool) or not self.valid(value):
-            raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})")
+            raise OptionError(f"{label or self.name} must be {self.expected} (got {value!r})", self.name)
         return value
 
     def parse(self, text: str, label: str | None = None):
@@ -76,37 +77,40 @@ class Knob:
 
 
 KNOBS = {knob.name: knob for knob in [
-    Knob("num_draft", int, lambda v: v >= 1, "an integer >= 1 or auto",
+    Knob("num_draft", int, lambda v: 1 <= v <= MAX_DRAFTS, f"an integer in [1, {MAX_DRAFTS}] or auto",
          "draft tokens per verify step; auto: as many as the draft's confidence makes worth it", words=(AUTO,)),
     Knob("delta", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
          "acceptance lenience in [0, 1]: 0 exact, 1 accepts every draft"),
-    Knob("temp", float, lambda v: 0 <= v < math.inf, "a finite number >= 0",
+    Knob("temp", float, lambda v: 0 <= v <= 100, "a number in [0, 100]",
          f"sampling temperature; 0 (or below {MIN_TEMPERATURE:g}) is greedy"),
-    Knob("top_k", int, lambda v: v >= 0, "an integer >= 0", "sample from the k most likely tokens (0: all)"),
+    Knob("top_k", int, lambda v: 0 <= v < 2**31, "an integer in [0, 2**31), at most the vocabulary's size",
+         "sample from the k most likely tokens (0: all)"),
     Knob("top_p", float, lambda v: 0 < v <= 1, "a number in (0, 1]", "nucleus sampling mass (1: off)"),
-    Knob("max_tokens", int, lambda v: v >= 1, "an integer >= 1", "most tokens to generate"),
+    Knob("max_tokens", int, lambda v: 1 <= v < 2**31, "an integer in [1, 2**31)", "most tokens to generate"),
     Knob("seed", int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)",
          "random seed for sampling (default: random)", optional=True),
-    Knob("repetition_penalty", float, lambda v: 0 < v < math.inf, "a finite number > 0",
+    Knob("repetition_penalty", float, lambda v: 0 < v <= 100, "a number in (0, 100]",
          "a seen token's logit over this when positive, times it when negative (transformers' rule; 1: off)"),
     Knob("presence_penalty", float, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
          "minus this from an output token's logit (OpenAI's rule; 0: off)"),
     Knob("frequency_penalty", float, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
          "minus this for each time a token was output (OpenAI's rule; 0: off)"),
-    Knob("min_tokens", int, lambda v: v >= 0, "an integer >= 0", "tokens before the end of text may come"),
+    Knob("min_tokens", int, lambda v: 0 <= v < 2**31, "an integer in [0, 2**31), at most max_tokens",
+         "tokens before the end of text may come"),
     Knob("logprobs", int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}] or none",
          "give each output token's log-probability (the target's, before processors and temperature) and the N most "
          "likely", optional=True),
     Knob("n", int, lambda v: 1 <= v <= MAX_SAMPLES, f"an integer in [1, {MAX_SAMPLES}]",
          "outputs of each prompt (batch_generate, the server's n): one encoding, n rows, output j seeded seed + j"),
-    Knob("num_beams", int, lambda v: v >= 1, "an integer >= 1",
+    Knob("num_beams", int, lambda v: 1 <= v <= MAX_BEAMS, f"an integer in [1, {MAX_BEAMS}]",
          "beam search with this many beams, the target alone (1: off)"),
-    Knob("length_penalty", float, lambda v: math.isfinite(v), "a finite number",
+    # A finished beam's score is divided by its length to this power, in float32: past 5 a long beam's overflows.
+    Knob("length_penalty", float, lambda v: -5 <= v <= 5, "a number in [-5, 5]",
          "beam search: a finished beam scores its log-probability over its length to this power"),
     Knob("early_stopping", bool, lambda v: True, "true, false or never",
          "beam search: true stops once num-beams beams finished; false when no better one looks likely; "
          "never when none can be", words=("never",)),
-    Knob("num_return_sequences", int, lambda v: v >= 1, "an integer >= 1",
+    Knob("num_return_sequences", int, lambda v: 1 <= v <= MAX_BEAMS, f"an integer in [1, {MAX_BEAMS}]",
          "beam search: the best beams returned, at most num-beams (without beam search: unused)"),
     Knob("no_repeat_ngram_size", int, lambda v: 0 <= v <= 64, "an integer in [0, 64]",
          "no n-gram of this many tokens twice in the output (transformers' rule; 0: off)"),
@@ -255,6 +259,8 @@ class Settings:
         if self.prompt_lookup and self.num_draft == AUTO:
             raise OptionError("num-draft 'auto' follows a draft model's confidence: prompt lookup takes a number, "
                               "the longest draft")
+        if self.min_tokens > self.max_tokens:
+            raise OptionError(f"min_tokens ({self.min_tokens}) is at most max_tokens ({self.max_tokens})", "min_tokens")
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise OptionError(f"num_return_sequences ({self.num_return_sequences}) is at most num_beams ({self.num_beams})")
         if self.num_beams > 1 and self.n > 1:
@@ -315,13 +321,15 @@ class Settings:
         if self.num_draft == AUTO and models.draft is None:
             raise OptionError("num-draft 'auto' follows a draft model's confidence, and no draft model is loaded")
         vocabulary, longest = models.target.args.vocab_size, models.longest_input
+        if self.top_k > vocabulary:
+            raise OptionError(f"top_k is {self.top_k:,}: at most the vocabulary's size, {vocabulary:,} (0: all)", "top_k")
         if longest is not None and self.max_tokens > longest:
-            raise OptionError(f"max_tokens is {self.max_tokens:,}: this model's positions stop at {longest:,}")
+            raise OptionError(f"max_tokens is {self.max_tokens:,}: this model's positions stop at {longest:,}", "max_tokens")
         for name, tokens in (("logit_bias's keys", [token for token, _ in self.logit_bias]),
                              ("stop_token_ids", self.stop_token_ids),
                              ("bad_words_ids", [token for sequence in self.bad_words_ids for token in sequence])):
             if any(token >= vocabulary for token in tokens):
-                raise OptionError(f"{name} must be token ids below {vocabulary:,}")
+                raise OptionError(f"{name} must be token ids below {vocabulary:,}", name.split("'")[0])
         return self
 
     @property

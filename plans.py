@@ -113,23 +113,24 @@ def with_presets(models, settings: Settings, given=(), task: str | None = None, 
     notes = []
     beams = defaults.get("num_beams", 1)
     if beams > 1 and search:
-        chosen = replace(settings, **{name: value for name, value in defaults.items()
-                                      if name not in given and name not in SEARCH_DEFAULTS})
-        refuses = [why for why, asked in (
-            ("drafting with the loaded draft model", models.draft is not None and chosen.speculative),
-            ("prompt lookup", chosen.prompt_lookup), ("sampling", chosen.temp > 0),
-            ("logprobs", chosen.logprobs is not None), ("n", chosen.n > 1)) if asked]
+        refuses = [why for why, asked in (  # (the defaults set none of these)
+            ("drafting with the loaded draft model", models.draft is not None and settings.speculative),
+            ("prompt lookup", settings.prompt_lookup), ("sampling", settings.temp > 0),
+            ("logprobs", settings.logprobs is not None), ("n", settings.n > 1)) if asked]
         if refuses and "num_beams" not in given:
             search = False
             notes.append(f"the model's generation config searches with {beams} beams; {refuses[0]} runs instead "
                          f"(--num-beams {beams} searches, with the target alone)")
     if not search:
         defaults = {name: value for name, value in defaults.items() if name not in SEARCH_DEFAULTS}
-    settings = replace(settings, **{name: value for name, value in defaults.items() if name not in given})
-    if task is None:
-        return "", settings, notes
-    prefix, preset = task_preset(models.tasks, task)
-    if preset.get("num_beams", 1) > 1:
-        preset |= searching or {}
-    return prefix, replace(settings, **{option: value for option, value in preset.items() if option not in given}), notes
-
+    prefix, preset = "", {}
+    if task is not None:
+        prefix, preset = task_preset(models.tasks, task)
+        if preset.get("num_beams", 1) > 1:
+            preset |= searching or {}
+    changes = {name: value for name, value in (defaults | preset).items() if name not in given}
+    # A preset's least length gives way to the most the caller asked for (transformers' min_length past max_length)
+    most = changes.get("max_tokens", settings.max_tokens)
+    if "min_tokens" not in given and changes.get("min_tokens", settings.min_tokens) > most:
+        changes["min_tokens"] = most
+    return prefix, replace(settings, **changes), notes

@@ -40,6 +40,7 @@ class Request:
     sequences: list[tuple[list[int], float, str]] = field(default_factory=list)  # beams.Search.best: the best beams
     opening: Opening | None = None  # how its decoder opens; None: the model's own (Opening.of)
     rules: tuple = ()  # rules.Rule objects the plan adds to the settings' own (plans.Plan.rules)
+    key: tuple[int, int] | None = None  # its random stream (sampling.random_key), once it has one: a replay keeps it
 
 
 # An output token's log-probability, and the most likely tokens' (id, log-probability), most likely first.
@@ -182,8 +183,10 @@ class Batch:
         seconds, compiling = (clock() - start for clock, start in zip(self.clocks, started))
         encoded = max(seconds - compiling, 0.0)  # a kernel compiled on the way is compiling's
         forced_end = self.models[0].args.forced_eos_token_id is not None
-        rows = [Row(request, started, random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0),
-                    self.clocks, forced_end=forced_end) for request in requests]
+        for request in requests:
+            if request.key is None:
+                request.key = random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0)
+        rows = [Row(request, started, request.key, self.clocks, forced_end=forced_end) for request in requests]
         self.open(rows, caches[0])
         self.encoding_seconds += encoded
         for request in requests:

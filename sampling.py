@@ -138,6 +138,9 @@ def _penalize(logits, counts, positions, repetition, presence, frequency, min_to
     logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]
     early = positions < min_tokens[:, None]
     logits = mx.where((early[..., None] & ends[:, None]) | banned, -mx.inf, logits)
+    # Every token banned (no_repeat_ngram_size past the vocabulary): the row ends here, with the end of text.
+    exhausted = (logits == -mx.inf).all(axis=-1, keepdims=True)
+    logits = mx.where(exhausted & (vocabulary == forced_end), 0.0, logits)
     # Forced tokens last, as transformers applies its processors: nothing before them can take them away.
     first = ((positions == 0) & (forced_first[:, None] >= 0))[..., None]
     logits = mx.where(first, mx.where(vocabulary == forced_first[:, None, None], 0.0, -mx.inf), logits)

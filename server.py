@@ -17,6 +17,7 @@ is serving/app.py; docs/SERVING.md has the depth.
 import argparse
 import contextlib
 import ipaddress
+import json
 import logging
 import math
 import signal
@@ -30,6 +31,7 @@ import cpu  # noqa: F401  (before mlx.core)
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dataclasses import replace
@@ -41,6 +43,7 @@ from plans import resolve, with_presets
 from text import plural
 from serving.app import Limits, create_app
 from serving.guard import Access, ip_literal
+from serving.shapes import error_body
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
@@ -104,6 +107,20 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def over_connections(most: int):
+    """The ASGI app uvicorn answers with past its connection limit: a 503 in OpenAI's shape, the connection closed."""
+    body = json.dumps(error_body(f"the server has {most} connections open, its most (--max-connections): try again "
+                                 "shortly", "server_error")).encode()
+
+    async def answer(scope, receive, send):
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close"), (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return answer
+
+
 def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_timeout: float,
           max_connections: int) -> int:
     """Run the engine here and the HTTP server beside it. SIGTERM or SIGINT
@@ -111,6 +128,7 @@ def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_
     `grace` seconds; a second signal stops at once. If the HTTP server stops
     by itself, the engine stops too, and this returns 1."""
     # uvicorn counts the connection asking among those open: max_connections + 1 lets max_connections in.
+    h11_impl.service_unavailable = over_connections(max_connections)  # its 503 is plain text: OpenAI's shape instead
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=with_header_timeout(read_timeout),
                             limit_concurrency=max_connections + 1)
     server = Server(config)

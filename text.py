@@ -28,6 +28,9 @@ class Detokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        # Skipped special tokens decode to nothing and change nothing around them: they never enter the window
+        # (which would otherwise never settle over a run of them, each decoding the run again).
+        self.skipped = special_ids(tokenizer) if skip_special_tokens else frozenset()
         self.tokens = []
         self.start = 0  # first token of the window
         self.settled = 0  # tokens already turned into emitted text
@@ -37,6 +40,8 @@ class Detokenizer:
 
     def add(self, token: int) -> str:
         """The text this token adds; "" while it is held back."""
+        if token in self.skipped:
+            return ""
         self.tokens.append(token)
         before = self.decode(self.tokens[self.start : self.settled])
         after = self.decode(self.tokens[self.start :])
@@ -51,6 +56,58 @@ class Detokenizer:
         after = self.decode(self.tokens[self.start :])
         self.start = self.settled = len(self.tokens)
         return after[len(before) :]
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids a tokenizer's decode leaves out with skip_special_tokens (loading's tokenizers, or transformers')."""
+    if hasattr(tokenizer, "special_ids"):
+        return frozenset(tokenizer.special_ids())
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
+class StopStrings:
+    """Where stop strings appear in a text fed piece by piece, in time linear
+    in the text whatever their lengths: each keeps the length of its longest
+    prefix that ends the text so far (Knuth, Morris and Pratt's automaton), so
+    that a character costs O(1) steps amortized, and `partial` (the most of
+    the text's end that may begin a stop string) is known without searching."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fallbacks = [fallbacks(stop) for stop in stops]
+        self.matched = [0] * len(stops)  # each stop's longest prefix that ends the text
+        self.length = 0  # characters fed
+
+    def feed(self, text: str) -> int | None:
+        """Feed text; where (in the whole text fed) the earliest stop string that ends in it begins, or None."""
+        found = None
+        for at, character in enumerate(text, self.length + 1):  # at: the text's length with this character
+            for i, stop in enumerate(self.stops):
+                k = self.matched[i]
+                while k and (k == len(stop) or stop[k] != character):
+                    k = self.fallbacks[i][k - 1]
+                k += stop[k] == character
+                self.matched[i] = k
+                if k == len(stop) and (found is None or at - k < found):
+                    found = at - k
+        self.length += len(text)
+        return found
+
+    @property
+    def partial(self) -> int:
+        """Characters at the text's end that may be the start of a stop string."""
+        return max((k for k, stop in zip(self.matched, self.stops) if k < len(stop)), default=0)
+
+
+def fallbacks(pattern: str) -> list[int]:
+    """Knuth-Morris-Pratt's table: for each prefix, the length of its longest proper prefix that is also its suffix."""
+    table, k = [0] * len(pattern), 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        k += pattern[i] == pattern[k]
+        table[i] = k
+    return table
 
 
 def token_text(tokenizer, before: list[int], token: int, skip_special_tokens: bool = False) -> str:
@@ -77,6 +134,7 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = False):
         self.detokenizer = Detokenizer(tokenizer, skip_special_tokens)
         self.stop = tuple(stop)
+        self.stops = StopStrings(self.stop)
         self.tokens: list[int] = []
         self.starts: list[int] = []  # where each token's text begins in the whole text
         self.pending = ""  # decided text not taken yet
@@ -92,16 +150,18 @@ class TextStream:
     def add(self, token: int | None, finish: str | None = None) -> None:
         if self.finish_reason is not None:
             return
+        new = ""
         if token is not None:
             self.tokens.append(token)
             self.starts.append(self.taken + len(self.pending))
-            self.pending += self.detokenizer.add(token)
+            new = self.detokenizer.add(token)
         if finish is not None:
-            self.pending += self.detokenizer.flush()
-        found = [at for at in (self.pending.find(stop) for stop in self.stop) if at >= 0]
-        if found:  # the earliest stop string: it begins in the pending text, as a stop's start is never taken
-            self.pending = self.pending[: min(found)]
-            self.cut, self.finish_reason = self.taken + len(self.pending), "stop"
+            new += self.detokenizer.flush()
+        self.pending += new
+        found = self.stops.feed(new) if self.stop else None
+        if found is not None:  # the earliest stop string: it begins in the pending text, as a stop's start is never taken
+            self.pending = self.pending[: found - self.taken]
+            self.cut, self.finish_reason = found, "stop"
         elif finish is not None:
             self.finish_reason = finish
 
@@ -114,10 +174,7 @@ class TextStream:
 
     def take(self) -> str:
         """The text that can go out now: after the end, all that is left."""
-        held = 0
-        if self.finish_reason is None:
-            held = max((n for stop in self.stop for n in range(len(stop) - 1, 0, -1) if self.pending.endswith(stop[:n])),
-                       default=0)
+        held = self.stops.partial if self.finish_reason is None else 0
         ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
         self.taken += len(ready)
         return ready

@@ -26,7 +26,7 @@ from serving import shapes
 from serving.engine import Engine, Job, QueueFull
 from serving.guard import Access, ApiError, Guard
 from serving.metrics import Times
-from serving.schema import ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
+from serving.schema import CHARACTERS_PER_TOKEN, ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
 from text import TextStream, token_text
 
 log = logging.getLogger("t5-server")
@@ -72,7 +72,7 @@ async def pieces(job: Job):
             item = await job.out.get()
             if item is None:
                 if job.error:
-                    raise ApiError(500, job.error, "server_error")
+                    raise ApiError(job.status, job.error, "server_error" if job.status >= 500 else "invalid_request_error")
                 return
             yield item
     finally:
@@ -124,7 +124,9 @@ class Completions:
             if body.use_beam_search:
                 defaults = replace(defaults, **BEAM_DEFAULTS)
             plan = resolve(body.settings(defaults), self.models, prefix)
-        except (OptionError, TypeError) as e:
+        except OptionError as e:  # the request's own names: temperature for temp
+            raise ApiError(400, str(e), param={"temp": "temperature"}.get(e.param, e.param))
+        except TypeError as e:
             raise ApiError(400, str(e))
         settings = plan.settings
         if settings.num_beams == 1 and (body.length_penalty is not None or body.early_stopping is not None):
@@ -139,7 +141,7 @@ class Completions:
         return plan
 
     def encode(self, prompts: list[Prompt], truncate: int | None = None, copies: int = 1,
-               form: PromptForm = PromptForm()) -> list[list[int]]:
+               form: PromptForm = PromptForm(), param: str = "prompt") -> list[list[int]]:
         """Each prompt's ids: a text tokenized in the request's form (a
         task's prefix, a source language), ids checked against the
         vocabulary; with `truncate` (vLLM's truncate_prompt_tokens), only
@@ -151,7 +153,7 @@ class Completions:
         encoded = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids = self.text_ids(prompt, form, truncate)
+                ids = self.text_ids(self.within_limit(prompt, param), form, truncate)
             else:
                 ids = self.known(prompt, "prompt")
                 ids = ids[-truncate:] if truncate else ids
@@ -162,6 +164,16 @@ class Completions:
                                code="context_length_exceeded", param="prompt")
             encoded.append(ids)
         return encoded
+
+    def within_limit(self, text: str, param: str) -> str:
+        """A prompt's text, if no longer than the server's prompt limit allows
+        (CHARACTERS_PER_TOKEN a token) before it is tokenized; a 400 otherwise."""
+        most = self.max_prompt_tokens * CHARACTERS_PER_TOKEN
+        if len(text) > most:
+            raise ApiError(400, f"the prompt has {len(text):,} characters, more than this server takes ({most:,}, "
+                                f"{CHARACTERS_PER_TOKEN} a token of its {self.max_prompt_tokens:,})",
+                           code="context_length_exceeded", param=param)
+        return text
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -184,16 +196,22 @@ class Completions:
             raise ApiError(400, f"token ids must be in [0, {vocabulary})", param=param)
         return list(ids)
 
-    def jobs_for(self, body: CompletionBody, arrived: float) -> list[Job]:
+    def prepared(self, body: CompletionBody) -> tuple[Plan, list[list[int]], int]:
+        """The request's plan, its prompts' ids, and the jobs each prompt takes (n samples, or one search of n
+        beams); checked against the server's limits. Its cost grows with the prompts: off the event loop."""
         plan = self.plan(body)
         settings = plan.settings
-        copies = 1 if settings.num_beams > 1 else body.n  # jobs a prompt takes: n samples, or one search of n beams
-        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, plan.form)
+        copies = 1 if settings.num_beams > 1 else body.n
+        encoded = self.encode(body.prompts, body.truncate_prompt_tokens, copies, plan.form, body.prompt_field)
         needed = sum(len(ids) + settings.max_tokens for ids in encoded) * copies * settings.num_beams
         if self.limits.max_request_tokens is not None and needed > self.limits.max_request_tokens:
             raise ApiError(400, f"the request would hold {needed:,} tokens in its rows' caches (each prompt's tokens "
                                 f"and max_tokens), more than this server's {self.limits.max_request_tokens:,}: "
                                 "send fewer prompts, or a smaller max_tokens", code="context_length_exceeded")
+        return plan, encoded, copies
+
+    def jobs_for(self, plan: Plan, encoded: list[list[int]], copies: int, arrived: float) -> list[Job]:
+        settings = plan.settings
         loop = asyncio.get_running_loop()
         jobs = [Job(plan.request(ids, copy), TextStream.of(self.models.tokenizer, settings), loop, asyncio.Queue(),
                     times=Times(arrived)) for ids in encoded for copy in replace(settings, n=copies).copies()]
@@ -217,7 +235,8 @@ class Completions:
         return shown_as.logprobs(shown, job.stream.starts[start:stop])
 
     async def answer(self, request: Request, body: CompletionBody, shown_as: shapes.Shapes):
-        call = Call(shown_as, self.jobs_for(body, request.state.arrived))
+        prepared = await asyncio.to_thread(self.prepared, body)
+        call = Call(shown_as, self.jobs_for(*prepared, request.state.arrived))
         if body.stream:
             return Events(self.stream(call, body.include_usage), call.jobs)
         return await self.complete(call, request)
@@ -364,14 +383,20 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     async def tokenize(body: Tokenize):
         """vLLM's: the prompt's ids as a completion would take them (the server's prompt limit beside them)."""
         completions.check_model(body.model)
-        ids = completions.text_ids(body.text, add_special_tokens=body.add_special_tokens)
-        strings = [models.tokenizer.decode([token]) for token in ids] if body.return_token_strs else None
-        return shapes.tokenized(ids, completions.max_prompt_tokens, strings)
+
+        def tokenized():  # off the event loop: its cost grows with the text
+            ids = completions.text_ids(completions.within_limit(body.text, "prompt" if body.prompt is not None
+                                                                else "messages"), add_special_tokens=body.add_special_tokens)
+            strings = [models.tokenizer.decode([token]) for token in ids] if body.return_token_strs else None
+            return shapes.tokenized(ids, completions.max_prompt_tokens, strings)
+
+        return await asyncio.to_thread(tokenized)
 
     @app.post("/detokenize")
     async def detokenize(body: Detokenize):
         completions.check_model(body.model)
-        return shapes.detokenized(models.tokenizer.decode(completions.known(body.tokens, "tokens")))
+        ids = completions.known(body.tokens, "tokens")
+        return shapes.detokenized(await asyncio.to_thread(models.tokenizer.decode, ids))
 
     @app.get("/v1/models")
     async def list_models():
@@ -396,8 +421,10 @@ async def api_error(request: Request, e: ApiError):
 
 
 async def unexpected_error(request: Request, e: Exception):
-    """A bug's 500, in OpenAI's shape too (Starlette logs its traceback)."""
-    return ApiError(500, f"the server failed: {type(e).__name__}", "server_error").response(request.app.state.metrics)
+    """A bug's 500, in OpenAI's shape too (Starlette logs its traceback); the connection closes, as whatever failed
+    may have left it mid-request."""
+    return ApiError(500, f"the server failed: {type(e).__name__}", "server_error",
+                    headers={"Connection": "close"}).response(request.app.state.metrics)
 
 
 async def http_error(request: Request, e: StarletteHTTPException):
@@ -419,6 +446,7 @@ async def invalid_request(request: Request, e: RequestValidationError):
     errors = e.errors()
     first = next((error for error in errors if error.get("type") == "value_error"), errors[0])
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body" and not union_member(part))
+    where = where or getattr(first.get("ctx", {}).get("error"), "param", None)  # a model check's FieldError names it
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         message, where = "the body is not valid JSON", None

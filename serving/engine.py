@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batches import batch_for, warm_up
+from errors import T5Error
 from rows import Request
 from loading import Models
 from options import Settings
@@ -44,6 +45,22 @@ class Job:
     times: Times = field(default_factory=Times)
     counted: bool = False  # its end is in the metrics
     beams: list[TextStream] = field(default_factory=list)  # beam search: each beam returned, its text made whole
+    status: int = 500  # its error's HTTP status: 400 where its own input failed it
+    replay: list[int] = field(default_factory=list)  # tokens its text has, which a replay must decide again first
+
+    def accept(self, token: int | None, finish: str | None) -> bool:
+        """A decided token into its text; while it replays (Engine.isolate), the
+        tokens its text has already are checked, not added. False: the replay
+        decided another token than the text has, and cannot go on."""
+        if self.replay and token is not None:
+            if token != self.replay.pop(0):
+                return False
+            token = None
+        if finish is not None and self.replay:  # it ended before it had decided its text again
+            return False
+        if token is not None or finish is not None:
+            self.stream.add(token, finish)
+        return True
 
     def cancel(self) -> None:
         """Its caller is gone: the row leaves at the next round (a job whose text has ended stays as it is)."""
@@ -69,8 +86,8 @@ class Job:
             self.sent_end = True
             self.send(None)
 
-    def fail(self, message: str) -> None:
-        self.error = message
+    def fail(self, message: str, status: int = 500) -> None:
+        self.error, self.status = message, status
         self.end()
 
 
@@ -86,7 +103,7 @@ class Engine:
         self.ready = False  # warmed up
         self.waiting: list[Job] = []
         self.lock = threading.Condition()
-        self.batches: dict[str, object] = {}  # drafting kind -> its batch
+        self.batches: dict = {}  # drafting kind -> its batch; ("alone", id) -> a batch of one replayed job
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
         self.draining = False
         self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting))
@@ -132,6 +149,8 @@ class Engine:
             self.drop_cancelled(batch)
             if batch.rows:
                 self.round(kind, batch)
+            elif isinstance(kind, tuple):  # an isolated job's batch, done
+                del self.batches[kind]
 
     def admit(self) -> None:
         """Waiting jobs join rows while there are rows free."""
@@ -192,15 +211,23 @@ class Engine:
                 job.end()
                 self.record_end(job, job.stream.finish_reason or "abort")
 
-    def round(self, kind: str, batch) -> None:
+    def round(self, kind, batch) -> None:
         """A round of one batch: each event's token to its job's text, and
-        each job that moved publishes once."""
+        each job that moved publishes once. A round that fails leaves its
+        rows' jobs to `isolate`."""
         tokens, touched, started = 0, {}, time.perf_counter()
         try:
             for request, token, finish in batch.round():
                 job = touched[id(request)] = self.jobs[id(request)]
-                job.stream.add(token, finish)
-                tokens += token is not None
+                if job.error is not None:  # its replay went another way: its row leaves at the next round
+                    continue
+                replaying = bool(job.replay)
+                if not job.accept(token, finish):
+                    job.cancelled = True
+                    job.fail("decoding failed, and decoding again decided another token: the answer cannot go on")
+                    self.record_end(job, "error")
+                    continue
+                tokens += token is not None and not replaying
                 if token is not None and job.times.first_token is None:
                     job.times.first_token = time.perf_counter()
                     self.metrics.first_token.observe(job.times.first_token - job.times.arrived)
@@ -209,16 +236,36 @@ class Engine:
                     self.record_end(job, job.stream.finish_reason or finish)
                 elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
                     job.cancelled = True
-        except Exception as e:  # fail this batch's jobs, and start it afresh
+        except Exception as e:
             log.exception("a decoding round failed")
-            for row in batch.rows:
-                job = self.jobs.pop(id(row.request), None)
-                if job is not None:
-                    job.fail(f"decoding failed: {e}")
-                    self.record_end(job, "error")
             del self.batches[kind]
+            jobs = [self.jobs.pop(id(row.request)) for row in batch.rows if id(row.request) in self.jobs]
+            for job in jobs:
+                if isinstance(kind, tuple) or len(jobs) == 1:  # decoding alone, it fails: it is the cause
+                    job.fail(f"decoding failed: {e}", 400 if isinstance(e, T5Error) else 500)
+                    self.record_end(job, "error")
+                else:
+                    self.isolate(job)
         for job in touched.values():
             if job.error is None:
                 job.publish()
         self.metrics.parts["decoding"].inc(time.perf_counter() - started)
         self.metrics.generation_tokens.inc(tokens)
+
+    def isolate(self, job: Job) -> None:
+        """A job whose batch failed decodes again from its start in a batch of
+        its own, on its own random stream, its text's tokens decided again
+        (and checked) before any new one goes out: if it fails alone, it was
+        the cause; the others go on as they would have."""
+        old = job.request
+        job.replay = list(job.stream.tokens)
+        job.request = Request(old.source, old.settings, opening=old.opening, rules=old.rules, key=old.key)
+        batch = batch_for(self.models, old.settings, 1)
+        try:
+            batch.join([job.request])
+        except Exception as e:
+            job.fail(f"encoding failed: {e}")
+            self.record_end(job, "error")
+            return
+        self.batches[("alone", id(job.request))] = batch
+        self.jobs[id(job.request)] = job

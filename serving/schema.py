@@ -7,15 +7,32 @@ request fails with the message the command line and the API give.
 with.
 """
 
+import re
 from dataclasses import replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 from pydantic import model_validator
 
 from options import AUTO, KNOBS, MAX_SAMPLES, Settings
 
+# What a request may send beyond the knobs' own bounds (options.KNOBS), each checked here, before any work:
+# docs/SERVING.md lists them all (tests/test_docs.py holds it to this table).
+BOUNDS = {
+    "stop": "at most 4 strings (OpenAI's limit), each of 1 to 1,000 characters",
+    "stop_token_ids": "at most 64 token ids, each below the vocabulary's size",
+    "logit_bias": "at most 300 entries, keyed by token ids below the vocabulary's size written in ASCII digits",
+    "n": "1 to 16 (choices: samples, or with use_beam_search the best beams)",
+    "best_of": "1 to 16 (use_beam_search's beams)",
+    "min_tokens": "at most max_tokens",
+    "prompt": "at most 32 characters a token of the server's --max-prompt-tokens, then that many tokens",
+    "messages": "as prompt, the conversation's prompt counted",
+}
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARACTERS = 1000
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+CHARACTERS_PER_TOKEN = 32  # a prompt's characters, before it is tokenized, per token the server takes
 MAX_CHOICES = MAX_SAMPLES  # n, and beams
 # OpenAI's fields this server does not do: a request that sets one to anything but its default is refused, not ignored.
 UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
@@ -24,6 +41,15 @@ UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_cho
 
 
 Number = StrictFloat | StrictInt
+DIGITS = re.compile(r"[0-9]{1,10}")
+
+
+class FieldError(ValueError):
+    """A refusal that names the field it refuses (OpenAI's `param`), where pydantic's own location has none."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def knob_value(name: str, value, label: str | None = None):
@@ -54,6 +80,7 @@ class CompletionBody(BaseModel):
     cannot do (UNSUPPORTED) are refused; others (`user`, `metadata`) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
+    prompt_field: ClassVar[str] = "prompt"  # the field the prompts come in, as refusals name it
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -103,7 +130,7 @@ class CompletionBody(BaseModel):
     @classmethod
     def num_draft_in_range(cls, value):
         if isinstance(value, str) and value != AUTO:
-            raise ValueError(f"num_draft must be an integer >= 1 or auto (got {value!r})")
+            raise ValueError(f"num_draft must be {KNOBS['num_draft'].expected} (got {value!r})")
         return knob_value("num_draft", value)
 
     @model_validator(mode="before")
@@ -112,28 +139,41 @@ class CompletionBody(BaseModel):
         if isinstance(data, dict):
             for name, defaults in UNSUPPORTED.items():
                 if data.get(name) is not None and data[name] not in defaults:
-                    raise ValueError(f"{name} is not supported by this server")
+                    raise FieldError(f"{name} is not supported by this server", name)
+            for name in ("n", "stream"):  # null where OpenAI's schema allows it: the default
+                if name in data and data[name] is None:
+                    data = {key: value for key, value in data.items() if key != name}
         return data
 
     @field_validator("stop")
     @classmethod
     def stop_strings(cls, value):
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP_STRINGS or not all(stops):
-            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or not all(0 < len(stop) <= MAX_STOP_CHARACTERS for stop in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} strings, each of 1 to {MAX_STOP_CHARACTERS:,} characters")
         return [valid_unicode(stop, "a stop string") for stop in stops]
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def few_stop_tokens(cls, value):
+        if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes up to {MAX_STOP_TOKEN_IDS} token ids")
+        return value
 
     @model_validator(mode="after")
     def beams_or_samples(self):
         if self.use_beam_search:
             if self.beams < 2:
-                raise ValueError("use_beam_search needs best_of (the beams; n when not given) of at least 2")
+                raise FieldError("use_beam_search needs best_of (the beams; n when not given) of at least 2", "best_of")
             if self.beams > MAX_CHOICES or self.n > self.beams:
-                raise ValueError(f"use_beam_search takes up to {MAX_CHOICES} beams (best_of), and n at most best_of")
+                raise FieldError(f"use_beam_search takes up to {MAX_CHOICES} beams (best_of), and n at most best_of",
+                                 "best_of")
             if self.stream:
-                raise ValueError("beam search does not stream: its best beams are known only at the end")
+                raise FieldError("beam search does not stream: its best beams are known only at the end", "stream")
         elif self.best_of not in (None, self.n):
-            raise ValueError("best_of (more samples than returned) is not supported: use n, or use_beam_search")
+            raise FieldError("best_of (more samples than returned) is not supported: use n, or use_beam_search", "best_of")
+        if self.min_tokens is not None and self.most_tokens is not None and self.min_tokens > self.most_tokens:
+            raise FieldError(f"min_tokens ({self.min_tokens}) is at most max_tokens ({self.most_tokens})", "min_tokens")
         return self
 
     @property
@@ -148,7 +188,10 @@ class CompletionBody(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def token_ids(cls, value):
-        if value is not None and not all(key.isdigit() for key in value):
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes up to {MAX_LOGIT_BIAS} entries")
+        # ASCII digits only: str.isdigit() also takes "²" and "①", which int() refuses
+        if value is not None and not all(DIGITS.fullmatch(key) for key in value):
             raise ValueError("logit_bias's keys must be token ids (\"42\")")
         return value
 
@@ -254,9 +297,15 @@ class Message(BaseModel):
 
 
 class ChatCompletion(CompletionBody):
+    prompt_field: ClassVar[str] = "messages"
     messages: list[Message]
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None  # alternatives for each token, with logprobs
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def null_is_false(cls, value):  # null where OpenAI's schema allows it
+        return False if value is None else value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -273,15 +322,21 @@ class ChatCompletion(CompletionBody):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @model_validator(mode="after")
-    def a_user_speaks(self):
-        if not any(m.role == "user" and m.content.strip() for m in self.messages):
-            raise ValueError("messages need a user message with some text")
-        return self
+    @field_validator("messages")
+    @classmethod
+    def a_user_speaks(cls, messages):
+        return conversation(messages)
 
     @property
     def prompts(self) -> list[str]:
         return [chat_prompt(self.messages)]
+
+
+def conversation(messages: list[Message]) -> list[Message]:
+    """Messages chat takes (and /tokenize, the same): a user's with some text among them."""
+    if not any(m.role == "user" and m.content.strip() for m in messages):
+        raise ValueError("messages need a user message with some text")
+    return messages
 
 
 def chat_prompt(messages: list[Message]) -> str:
@@ -315,6 +370,11 @@ class Tokenize(BaseModel):
         if self.prompt is not None:
             valid_unicode(self.prompt, "the prompt")
         return self
+
+    @field_validator("messages")
+    @classmethod
+    def as_chat_takes_them(cls, messages):
+        return None if messages is None else conversation(messages)
 
     @property
     def text(self) -> str:

@@ -180,11 +180,11 @@ def test_detokenizer_work_per_token_does_not_grow_with_the_output(demo_pair):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(num_draft=0), "num_draft must be an integer >= 1 or auto (got 0)"),
+    (dict(num_draft=0), "num_draft must be an integer in [1, 64] or auto (got 0)"),
     (dict(delta=-0.1), "delta must be a number in [0, 1]"),
-    (dict(temp=float("inf")), "temp must be a finite number >= 0"),
+    (dict(temp=float("inf")), "temp must be a number in [0, 100]"),
     (dict(top_p=0), "top_p must be a number in (0, 1]"),
-    (dict(max_tokens=2.5), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer in [1, 2**31)"),
     (dict(seed=-1), "seed must be an integer in [0, 2**64)"),
 ])
 def test_options_out_of_range_raise_option_error_naming_the_keyword(demo_pair, options, message):

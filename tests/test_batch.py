@@ -220,7 +220,7 @@ def test_a_seed_makes_a_sampled_batch_reproducible(models, unit_scale_pair):
     (lambda m: batch_generate(m, ["a", " ", "b"]), "prompt 2 of 3 is empty"),
     (lambda m: batch_generate(m, []), "prompts must be a non-empty list"),
     (lambda m: batch_generate(m, ["a"], batch_size=0), "batch_size must be an integer >= 1"),
-    (lambda m: batch_generate(m, ["a"], num_draft=0), "num_draft must be an integer >= 1"),
+    (lambda m: batch_generate(m, ["a"], num_draft=0), "num_draft must be an integer in \\[1, 64\\]"),
 ])
 def test_bad_batch_input_is_refused_before_decoding(models, call, message):
     with pytest.raises(ValueError, match=message):

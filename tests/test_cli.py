@@ -45,11 +45,11 @@ def test_regular_decoding_counts_the_steps_whose_token_was_used(capsys):
     "argv, message",
     [
         (["--prompt", "  "], "prompt is empty"),
-        (["--max-tokens", "0"], "--max-tokens must be an integer >= 1 (got 0)"),
-        (["--temp", "-0.5"], "--temp must be a finite number >= 0"),
+        (["--max-tokens", "0"], "--max-tokens must be an integer in [1, 2**31) (got 0)"),
+        (["--temp", "-0.5"], "--temp must be a number in [0, 100]"),
         (["--top-p", "0"], "--top-p must be a number in (0, 1]"),
         (["--top-p", "1.5"], "--top-p must be a number in (0, 1]"),
-        (["--top-k", "-1"], "--top-k must be an integer >= 0"),
+        (["--top-k", "-1"], "--top-k must be an integer in [0, 2**31)"),
         (["--model", "no-such-model"],
          "(looked for no-such-model and mlx_models/no-such-model): run `python convert.py --model no-such-model`"),
         (["--model", "t5-11b-4bit"], "run `python convert.py --model t5-11b -q` first"),  # what convert.py names t5-11b at 4 bits

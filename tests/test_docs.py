@@ -95,3 +95,12 @@ def test_what_pip_install_e_leaves_behind_is_ignored_by_git():
     name = re.search(r'^name = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1).replace("-", "_")
     done = subprocess.run(["git", "check-ignore", "-q", f"{name}.egg-info/PKG-INFO"], cwd=ROOT)
     assert done.returncode == 0, f"{name}.egg-info/ is not in .gitignore"
+
+
+def test_servingmd_lists_every_bound_a_request_is_held_to():
+    """docs/SERVING.md names each of serving.schema.BOUNDS, in its words."""
+    from serving.schema import BOUNDS
+
+    text = " ".join((ROOT / "docs" / "SERVING.md").read_text().split())
+    for name, bound in BOUNDS.items():
+        assert f"`{name}` {bound}" in text, name

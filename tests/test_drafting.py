@@ -345,7 +345,7 @@ def test_lookup_drafts_from_the_encoder_input_are_accepted_on_a_copying_prompt()
     (["--prompt-lookup", "--draft-model", "demo/draft"], "--prompt-lookup drafts without a draft model: drop --draft-model"),
     (["--prompt-lookup", "--regular-decode"], "--prompt-lookup is for speculative decoding: drop --regular-decode"),
     (["--prompt-lookup", "--num-draft", "auto"], "--num-draft auto follows a draft model's confidence"),
-    (["--num-draft", "often"], "--num-draft must be an integer >= 1 or auto (got 'often')"),
+    (["--num-draft", "often"], "--num-draft must be an integer in [1, 64] or auto (got 'often')"),
     (["--sweep", "--prompt-lookup", "--num-drafts", "2,auto"], "--num-drafts: auto follows a draft model's confidence"),
 ])
 def test_drafting_options_that_cannot_run_get_one_line_errors(capsys, argv, message):

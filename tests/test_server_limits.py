@@ -121,13 +121,16 @@ def test_every_error_has_openais_shape(limited, method, path, body, status):
         assert "could not be read as JSON (not UTF-8, or nested too deeply)" in response.json()["error"]["message"]
 
 
-def test_connections_beyond_the_cap_get_a_503(limited):
-    """4 open connections are served, a fifth is not (idle ones are closed after the 1 s read timeout)."""
+def test_connections_beyond_the_cap_get_a_503_in_openais_shape(limited):
+    """4 open connections are served, a fifth is not (idle ones are closed
+    after the 1 s read timeout): its 503 is OpenAI's error, and closes."""
     held = [socket.create_connection(("127.0.0.1", limited.port)) for _ in range(3)]
     try:
         assert httpx.get(limited.url + "/health").status_code == 200  # the fourth
         held.append(socket.create_connection(("127.0.0.1", limited.port)))
-        assert httpx.get(limited.url + "/health").status_code == 503  # the fifth
+        refused = httpx.get(limited.url + "/health")  # the fifth
+        assert refused.status_code == 503 and refused.headers["connection"] == "close"
+        assert refused.json()["error"]["type"] == "server_error" and "--max-connections" in refused.json()["error"]["message"]
     finally:
         for s in held:
             s.close()

@@ -1,0 +1,254 @@
+"""No request can hurt another: every value a client sends has a bound checked at the edge (a 400 naming it), a row
+that fails decoding fails alone while its batchmates answer as they would have, nothing that grows with a request
+runs on the event loop, and the text's costs grow linearly with it."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from test_server import EXACT, PAIR, TEXT, Server
+
+import main
+from generate import batch_generate, generate
+from loading import load
+from serving.process import ROOT
+from text import Detokenizer, StopStrings, TextStream
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = Server(*PAIR, "--max-batch", "8", "--max-prompt-tokens", "2000")
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return main.demo_prompts()
+
+
+REFUSED = {  # what a hostile client sent, and the field the 400 names
+    "top_k past any integer": ({"top_k": 2**63}, "top_k"),
+    "top_k past the vocabulary": ({"top_k": 10**6}, "top_k"),
+    "top_k a float": ({"top_k": 1e20}, "top_k"),
+    "length_penalty 400": ({"use_beam_search": True, "n": 2, "length_penalty": 400}, "length_penalty"),
+    "length_penalty -1e300": ({"use_beam_search": True, "n": 2, "length_penalty": -1e300}, "length_penalty"),
+    "repetition_penalty 1e300": ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    "a logit_bias key of superscript two": ({"logit_bias": {"²": 1}}, "logit_bias"),
+    "a logit_bias key of circled one": ({"logit_bias": {"①": 1}}, "logit_bias"),
+    "301 logit_bias entries": ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    "a stop string of 1,001 characters": ({"stop": ["x" * 1001]}, "stop"),
+    "5 stop strings": ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    "65 stop token ids": ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    "min_tokens past max_tokens": ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+    "n 17": ({"n": 17}, "n"),
+    "best_of 17": ({"use_beam_search": True, "best_of": 17}, "best_of"),
+    "a response_format": ({"response_format": {"type": "json_object"}}, "response_format"),
+    "temperature 1e300": ({"temperature": 1e300}, "temperature"),
+    "num_draft 1e9": ({"num_draft": 10**9}, "num_draft"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_every_value_a_client_sends_has_a_bound_and_past_it_a_400_names_the_field(server, case):
+    fields, param = REFUSED[case]
+    answer = httpx.post(server.url + "/v1/completions", json={"model": "default", "prompt": "x = 1", **fields}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_prompt_past_the_servers_characters_is_refused_before_it_is_tokenized(server):
+    """--max-prompt-tokens 2000: 64,000 characters at most (32 a token), counted before any tokenizing."""
+    for field, body in (("prompt", {"prompt": "a" * 64_001}),
+                        ("messages", {"messages": [{"role": "user", "content": "a" * 64_001}]})):
+        path = "/v1/completions" if field == "prompt" else "/v1/chat/completions"
+        answer = httpx.post(server.url + path, json={"model": "default", **body}, timeout=30)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == field and error["code"] == "context_length_exceeded"
+        assert "64,001 characters" in error["message"]
+
+
+def test_null_is_the_default_where_openais_schema_allows_it_and_tokenize_refuses_what_chat_refuses(server):
+    for path, body in (("/v1/completions", {"prompt": "x = 1", "n": None, "stream": None}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1"}], "logprobs": None,
+                                                 "n": None, "stream": None})):
+        answer = httpx.post(server.url + path, json={"model": "default", "max_tokens": 3, **body}, timeout=30)
+        assert answer.status_code == 200 and len(answer.json()["choices"]) == 1, answer.text
+    for messages in ([], [{"role": "assistant", "content": "x = 1"}]):
+        for path in ("/tokenize", "/v1/chat/completions"):
+            answer = httpx.post(server.url + path, json={"model": "default", "messages": messages}, timeout=30)
+            assert answer.status_code == 400 and "a user message" in answer.json()["error"]["message"], (path, messages)
+
+
+def test_when_no_repeat_ngrams_leave_no_token_the_row_ends_and_keeps_the_rule(server, models):
+    """no_repeat_ngram_size 1, and min_tokens holding back the end of text
+    past the vocabulary's size: greedy, sampled, drafted and beam search each
+    output every other token once, then end with the end of text, never
+    repeating one; the server answers each."""
+    vocabulary = models.target.args.vocab_size
+    asked = dict(max_tokens=vocabulary + 50, min_tokens=vocabulary + 10, no_repeat_ngram_size=1)
+    for options in ({"speculative": False}, {"temp": 1.0, "seed": 3}, {"num_draft": 3}, {"num_beams": 2}):
+        generation = batch_generate(models, ["x = 1"], **asked, **options)[0]
+        # every token once but the start (0, seen from the start) and the end of text (1)
+        assert generation.finish_reason == "stop" and sorted(generation.tokens) == list(range(2, vocabulary)), options
+    for fields in ({}, {"temperature": 1.0, "seed": 3}, {"use_beam_search": True, "n": 2}):
+        answer = httpx.post(server.url + "/v1/completions", timeout=120,
+                            json={"model": "default", "prompt": "x = 1", **asked, **fields})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "stop", answer.text
+
+
+POISONED = """
+import sys
+import decoder, server
+real = decoder.SpeculativeBatch.round
+def round(self):
+    if any(1 in row.request.source[:1] for row in self.rows):  # a prompt whose first token is EOS
+        raise RuntimeError("a planted failure")
+    return (yield from real(self))
+decoder.SpeculativeBatch.round = round
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_as_they_would_have(models, prompts):
+    """A poisoned prompt (a planted failure in any round its row is in)
+    decodes in one batch with four others of its kind: it gets its 500, they
+    their exact answers, streamed or whole, however far they had got."""
+    running = Server(*PAIR, "--max-batch", "8", code=POISONED)
+    try:
+        body = {"model": "default", "max_tokens": 40, **EXACT}
+        with ThreadPoolExecutor(5) as pool:
+            others = [pool.submit(httpx.post, running.url + "/v1/completions", timeout=120,
+                                  json=body | {"prompt": prompt, "stream": i % 2 == 0}) for i, prompt in enumerate(prompts[:4])]
+            poisoned = pool.submit(httpx.post, running.url + "/v1/completions", timeout=120,
+                                   json=body | {"prompt": "</s> x"})
+            assert poisoned.result().status_code == 500
+            assert poisoned.result().json()["error"]["message"] == "decoding failed: a planted failure"
+            for i, (prompt, other) in enumerate(zip(prompts, others)):
+                answer = other.result()
+                assert answer.status_code == 200
+                if i % 2 == 0:  # streamed
+                    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in answer.text.splitlines()
+                                   if line.startswith("data: {"))
+                else:
+                    text = answer.json()["choices"][0]["text"]
+                assert text == generate(models, prompt, max_tokens=40, **EXACT, **TEXT)
+    finally:
+        assert running.stop() == 0
+    assert "a decoding round failed" in running.output()
+
+
+SLOW_TOKENIZER = """
+import sys, threading
+import loading, server
+held = threading.Event()
+real = loading.Tokenizer.encode
+def encode(self, text, add_special_tokens=True):
+    if "HOLD" in text:
+        held.wait(30)  # until a request for "RELEASE" comes
+    if "RELEASE" in text:
+        held.set()
+    return real(self, text, add_special_tokens)
+loading.Tokenizer.encode = encode
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+def test_tokenizing_runs_off_the_event_loop(v1_1_checkpoint):
+    """A prompt whose tokenizing is held (a planted wait) holds neither
+    /health nor another request, whose own prompt releases it."""
+    running = Server("--model", str(v1_1_checkpoint.mlx_dir), code=SLOW_TOKENIZER)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, running.url + "/tokenize", json={"prompt": "HOLD"}, timeout=60)
+            assert httpx.get(running.url + "/health", timeout=10).status_code == 200
+            assert not held.done()
+            assert httpx.post(running.url + "/tokenize", json={"prompt": "RELEASE"}, timeout=10).status_code == 200
+            assert held.result().status_code == 200
+    finally:
+        assert running.stop() == 0
+
+
+FAILING_ROUTE = """
+import sys
+import server
+from serving import app, shapes
+def model_list(names):
+    raise RuntimeError("a planted bug")
+app.shapes.model_list = model_list
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+def test_an_unexpected_500_closes_its_connection(v1_1_checkpoint):
+    running = Server("--model", str(v1_1_checkpoint.mlx_dir), code=FAILING_ROUTE)
+    try:
+        with httpx.Client() as client:
+            answer = client.get(running.url + "/v1/models")
+            assert answer.status_code == 500 and answer.headers["connection"] == "close"
+            assert answer.json()["error"]["type"] == "server_error"
+            assert client.get(running.url + "/health").status_code == 200  # on a new connection
+    finally:
+        assert running.stop() == 0
+
+
+class Words:
+    """A tokenizer of one character a token, ids 3 and up; 0-2 special, decoding as nothing when skipped. It counts
+    the tokens each decode reads."""
+
+    def __init__(self):
+        self.read = 0
+
+    def decode(self, ids, skip_special_tokens=False, **_):
+        self.read += len(ids)
+        return "".join("" if i < 3 and skip_special_tokens else "<s>" if i < 3 else chr(ord("a") + (i - 3) % 26)
+                       for i in ids)
+
+    def special_ids(self):
+        return {0, 1, 2}
+
+
+def test_the_texts_cost_grows_linearly_with_the_output():
+    """Each token's decode reads a bounded window, also over a run of 2,000
+    special tokens that decode to nothing; a stop string of 100,000
+    characters is matched, and held back, in one pass over the text."""
+    tokenizer = Words()
+    detokenizer = Detokenizer(tokenizer, skip_special_tokens=True)
+    text = "".join(detokenizer.add(token) for token in [5] + [1] * 2000 + [6, 7])
+    assert text + detokenizer.flush() == "cde" and tokenizer.read < 20 * 2003
+    stop = "ab" * 50_000
+    stream = TextStream(Words(), (stop,))
+    for token in [3, 4] * 49_999 + [3]:  # the stop string but its last character: all held back
+        stream.add(token)
+    assert stream.take() == "" and stream.stops.partial == len(stop) - 1
+    stream.add(4)
+    assert stream.finish_reason == "stop" and stream.take() == ""
+    stops = StopStrings(("aab",))
+    assert stops.feed("aaa") is None and stops.partial == 2 and stops.feed("ab") == 2
+
+
+def test_a_replayed_job_checks_the_tokens_its_client_has_had_before_it_adds_any():
+    """Engine.isolate's replay: the tokens the text has are decided again and
+    checked, not added twice; another token, or an end before them, stops it."""
+    import asyncio
+
+    from rows import Request
+    from serving.engine import Job
+
+    def job(replay):
+        made = Job(Request([5, 1]), TextStream(Words()), asyncio.new_event_loop(), None, replay=list(replay))
+        made.stream.add(3), made.stream.add(4)  # what its client had
+        return made
+
+    going = job([3, 4])
+    assert going.accept(3, None) and going.accept(4, None) and going.accept(5, "length")
+    assert going.stream.tokens == [3, 4, 5] and going.stream.take() == "abc"
+    assert not job([3, 4]).accept(7, None)
+    ended = job([3, 4])
+    assert ended.accept(3, None) and not ended.accept(None, "stop")
