@@ -82,9 +82,10 @@ class RegularBatch(Batch):
             # Rules that read the tokens before them read this round's on the host: then nothing overlaps.
             history = self.history(self.rows, [[token] for token in current.tolist()]) if self.penalties is not None \
                 and self.penalties.reads_tokens else None
+            opened = None if self.sampling.all_greedy and self.penalties is None else self.opened(self.rows)
             self.queued, self.queued_logits = self.step(current, self.caches[0], self.sampling, self.penalties,
                                                         self.counts, self.tokens(self.rows, current[:, None]), history,
-                                                        self.opened(self.rows))
+                                                        opened)
         logprobs = [None] * len(self.rows) if logprobs is None else logprob_lists(*logprobs)
         finished = set()
         for position, (row, value, given) in enumerate(zip(self.rows, current.tolist(), logprobs)):

@@ -94,6 +94,7 @@ class Row:
     produced: int = 0
     output: list[int] = field(default_factory=list)  # the tokens emitted
     forced_end: bool = False  # its model forces the end of text at max_tokens (forced_eos_token_id)
+    opening: Opening | None = None  # how its decoder opens: its request's, or its model's (Batch.join)
     last: int = 0  # speculative: the token the target has not seen
     drafting: object = None  # the drafter's own state for the row (beam search: its beams.Search)
 
@@ -186,7 +187,9 @@ class Batch:
         for request in requests:
             if request.key is None:
                 request.key = random_key(request.settings.seed) if request.settings.temp > 0 else (0, 0)
-        rows = [Row(request, started, request.key, self.clocks, forced_end=forced_end) for request in requests]
+        model = Opening.of(self.models[0].args)
+        rows = [Row(request, started, request.key, self.clocks, forced_end=forced_end, opening=request.opening or model)
+                for request in requests]
         self.open(rows, caches[0])
         self.encoding_seconds += encoded
         for request in requests:
@@ -263,7 +266,7 @@ class Batch:
 
     def opening(self, row: Row) -> Opening:
         """How a row's decoder opens: its request's, or its model's."""
-        return row.request.opening or Opening.of(self.models[0].args)
+        return row.opening
 
     def start(self, row: Row) -> int:
         """The token that decides a row's first output token: its opening's last."""
