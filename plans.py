@@ -91,7 +91,7 @@ def generation_defaults(generation: dict) -> dict:
     """The options a model's generation_config.json sets (transformers'
     names, as TASK_PARAMETERS maps them, and bad_words_ids), as options
     here. Lengths there count the decoder's start token."""
-    defaults = task_preset({"config": generation}, "config")[1]
+    defaults = task_preset({"config": {name: value for name, value in generation.items() if value is not None}}, "config")[1]
     if generation.get("bad_words_ids"):
         defaults["bad_words_ids"] = tuple(tuple(words) for words in generation["bad_words_ids"])
     return defaults
