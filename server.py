@@ -36,7 +36,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dataclasses import replace
 
+from batches import batch_for, drive
 from errors import OptionError, T5Error
+from rows import Request
 from loading import load
 from options import KNOBS, Settings
 from plans import resolve, with_presets
@@ -52,6 +54,9 @@ log = logging.getLogger("t5-server")
 SERVER_KNOBS = {name: knob for name, knob in KNOBS.items()
                 if name not in ("logprobs", "n", "num_beams", "length_penalty", "early_stopping", "num_return_sequences")}
 CACHE_BUDGET = 2 * 2**30  # bytes of cache one request may hold, unless --max-request-tokens says otherwise
+# Seconds of the engine one request may hold, unless --max-request-tokens says otherwise: its tokens are at most
+# what the loaded pair decodes in that time, a full batch at the server's default settings (request_tokens).
+TIME_BUDGET = 60
 
 
 class Server(uvicorn.Server):
@@ -184,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     p.add_argument("--max-request-tokens", type=int,
                    help="most tokens one request may hold in its rows' caches, each prompt's tokens plus max_tokens "
-                        f"(default: what {CACHE_BUDGET / 2**30:g} GiB of cache holds for these models)")
+                        f"(default: what {CACHE_BUDGET / 2**30:g} GiB of cache holds for these models, or what they decode "
+                        f"in {TIME_BUDGET} s, whichever is less)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request's headers, and then its body, may take")
     p.add_argument("--max-connections", type=int, default=256, help="open connections; beyond, 503")
@@ -251,12 +257,32 @@ def check_options(args) -> Settings:
     return defaults
 
 
-def request_tokens(args, models) -> int:
-    """--max-request-tokens, or what CACHE_BUDGET holds for the target's and the draft's caches."""
+def request_tokens(args, models, defaults: Settings) -> tuple[int, str]:
+    """--max-request-tokens, or the less of what CACHE_BUDGET holds for the
+    target's and the draft's caches and what the pair decodes in TIME_BUDGET
+    seconds; and why, for the log."""
     if args.max_request_tokens is not None:
-        return args.max_request_tokens
+        return args.max_request_tokens, "--max-request-tokens"
     per_token = sum(model.cache_bytes_per_token for model in (models.target, models.draft) if model is not None)
-    return CACHE_BUDGET // per_token
+    rate = decoding_rate(models, defaults, args.max_batch)
+    held, timed = CACHE_BUDGET // per_token, int(TIME_BUDGET * rate)
+    why = f"{TIME_BUDGET} s of decoding at {rate:,.0f} tokens/s" if timed < held else \
+        f"what {CACHE_BUDGET / 2**30:g} GiB of cache holds"
+    return min(held, timed), why
+
+
+def decoding_rate(models, defaults: Settings, rows: int) -> float:
+    """Tokens a second the models decode, `rows` rows at once at the
+    server's default settings: a short run timed after one that warms up."""
+    settings = replace(defaults, max_tokens=16, min_tokens=0, ignore_eos=True, stop=(), logprobs=None)
+    ids = models.tokenizer.encode("def rate(tokens, seconds): return tokens / seconds")
+    for _ in range(2):  # the first compiles and warms
+        requests = [Request(ids, settings) for _ in range(rows)]
+        started = time.perf_counter()
+        for _ in drive(batch_for(models, settings, rows), requests):
+            pass
+        seconds = time.perf_counter() - started
+    return sum(request.stats.generated for request in requests) / seconds
 
 
 def main(argv=None) -> int:
@@ -288,11 +314,12 @@ def main(argv=None) -> int:
                     args.host)
     hosts = allowed_hosts(args.host, args.allowed_hosts)
     names = args.served_model_name or [args.model]
-    limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, request_tokens(args, models))
+    budget, why = request_tokens(args, models, defaults)
+    limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, budget)
     engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0])
     app = create_app(models, engine, names, Access(args.api_key, hosts), limits, args.max_body_bytes, args.read_timeout)
-    log.info("serving %s on http://%s:%d (batches of %d, queue %d, requests up to %d cache tokens)", names[0], args.host,
-             args.port, args.max_batch, args.max_queue, limits.max_request_tokens)
+    log.info("serving %s on http://%s:%d (batches of %d, queue %d, requests up to %s cache tokens: %s)", names[0],
+             args.host, args.port, args.max_batch, args.max_queue, f"{limits.max_request_tokens:,}", why)
     code = serve(engine, app, sock, args.grace, args.read_timeout, args.max_connections)
     log.info("stopped")
     return code

@@ -252,3 +252,36 @@ def test_a_replayed_job_checks_the_tokens_its_client_has_had_before_it_adds_any(
     assert not job([3, 4]).accept(7, None)
     ended = job([3, 4])
     assert ended.accept(3, None) and not ended.accept(None, "stop")
+
+
+def test_by_default_one_request_holds_at_most_what_a_minute_of_decoding_makes(models):
+    """With no --max-request-tokens, a request's tokens (each prompt's and
+    max_tokens, for each of its rows) are at most what the pair decodes in 60
+    s, a full batch at the server's defaults, or what 2 GiB of cache holds if
+    less, as the log says; n=16 of 4,096 tokens each is refused past it."""
+    import re
+
+    import server as program
+
+    running = Server(*PAIR, "--max-batch", "1")
+    try:
+        said = re.search(r"requests up to ([\d,]+) cache tokens: (.*)\)", running.output())
+        budget = int(said.group(1).replace(",", ""))
+        per_token = sum(model.cache_bytes_per_token for model in (models.target, models.draft))
+        held = program.CACHE_BUDGET // per_token
+        rate = re.fullmatch(r"60 s of decoding at ([\d,]+) tokens/s", said.group(2))
+        if rate:  # the clock decided: a minute at the logged rate (rounded to a token a second)
+            assert budget < held and abs(budget - 60 * int(rate.group(1).replace(",", ""))) <= 60
+        else:
+            assert said.group(2) == "what 2 GiB of cache holds" and budget == held
+        prompt = models.tokenizer.encode("x = 1")
+        needed = 16 * (len(prompt) + 4096)
+        answer = httpx.post(running.url + "/v1/completions", timeout=600, json={
+            "model": "default", "prompt": "x = 1", "n": 16, "max_tokens": 4096, "temperature": 1.0,
+            **({} if needed > budget else {"stop": ["\\n"]})})
+        if needed > budget:
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+        else:
+            assert answer.status_code == 200
+    finally:
+        assert running.stop() == 0
