@@ -169,3 +169,19 @@ class EosAt:
 def eos_at():
     """EosAt(model, position): a model whose favourite token at that decoder position is EOS."""
     return EosAt
+
+
+@pytest.fixture(scope="session")
+def demo_models():
+    """The demo pair (demo/target with demo/draft), loaded once."""
+    from loading import load
+
+    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+
+
+@pytest.fixture(scope="session")
+def demo_prompts():
+    """The demo's held-out prompts."""
+    import main
+
+    return main.demo_prompts()

@@ -13,7 +13,6 @@ import openai
 import pytest
 from checkpoints import PROMPT
 
-import main
 from generate import batch_generate, generate, stream_generate
 from loading import load
 from options import SEEDED_AUTO_DRAFTS
@@ -41,13 +40,13 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+def models(demo_models):
+    return demo_models
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return main.demo_prompts()
+def prompts(demo_prompts):
+    return demo_prompts
 
 
 def test_a_completion_is_generate_on_that_prompt_alone(server, models, prompts):

@@ -9,10 +9,7 @@ import httpx
 import pytest
 from test_server import EXACT, PAIR, TEXT, Server
 
-import main
 from generate import batch_generate, generate
-from loading import load
-from serving.process import ROOT
 from text import Detokenizer, StopStrings, TextStream
 
 
@@ -21,16 +18,6 @@ def server():
     running = Server(*PAIR, "--max-batch", "8", "--max-prompt-tokens", "2000")
     yield running
     assert running.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def models():
-    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return main.demo_prompts()
 
 
 REFUSED = {  # what a hostile client sent, and the field the 400 names
@@ -86,15 +73,15 @@ def test_null_is_the_default_where_openais_schema_allows_it_and_tokenize_refuses
             assert answer.status_code == 400 and "a user message" in answer.json()["error"]["message"], (path, messages)
 
 
-def test_when_no_repeat_ngrams_leave_no_token_the_row_ends_and_keeps_the_rule(server, models):
+def test_when_no_repeat_ngrams_leave_no_token_the_row_ends_and_keeps_the_rule(server, demo_models):
     """no_repeat_ngram_size 1, and min_tokens holding back the end of text
     past the vocabulary's size: greedy, sampled, drafted and beam search each
     output every other token once, then end with the end of text, never
     repeating one; the server answers each."""
-    vocabulary = models.target.args.vocab_size
+    vocabulary = demo_models.target.args.vocab_size
     asked = dict(max_tokens=vocabulary + 50, min_tokens=vocabulary + 10, no_repeat_ngram_size=1)
     for options in ({"speculative": False}, {"temp": 1.0, "seed": 3}, {"num_draft": 3}, {"num_beams": 2}):
-        generation = batch_generate(models, ["x = 1"], **asked, **options)[0]
+        generation = batch_generate(demo_models, ["x = 1"], **asked, **options)[0]
         # every token once but the start (0, seen from the start) and the end of text (1)
         assert generation.finish_reason == "stop" and sorted(generation.tokens) == list(range(2, vocabulary)), options
     for fields in ({}, {"temperature": 1.0, "seed": 3}, {"use_beam_search": True, "n": 2}):
@@ -116,7 +103,8 @@ sys.exit(server.main(sys.argv[1:]))
 """
 
 
-def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_as_they_would_have(models, prompts):
+def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_as_they_would_have(
+        demo_models, demo_prompts):
     """A poisoned prompt (a planted failure in any round its row is in)
     decodes in one batch with four others of its kind: it gets its 500, they
     their exact answers, streamed or whole, however far they had got."""
@@ -125,12 +113,13 @@ def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_
         body = {"model": "default", "max_tokens": 40, **EXACT}
         with ThreadPoolExecutor(5) as pool:
             others = [pool.submit(httpx.post, running.url + "/v1/completions", timeout=120,
-                                  json=body | {"prompt": prompt, "stream": i % 2 == 0}) for i, prompt in enumerate(prompts[:4])]
+                                  json=body | {"prompt": prompt, "stream": i % 2 == 0})
+                      for i, prompt in enumerate(demo_prompts[:4])]
             poisoned = pool.submit(httpx.post, running.url + "/v1/completions", timeout=120,
                                    json=body | {"prompt": "</s> x"})
             assert poisoned.result().status_code == 500
             assert poisoned.result().json()["error"]["message"] == "decoding failed: a planted failure"
-            for i, (prompt, other) in enumerate(zip(prompts, others)):
+            for i, (prompt, other) in enumerate(zip(demo_prompts, others)):
                 answer = other.result()
                 assert answer.status_code == 200
                 if i % 2 == 0:  # streamed
@@ -138,7 +127,7 @@ def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_
                                    if line.startswith("data: {"))
                 else:
                     text = answer.json()["choices"][0]["text"]
-                assert text == generate(models, prompt, max_tokens=40, **EXACT, **TEXT)
+                assert text == generate(demo_models, prompt, max_tokens=40, **EXACT, **TEXT)
     finally:
         assert running.stop() == 0
     assert "a decoding round failed" in running.output()
@@ -254,7 +243,7 @@ def test_a_replayed_job_checks_the_tokens_its_client_has_had_before_it_adds_any(
     assert ended.accept(3, None) and not ended.accept(None, "stop")
 
 
-def test_by_default_one_request_holds_at_most_what_a_minute_of_decoding_makes(models):
+def test_by_default_one_request_holds_at_most_what_a_minute_of_decoding_makes(demo_models):
     """With no --max-request-tokens, a request's tokens (each prompt's and
     max_tokens, for each of its rows) are at most what the pair decodes in 60
     s, a full batch at the server's defaults, or what 2 GiB of cache holds if
@@ -267,14 +256,14 @@ def test_by_default_one_request_holds_at_most_what_a_minute_of_decoding_makes(mo
     try:
         said = re.search(r"requests up to ([\d,]+) cache tokens: (.*)\)", running.output())
         budget = int(said.group(1).replace(",", ""))
-        per_token = sum(model.cache_bytes_per_token for model in (models.target, models.draft))
+        per_token = sum(model.cache_bytes_per_token for model in (demo_models.target, demo_models.draft))
         held = program.CACHE_BUDGET // per_token
         rate = re.fullmatch(r"60 s of decoding at ([\d,]+) tokens/s", said.group(2))
         if rate:  # the clock decided: a minute at the logged rate (rounded to a token a second)
             assert budget < held and abs(budget - 60 * int(rate.group(1).replace(",", ""))) <= 60
         else:
             assert said.group(2) == "what 2 GiB of cache holds" and budget == held
-        prompt = models.tokenizer.encode("x = 1")
+        prompt = demo_models.tokenizer.encode("x = 1")
         needed = 16 * (len(prompt) + 4096)
         answer = httpx.post(running.url + "/v1/completions", timeout=600, json={
             "model": "default", "prompt": "x = 1", "n": 16, "max_tokens": 4096, "temperature": 1.0,
