@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import EXACT, PAIR, TEXT, Server
+from test_server import EXACT, FAILING, PAIR, TEXT, Server  # FAILING: a planted failure where a prompt starts with EOS
 
 from generate import batch_generate, generate
 from text import Detokenizer, StopStrings, TextStream
@@ -90,25 +90,12 @@ def test_when_no_repeat_ngrams_leave_no_token_the_row_ends_and_keeps_the_rule(se
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "stop", answer.text
 
 
-POISONED = """
-import sys
-import decoder, server
-real = decoder.SpeculativeBatch.round
-def round(self):
-    if any(1 in row.request.source[:1] for row in self.rows):  # a prompt whose first token is EOS
-        raise RuntimeError("a planted failure")
-    return (yield from real(self))
-decoder.SpeculativeBatch.round = round
-sys.exit(server.main(sys.argv[1:]))
-"""
-
-
 def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_as_they_would_have(
         demo_models, demo_prompts):
     """A poisoned prompt (a planted failure in any round its row is in)
     decodes in one batch with four others of its kind: it gets its 500, they
     their exact answers, streamed or whole, however far they had got."""
-    running = Server(*PAIR, "--max-batch", "8", code=POISONED)
+    running = Server(*PAIR, "--max-batch", "8", code=FAILING)
     try:
         body = {"model": "default", "max_tokens": 40, **EXACT}
         with ThreadPoolExecutor(5) as pool:
