@@ -20,6 +20,7 @@ folders is loading.py's.
 
 import math
 from dataclasses import dataclass, fields
+from typing import Generator
 
 import cpu  # must precede mlx.core: picks a fast BLAS on Linux
 import mlx.core as mx
@@ -137,11 +138,12 @@ def bias_rows(by_distance: mx.array, first: int, last: int, length: int) -> mx.a
 # one per lane (core) on the CPU path. Attention then cuts each chunk into
 # smaller blocks (attention.py).
 ROWS_PER_CHUNK = 512
+SCORES_PER_CHUNK = 2**19
 
 
 def row_chunks(length: int, lanes: int) -> list[tuple[int, int]]:
     """Chunks of at most ROWS_PER_CHUNK rows, one per lane at least."""
-    size = min(ROWS_PER_CHUNK, -(-length // max(1, lanes)))
+    size = min(ROWS_PER_CHUNK, max(64, SCORES_PER_CHUNK // length), -(-length // max(1, lanes)))
     return [(first, min(first + size, length)) for first in range(0, length, size)]
 
 
@@ -218,6 +220,20 @@ def clamp_float16(x: mx.array) -> mx.array:
     return mx.clip(x, -limit, limit)
 
 
+# Work in pieces: a generator yields lists of (lazy) arrays, each a piece whose evaluation is part of the work, and
+# returns the result, which the pieces' evaluation has computed (or, evaluated at once, computes).
+Pieces = Generator[list[mx.array], None, mx.array]
+
+
+def drained(pieces: Pieces) -> mx.array:
+    """What pieces return, none evaluated: the whole work as one graph."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -229,10 +245,12 @@ class EncoderLayer(nn.Module):
         if args.positions == "relative per layer":
             self.relative_attention_bias = RelativePositionBias(args, bidirectional=True)
 
-    def __call__(self, x: mx.array, bias_of, chunks: list[tuple[int, int]], lanes: tuple = ()) -> mx.array:
+    def pieces(self, x: mx.array, bias_of, chunks: list[tuple[int, int]], lanes: tuple = ()) -> Pieces:
         """Keys and values for the whole input, then each chunk of rows on
         its own lane: attention over every key, the output projection and the
-        FFN. bias_of(first, last): the attention bias of those rows."""
+        FFN. bias_of(first, last): the attention bias of those rows. Yields
+        the work in pieces (the keys and values, then a chunk per lane at a
+        time) and returns the layer's output."""
         h = self.attention_norm(x) if self.pre_norm else x
         keys_values = []
         for i, (first, last) in enumerate(chunks):
@@ -240,6 +258,7 @@ class EncoderLayer(nn.Module):
                 keys_values.append(self.attention.project_keys_values(h[:, first:last]))
         keys = mx.concatenate([k for k, _ in keys_values], axis=2)
         values = mx.concatenate([v for _, v in keys_values], axis=2)
+        yield [keys, values]
         out = []
         for i, (first, last) in enumerate(chunks):
             with cpu.lane(lanes, i):
@@ -252,6 +271,8 @@ class EncoderLayer(nn.Module):
                 else:  # the sums normalised
                     y = self.attention_norm(y)
                     out.append(self.ffn_norm(y + self.ffn(y)))
+            if (i + 1) % max(1, len(lanes)) == 0 or i == len(chunks) - 1:  # a chunk per lane: they run side by side
+                yield out[-max(1, len(lanes)):]
         return mx.concatenate(out, axis=1)
 
 
@@ -338,10 +359,11 @@ class Encoder(Stack):
     def __init__(self, args: ModelArgs):
         super().__init__(args, EncoderLayer, args.num_layers, bidirectional=True)
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> mx.array:
+    def pieces(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> Pieces:
         """Rows go through in chunks and attention in blocks of queries
         (row_chunks, attention_blocks), so that memory grows with the input's
-        length, not with its square."""
+        length, not with its square. Yields the work in pieces (each layer's)
+        and returns the output."""
         B, L = x.shape[:2]
         x = embedded(self, x, mx.arange(L))
         padding = padding_bias(mask, x.dtype)
@@ -362,7 +384,7 @@ class Encoder(Stack):
         chunks = row_chunks(L, len(lanes))
         shared = biases(getattr(self, "relative_attention_bias", None)) if self.args.positions != "relative per layer" else None
         for layer in self.layers:
-            x = layer(x, shared or biases(layer.relative_attention_bias), chunks, lanes)
+            x = yield from layer.pieces(x, shared or biases(layer.relative_attention_bias), chunks, lanes)
         return self.finish(x)
 
 
@@ -438,7 +460,14 @@ class EncoderDecoder(nn.Module):
         optional padding mask -> (B, S, d_model). Independent blocks of the work
         take the lanes (streams) in turn: by default cpu.lanes(), one per core
         on the CPU path, none elsewhere."""
-        return self.encoder(self.source_input(source), mask, cpu.lanes() if lanes is None else lanes)
+        return drained(self.encoding(source, mask, lanes))
+
+    def encoding(self, source: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> Pieces:
+        """encode's work, yielded in pieces (lists of arrays) that can be
+        evaluated one at a time, between other work (rows.Encoding); returns
+        the output."""
+        lanes = cpu.lanes() if lanes is None else lanes
+        return (yield from self.encoder.pieces(self.source_input(source), mask, lanes))
 
     def source_input(self, source: mx.array) -> mx.array:
         """The encoder's input layer, as the family has it: token ids through

@@ -9,6 +9,7 @@ sampling and penalties are the batch's to keep in step with its rows.
 decoder.py's and beams.py's batches say what a round does.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
@@ -18,7 +19,7 @@ import kernels
 import mlx.core as mx
 
 from cache import DecoderCache
-from model import EncoderDecoder
+from model import ROWS_PER_CHUNK, EncoderDecoder, Pieces, drained
 from options import Opening, Settings, Stats
 from sampling import Penalties, RowPenalties, RowSampling, random_key
 
@@ -52,35 +53,99 @@ TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: n
 
 
 def encode_for(models: list[EncoderDecoder], sources: list) -> list[DecoderCache]:
-    """Encode sources together (padded on the right and masked, when their
+    """Encode sources together into a fresh decoder cache for each model, at once (Encoding)."""
+    return Encoding(models, sources).finish()
+
+
+class Encoding:
+    """Sources encoded together (padded on the right and masked, when their
     lengths differ; a source given more than once, once) into a fresh decoder
-    cache for each model, evaluated at once so that the models' work runs
-    side by side. Token ids pad with the model's pad token, features with
-    zeros. The sources' products, of many rows, are computed here, apart from
-    decoding's few-row ones: the CPU's BLAS wants them done differently."""
-    tokens = all(isinstance(source, (list, tuple)) for source in sources)
-    # a source given n times is encoded once (features: the same array)
-    keys = [tuple(source) if tokens else id(source) for source in sources]
-    distinct = list(dict.fromkeys(keys))
-    rows = [distinct.index(key) for key in keys]
-    sources = [sources[keys.index(key)] for key in distinct]
-    lengths = [len(source) for source in sources]
-    length = max(lengths)
-    mask = None
-    if any(n < length for n in lengths):
-        mask = mx.array([[1] * n + [0] * (length - n) for n in lengths])
-    caches = []
-    for model in models:
-        if tokens:
-            inputs = mx.array([list(source) + [model.args.pad_token_id] * (length - n) for source, n in zip(sources, lengths)])
-        else:
-            inputs = mx.stack([mx.pad(source, [(0, length - n), (0, 0)]) for source, n in zip(sources, lengths)])
-        caches.append(model.make_cache(model.encode(inputs, mask), mask))
-        if len(sources) < len(rows):
-            caches[-1].keep(rows)
-    with cpu.many_rows():
-        mx.eval([cache.cross_keys_values for cache in caches])
-    return caches
+    cache for each model: at once (finish), the models' work evaluated
+    together so that it runs side by side, or a piece at a time (advance),
+    so that a long prompt's encoding can take turns with other rows'
+    decoding. Token ids pad with the model's pad token, features with zeros.
+    The sources' products, of many rows, are computed in cpu.many_rows, apart
+    from decoding's few-row ones: the CPU's BLAS wants them done differently."""
+
+    def __init__(self, models: list[EncoderDecoder], sources: list, clocks: tuple = ()):
+        tokens = all(isinstance(source, (list, tuple)) for source in sources)
+        # a source given n times is encoded once (features: the same array)
+        keys = [tuple(source) if tokens else id(source) for source in sources]
+        distinct = list(dict.fromkeys(keys))
+        rows = [distinct.index(key) for key in keys]
+        sources = [sources[keys.index(key)] for key in distinct]
+        self.lengths = [len(source) for source in sources]
+        self.clocks = clocks or Batch.clocks
+        self.started = tuple(clock() for clock in self.clocks)
+        self.seconds = self.compiling = 0.0  # of its pieces' evaluation, and of that MLX's compiling
+        self.caches: list[DecoderCache] | None = None
+        self.work = self.pieces(models, sources, tokens, rows if len(sources) < len(rows) else None)
+
+    @property
+    def work_size(self) -> int:
+        """The positions encoded, padding included."""
+        return len(self.lengths) * max(self.lengths)
+
+    @property
+    def small(self) -> bool:
+        """Work of one chunk of rows (model.ROWS_PER_CHUNK), or less: never worth evaluating in pieces."""
+        return self.work_size <= ROWS_PER_CHUNK
+
+    def pieces(self, models: list[EncoderDecoder], sources: list, tokens: bool, rows: list[int] | None) -> Pieces:
+        """Each model's encoder in pieces, then its cross-attention's keys and values; returns the caches."""
+        length = max(self.lengths)
+        mask = None
+        if any(n < length for n in self.lengths):
+            mask = mx.array([[1] * n + [0] * (length - n) for n in self.lengths])
+        caches = []
+        for model in models:
+            if tokens:
+                pad = [model.args.pad_token_id]
+                inputs = mx.array([list(source) + pad * (length - n) for source, n in zip(sources, self.lengths)])
+            else:
+                inputs = mx.stack([mx.pad(source, [(0, length - n), (0, 0)]) for source, n in zip(sources, self.lengths)])
+            cache = model.make_cache((yield from model.encoding(inputs, mask)), mask)
+            if rows is not None:
+                cache.keep(rows)
+            layers, at_once = cache.cross_keys_values, max(1, len(cpu.lanes()))  # a layer per lane (make_cache)
+            for first in range(0, len(layers), at_once):
+                yield layers[first : first + at_once]
+            caches.append(cache)
+        return caches
+
+    def finish(self) -> list[DecoderCache]:
+        """The rest of the work, evaluated at once; the caches."""
+        if self.caches is None:
+            with self.timed():
+                caches = drained(self.work)
+                mx.eval([cache.cross_keys_values for cache in caches])
+            self.caches = caches
+        return self.caches
+
+    def advance(self, seconds: float) -> bool:
+        """Evaluate pieces for about `seconds` (at least one; small work all
+        at once); True once the caches are made."""
+        if self.small:
+            self.finish()
+        started = time.perf_counter()
+        while self.caches is None:
+            with self.timed():
+                try:
+                    mx.eval(next(self.work))
+                except StopIteration as done:
+                    self.caches = done.value
+            if time.perf_counter() - started >= seconds:
+                break
+        return self.caches is not None
+
+    @contextlib.contextmanager
+    def timed(self):
+        before = tuple(clock() for clock in self.clocks)
+        with cpu.many_rows():
+            yield
+        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, before))
+        self.seconds += seconds
+        self.compiling += min(compiling, seconds)
 
 
 @dataclass(eq=False)
@@ -176,13 +241,17 @@ class Batch:
         count = min(self.free, waiting)
         return 0 if count == 0 or count < min(waiting, self.batch_size // 2) else count
 
-    def join(self, requests: list[Request]) -> list[Row]:
-        """Encode these requests' prompts together and give them rows."""
+    def encoding(self, requests: list[Request]) -> Encoding:
+        """The encoding of these requests' prompts together, for join, to run at once or in pieces."""
+        return Encoding(self.models, [request.source for request in requests], self.clocks)
+
+    def join(self, requests: list[Request], encoding: Encoding | None = None) -> list[Row]:
+        """Give these requests rows, their prompts encoded together: by
+        `encoding` (self.encoding(requests), finished here if not yet), or now."""
         assert 0 < len(requests) <= self.free
-        started = tuple(clock() for clock in self.clocks)
-        caches = encode_for(self.models, [request.source for request in requests])
-        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, started))
-        encoded = max(seconds - compiling, 0.0)  # a kernel compiled on the way is compiling's
+        encoding = encoding or self.encoding(requests)
+        caches, started = encoding.finish(), encoding.started
+        encoded = max(encoding.seconds - encoding.compiling, 0.0)  # a kernel compiled on the way is compiling's
         forced_end = self.models[0].args.forced_eos_token_id is not None
         for request in requests:
             if request.key is None:

@@ -423,8 +423,7 @@ async def api_error(request: Request, e: ApiError):
 async def unexpected_error(request: Request, e: Exception):
     """A bug's 500, in OpenAI's shape too (Starlette logs its traceback); the connection closes, as whatever failed
     may have left it mid-request."""
-    return ApiError(500, f"the server failed: {type(e).__name__}", "server_error",
-                    headers={"Connection": "close"}).response(request.app.state.metrics)
+    return ApiError(500, f"the server failed: {type(e).__name__}", "server_error").response(request.app.state.metrics)
 
 
 async def http_error(request: Request, e: StarletteHTTPException):

@@ -16,7 +16,7 @@ from typing import Callable
 
 from batches import batch_for, warm_up
 from errors import T5Error
-from rows import Request
+from rows import Encoding, Request
 from loading import Models
 from options import Settings
 from serving.metrics import Metrics, Times
@@ -91,6 +91,20 @@ class Job:
         self.end()
 
 
+# What a step's encoding may take when no row decodes: the queue is read between slices, so that a short prompt sent
+# after a long one starts decoding while the long one is still encoded.
+ENCODING_SLICE = 0.05
+
+
+@dataclass(eq=False)
+class Joining:
+    """Jobs of one drafting kind whose prompts are encoded together (a piece a step), to join its batch then."""
+
+    kind: object
+    jobs: list[Job]
+    encoding: Encoding
+
+
 class Engine:
     """What the thread that owns MLX (the main thread) runs. Jobs wait in a
     bounded queue; between rounds they join free rows (encoded together, by
@@ -105,6 +119,8 @@ class Engine:
         self.lock = threading.Condition()
         self.batches: dict = {}  # drafting kind -> its batch; ("alone", id) -> a batch of one replayed job
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
+        self.joining: list[Joining] = []  # jobs whose prompts are being encoded, a piece a step while rows decode
+        self.round_seconds = 0.0  # the last step's rounds, all batches': what a step's encoding may take too
         self.draining = False
         self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting))
 
@@ -117,8 +133,10 @@ class Engine:
 
     @property
     def active(self) -> int:
-        # A copy: /metrics reads this from the event loop's thread while this one adds and drops batches.
-        return sum(len(batch.rows) for batch in list(self.batches.values()))
+        """Rows decoding, and rows being encoded to join them."""
+        # Copies: /metrics reads this from the event loop's thread while this one adds and drops batches.
+        return sum(len(batch.rows) for batch in list(self.batches.values())) + \
+            sum(len(joining.jobs) for joining in list(self.joining))
 
     @property
     def busy(self) -> bool:
@@ -137,23 +155,28 @@ class Engine:
         while not stopping():
             self.step()
         with self.lock:
-            left, self.waiting = list(self.jobs.values()) + self.waiting, []
+            encoding = [job for joining in self.joining for job in joining.jobs]
+            left, self.waiting = list(self.jobs.values()) + encoding + self.waiting, []
         for job in left:
             job.fail("the server stopped before this request finished")
             self.record_end(job, "error")
 
     def step(self) -> None:
-        """Admit waiting jobs, then a round of each batch."""
+        """Admit waiting jobs, encode for a while, then a round of each batch."""
         self.admit()
+        self.encode()
+        started, decoded = time.perf_counter(), False
         for kind, batch in list(self.batches.items()):
             self.drop_cancelled(batch)
             if batch.rows:
                 self.round(kind, batch)
-            elif isinstance(kind, tuple):  # an isolated job's batch, done
-                del self.batches[kind]
+                decoded = True
+            elif isinstance(kind, tuple) and not any(joining.kind == kind for joining in self.joining):
+                del self.batches[kind]  # an isolated job's batch, done
+        self.round_seconds = time.perf_counter() - started if decoded else 0.0
 
     def admit(self) -> None:
-        """Waiting jobs join rows while there are rows free."""
+        """Waiting jobs take the free rows: the jobs of a drafting kind are encoded together, to join its batch."""
         taken = self.take_waiting()
         now = time.perf_counter()
         for job in taken:
@@ -164,28 +187,56 @@ class Engine:
         for job in taken:
             by_kind.setdefault(job.request.settings.kind(self.models), []).append(job)
         for kind, jobs in by_kind.items():
-            batch = self.batches.get(kind)
-            if batch is None:
-                batch = self.batches[kind] = batch_for(self.models, jobs[0].request.settings, self.max_batch)
-            started = time.perf_counter()
+            self.joining.append(Joining(kind, jobs, self.batch_of(kind, jobs[0]).encoding([job.request for job in jobs])))
+
+    def batch_of(self, kind, job: Job):
+        """The batch of a drafting kind (an isolated job's kind: a batch of one), made if there is none: the
+        one there was may have failed since."""
+        if kind not in self.batches:
+            self.batches[kind] = batch_for(self.models, job.request.settings, 1 if isinstance(kind, tuple) else self.max_batch)
+        return self.batches[kind]
+
+    def encode(self) -> None:
+        """Encoding takes a step's time in turn with decoding: while rows
+        decode, about as long as their rounds took (a piece at least), so
+        that a long prompt delays them by a few rounds, not its whole
+        encoding; with none, ENCODING_SLICE, so that the queue is read
+        between. The least work goes first, and joins its batch once encoded."""
+        budget = max(self.round_seconds, 1e-3) if self.round_seconds else ENCODING_SLICE
+        started = time.perf_counter()
+        for joining in sorted(self.joining, key=lambda joining: joining.encoding.work_size):
+            left = budget - (time.perf_counter() - started)
+            if left <= 0:
+                break
+            if all(job.cancelled for job in joining.jobs):  # every client left while it was encoded
+                self.joining.remove(joining)
+                for job in joining.jobs:
+                    job.end()
+                    self.record_end(job, "abort")
+                continue
             try:
-                batch.join([job.request for job in jobs])
+                done = joining.encoding.advance(left)
+                if done:
+                    self.joining.remove(joining)
+                    self.batch_of(joining.kind, joining.jobs[0]).join([job.request for job in joining.jobs], joining.encoding)
             except Exception as e:  # encoding failed: these jobs only
                 log.exception("encoding failed")
-                for job in jobs:
+                if joining in self.joining:
+                    self.joining.remove(joining)
+                for job in joining.jobs:
                     job.fail(f"encoding failed: {e}")
                     self.record_end(job, "error")
                 continue
-            finally:
-                self.metrics.parts["encoding"].inc(time.perf_counter() - started)
-            self.jobs.update({id(job.request): job for job in jobs})
+            if done:
+                self.jobs.update({id(job.request): job for job in joining.jobs})
+        self.metrics.parts["encoding"].inc(time.perf_counter() - started)
 
     def take_waiting(self) -> list[Job]:
         """The jobs that get a row now, in the order they came; those whose
         client left while they waited leave the queue (waiting, if there are
         none, for one to come)."""
         with self.lock:
-            if not self.waiting and not self.active:
+            if not self.waiting and not self.active:  # (rows being encoded count as active)
                 started = time.perf_counter()
                 self.lock.wait(timeout=0.1)  # wakes for a job, and for the signals the main thread handles
                 self.metrics.parts["idle"].inc(time.perf_counter() - started)
@@ -260,12 +311,5 @@ class Engine:
         old = job.request
         job.replay = list(job.stream.tokens)
         job.request = Request(old.source, old.settings, opening=old.opening, rules=old.rules, key=old.key)
-        batch = batch_for(self.models, old.settings, 1)
-        try:
-            batch.join([job.request])
-        except Exception as e:
-            job.fail(f"encoding failed: {e}")
-            self.record_end(job, "error")
-            return
-        self.batches[("alone", id(job.request))] = batch
-        self.jobs[id(job.request)] = job
+        kind = ("alone", id(job.request))
+        self.joining.append(Joining(kind, [job], self.batch_of(kind, job).encoding([job.request])))

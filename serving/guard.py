@@ -17,9 +17,14 @@ from serving.metrics import Metrics
 
 
 class ApiError(Exception):
+    """An answer of OpenAI's error shape. A 500 closes its connection, saying so: whatever failed may have left the
+    connection, or what the server keeps for it, in a state nobody should reuse."""
+
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None, headers: dict | None = None):
         super().__init__(message)
+        if status == 500:
+            headers = {"Connection": "close"} | (headers or {})
         self.status, self.message, self.type, self.code, self.param, self.headers = status, message, type, code, param, headers
 
     def response(self, metrics: Metrics) -> JSONResponse:

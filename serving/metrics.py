@@ -41,7 +41,7 @@ class Metrics:
             metric = kind(PREFIX + name, help, ["model_name", *labels], registry=self.registry, **options)
             return metric if labels else metric.labels(**label)
 
-        self.running = make(Gauge, "num_requests_running", "Prompts decoding (rows of a batch).")
+        self.running = make(Gauge, "num_requests_running", "Prompts decoding, or encoded to decode (rows of a batch).")
         self.running.set_function(running)
         self.waiting = make(Gauge, "num_requests_waiting", "Prompts waiting for a row.")
         self.waiting.set_function(waiting)

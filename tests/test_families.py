@@ -330,12 +330,17 @@ def test_a_prompt_past_the_position_table_is_refused(family):
 def test_the_command_line_refuses_a_prompt_past_the_positions_before_encoding_it(family, capsys, monkeypatch):
     """Its warm-up too: MLX reads past a table's end unchecked (garbage on a CPU, a crash when far past)."""
     import main
-    import rows
+    from model import EncoderDecoder
 
     if load_model(family.mlx_dir).longest_input is None:
         pytest.skip("relative positions have no end")
-    encoded, real = [], rows.encode_for
-    monkeypatch.setattr(rows, "encode_for", lambda models, prompts: encoded.extend(map(len, prompts)) or real(models, prompts))
+    encoded, real = [], EncoderDecoder.encoding
+
+    def encoding(self, source, *args):  # every encoding's work starts here
+        encoded.append(source.shape[1])
+        return (yield from real(self, source, *args))
+
+    monkeypatch.setattr(EncoderDecoder, "encoding", encoding)
     assert main.main(["--model", str(family.mlx_dir), "--regular-decode", "--prompt", "word " * 300]) == 2
     assert "positions stop at 256" in capsys.readouterr().err and max(encoded, default=0) <= 256
 

@@ -14,6 +14,7 @@ import generate
 import main
 from conftest import ROOT
 from loading import load_model, load_tokenizer
+from model import EncoderDecoder
 from options import Settings
 
 
@@ -45,15 +46,15 @@ def slow_encoding(monkeypatch):
     """Encoding a prompt of more than 512 tokens takes each model 1.5 s longer
     on the engine's clock, as on a slow machine (nothing sleeps); the list of
     such encodings (their lengths, one per model) comes back."""
-    encoded, real, clock = [], rows.encode_for, EngineClock()
+    encoded, real, clock = [], EncoderDecoder.encoding, EngineClock()
 
-    def slow(models, prompts):
-        if max(map(len, prompts)) > generate.TRAINED_LENGTH:
-            encoded.extend([max(map(len, prompts))] * len(models))
-            clock.advance(1.5 * len(models))
-        return real(models, prompts)
+    def slow(self, source, *args):  # a model's encoding, run in the batch's timing of it
+        if source.shape[1] > generate.TRAINED_LENGTH:
+            encoded.append(source.shape[1])
+            clock.advance(1.5)
+        return (yield from real(self, source, *args))
 
-    monkeypatch.setattr(rows, "encode_for", slow)
+    monkeypatch.setattr(EncoderDecoder, "encoding", slow)
     monkeypatch.setattr(rows.Batch, "clocks", (clock, lambda: 0.0))  # and MLX compiles nothing
     return encoded
 
@@ -95,15 +96,15 @@ def test_seconds_mlx_spends_compiling_kernels_count_as_neither_encoding_nor_deco
     from loading import load
 
     clock, compiling = EngineClock(), EngineClock(tick=0.0)
-    real_encode, real_step = rows.encode_for, decoder.RegularBatch.step
+    real_encode, real_step = EncoderDecoder.encoding, decoder.RegularBatch.step
 
     def compiles(seconds):
         clock.advance(seconds)
         compiling.advance(seconds)
 
-    def encode(models, prompts):
+    def encode(self, source, *args):
         compiles(2.0)
-        return real_encode(models, prompts)
+        return (yield from real_encode(self, source, *args))
 
     def step(self, *args, **kwargs):
         if not getattr(self, "compiled", False):
@@ -111,7 +112,7 @@ def test_seconds_mlx_spends_compiling_kernels_count_as_neither_encoding_nor_deco
             compiles(3.0)
         return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(rows, "encode_for", encode)
+    monkeypatch.setattr(EncoderDecoder, "encoding", encode)
     monkeypatch.setattr(decoder.RegularBatch, "step", step)
     monkeypatch.setattr(rows.Batch, "clocks", (clock, compiling))
     models = load(main.DEMO_DIR / "target")
@@ -203,3 +204,26 @@ def test_rows_encoded_together_each_count_the_whole_encoding_as_theirs(long_prom
     long, short = (g.stats for g in batch_generate(models, [long_prompt, "import <extra_id_0>"], batch_size=2, max_tokens=5))
     assert long.encoding_seconds == short.encoding_seconds == pytest.approx(3.0, abs=0.01)  # each model's 1.5 s
     assert 0 < long.decoding_seconds < 0.1 and 0 < short.decoding_seconds < 0.1  # a few readings of the clock
+
+
+def test_a_prompt_encoded_a_piece_at_a_time_gives_the_caches_encoding_at_once_gives(demo_models):
+    """Both models' caches for prompts of 1,500 and 40 tokens and the long one
+    again, encoded a piece at a time (each piece a part of a layer, so that
+    decoding can run between them): bit for bit those of encoding at once.
+    Work of one chunk or less is done at once."""
+    import mlx.core as mx
+
+    long, short = [3 + (i * 7919) % 2000 for i in range(1499)] + [1], list(range(3, 42)) + [1]
+    models = [demo_models.target, demo_models.draft]
+    whole = rows.encode_for(models, [long, short, long])
+    encoding, pieces = rows.Encoding(models, [long, short, long]), 0
+    while not encoding.advance(0.0):  # a piece each time
+        pieces += 1
+    layers = sum(model.args.num_layers for model in models)
+    assert pieces > 2 * layers  # every layer in several pieces
+    for at_once, in_pieces in zip(whole, encoding.caches):
+        assert mx.array_equal(at_once.cross_bias, in_pieces.cross_bias)
+        for a, b in zip(at_once.cross_keys_values, in_pieces.cross_keys_values):
+            assert all(mx.array_equal(x, y) for x, y in zip(a, b))
+    small = rows.Encoding(models, [short])
+    assert small.advance(0.0) and small.caches is not None

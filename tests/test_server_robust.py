@@ -3,6 +3,8 @@ that fails decoding fails alone while its batchmates answer as they would have, 
 runs on the event loop, and the text's costs grow linearly with it."""
 
 import json
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,7 +17,7 @@ from text import Detokenizer, StopStrings, TextStream
 
 @pytest.fixture(scope="module")
 def server():
-    running = Server(*PAIR, "--max-batch", "8", "--max-prompt-tokens", "2000")
+    running = Server(*PAIR, "--max-batch", "8", "--max-prompt-tokens", "4096")
     yield running
     assert running.stop() == 0
 
@@ -51,14 +53,75 @@ def test_every_value_a_client_sends_has_a_bound_and_past_it_a_400_names_the_fiel
 
 
 def test_a_prompt_past_the_servers_characters_is_refused_before_it_is_tokenized(server):
-    """--max-prompt-tokens 2000: 64,000 characters at most (32 a token), counted before any tokenizing."""
-    for field, body in (("prompt", {"prompt": "a" * 64_001}),
-                        ("messages", {"messages": [{"role": "user", "content": "a" * 64_001}]})):
+    """--max-prompt-tokens 4096: 131,072 characters at most (32 a token), counted before any tokenizing."""
+    for field, body in (("prompt", {"prompt": "a" * 131_073}),
+                        ("messages", {"messages": [{"role": "user", "content": "a" * 131_073}]})):
         path = "/v1/completions" if field == "prompt" else "/v1/chat/completions"
         answer = httpx.post(server.url + path, json={"model": "default", **body}, timeout=30)
         error = answer.json()["error"]
         assert answer.status_code == 400 and error["param"] == field and error["code"] == "context_length_exceeded"
-        assert "64,001 characters" in error["message"]
+        assert "131,073 characters" in error["message"]
+
+
+def test_a_long_prompt_is_encoded_in_turns_with_the_rows_decoding_and_health_answers_meanwhile(server):
+    """A 4,096-token prompt sent while another request streams: the stream
+    goes on while the prompt is encoded, its longest gap a small part of the
+    long request's time (encoded at once, the prompt stopped the stream for
+    all of its encoding), and /health answers within 100 ms throughout."""
+    long_prompt = [3 + i % 2000 for i in range(4096)]
+    stamps, measured = [], {}
+    with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=60) as probe:
+        def stream():
+            body = {"model": "default", "prompt": "x = 1", "max_tokens": 4000, "min_tokens": 4000, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as answer:
+                assert answer.status_code == 200
+                for line in answer.iter_lines():
+                    stamps.append(time.perf_counter()) if line.startswith("data: {") else None
+                    if "ended" in measured:
+                        return
+
+        streaming = pool.submit(stream)
+        while len(stamps) < 20 and not streaming.done():
+            time.sleep(0.01)
+        assert len(stamps) >= 20, streaming.result()
+        measured["sent"] = time.perf_counter()
+        long = pool.submit(httpx.post, server.url + "/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": long_prompt, "max_tokens": 1})
+        health = []
+        while not long.done():
+            started = time.perf_counter()
+            assert probe.get(server.url + "/health").status_code == 200
+            health.append(time.perf_counter() - started)
+            time.sleep(0.01)
+        measured["ended"] = time.perf_counter()
+        assert long.result().status_code == 200 and long.result().json()["usage"]["prompt_tokens"] == 4096
+        streaming.result()
+    sent, ended = measured["sent"], measured["ended"]
+    before = [b - a for a, b in zip(stamps, stamps[1:]) if b < sent]
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if a >= sent and b <= ended]
+    print(f"long request {ended - sent:.2f} s; the stream's gaps: {statistics.median(before) * 1e3:.1f} ms before, "
+          f"{max(during) * 1e3:.1f} ms at most during; /health at most {max(health) * 1e3:.1f} ms of {len(health)}")
+    assert len(during) >= 10 and max(during) < 0.2 * (ended - sent)
+    assert max(health) < 0.1
+
+
+def test_a_short_request_sent_just_after_a_long_prompt_is_answered_while_the_long_one_is_encoded(server):
+    """With no other row decoding, the engine reads its queue between slices
+    of a long prompt's encoding: a 5-token request sent 50 ms after a
+    4,096-token prompt takes a small part of the long one's time."""
+    def timed(prompt, max_tokens):
+        started = time.perf_counter()
+        answer = httpx.post(server.url + "/v1/completions", timeout=60,
+                            json={"model": "default", "prompt": prompt, "max_tokens": max_tokens})
+        assert answer.status_code == 200
+        return time.perf_counter() - started
+
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(timed, [3 + (i * 7919) % 2000 for i in range(4096)], 1)
+        time.sleep(0.05)
+        short = pool.submit(timed, "x = 1", 5)
+        print(f"the long request {long.result():.2f} s, the short one {short.result():.2f} s")
+        assert short.result() < 0.25 * long.result()
 
 
 def test_null_is_the_default_where_openais_schema_allows_it_and_tokenize_refuses_what_chat_refuses(server):
@@ -93,8 +156,9 @@ def test_when_no_repeat_ngrams_leave_no_token_the_row_ends_and_keeps_the_rule(se
 def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_as_they_would_have(
         demo_models, demo_prompts):
     """A poisoned prompt (a planted failure in any round its row is in)
-    decodes in one batch with four others of its kind: it gets its 500, they
-    their exact answers, streamed or whole, however far they had got."""
+    decodes in one batch with four others of its kind: it gets its 500 (its
+    connection closed), they their exact answers, streamed or whole, however
+    far they had got."""
     running = Server(*PAIR, "--max-batch", "8", code=FAILING)
     try:
         body = {"model": "default", "max_tokens": 40, **EXACT}
@@ -104,7 +168,7 @@ def test_a_row_that_fails_fails_alone_and_its_batchmates_answer_token_for_token_
                       for i, prompt in enumerate(demo_prompts[:4])]
             poisoned = pool.submit(httpx.post, running.url + "/v1/completions", timeout=120,
                                    json=body | {"prompt": "</s> x"})
-            assert poisoned.result().status_code == 500
+            assert poisoned.result().status_code == 500 and poisoned.result().headers["connection"] == "close"
             assert poisoned.result().json()["error"]["message"] == "decoding failed: a planted failure"
             for i, (prompt, other) in enumerate(zip(demo_prompts, others)):
                 answer = other.result()
