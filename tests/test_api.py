@@ -238,9 +238,13 @@ def test_the_readme_api_example_runs_from_a_script_outside_the_repository(tmp_pa
 def test_n_outputs_of_a_prompt_share_one_encoding_and_each_is_what_its_seed_gives_alone(demo_pair, demo_prompts,
                                                                                          monkeypatch, capsys):
     encoded_rows = []
-    encode = demo_pair.target.encode
-    monkeypatch.setattr(demo_pair.target, "encode", lambda tokens, mask=None: encoded_rows.append(len(tokens)) or
-                        encode(tokens, mask))
+    encoding = demo_pair.target.encoding
+
+    def counted(tokens, *args):  # every encoding's work starts here
+        encoded_rows.append(len(tokens))
+        return (yield from encoding(tokens, *args))
+
+    monkeypatch.setattr(demo_pair.target, "encoding", counted)
     options = dict(temp=1.0, seed=5, max_tokens=12, speculative=False)
     generations = batch_generate(demo_pair, demo_prompts[:2], n=3, batch_size=6, **options)
     assert encoded_rows == [2]  # six rows, two prompts encoded
