@@ -9,7 +9,6 @@ sampling and penalties are the batch's to keep in step with its rows.
 decoder.py's and beams.py's batches say what a round does.
 """
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
@@ -75,11 +74,10 @@ class Encoding:
         rows = [distinct.index(key) for key in keys]
         sources = [sources[keys.index(key)] for key in distinct]
         self.lengths = [len(source) for source in sources]
-        self.clocks = clocks or Batch.clocks
-        self.started = tuple(clock() for clock in self.clocks)
-        self.seconds = self.compiling = 0.0  # of its pieces' evaluation, and of that MLX's compiling
+        self.started = tuple(clock() for clock in clocks or Batch.clocks)  # on the clocks of the batch it joins
         self.caches: list[DecoderCache] | None = None
         self.work = self.pieces(models, sources, tokens, rows if len(sources) < len(rows) else None)
+        self.next = None  # the next piece, made (not evaluated) as the last was evaluated
 
     @property
     def work_size(self) -> int:
@@ -116,8 +114,8 @@ class Encoding:
     def finish(self) -> list[DecoderCache]:
         """The rest of the work, evaluated at once; the caches."""
         if self.caches is None:
-            with self.timed():
-                caches = drained(self.work)
+            with cpu.many_rows():
+                caches = drained(self.work)  # (the next piece, if made, is part of what they compute)
                 mx.eval([cache.cross_keys_values for cache in caches])
             self.caches = caches
         return self.caches
@@ -129,23 +127,16 @@ class Encoding:
             self.finish()
         started = time.perf_counter()
         while self.caches is None:
-            with self.timed():
-                try:
-                    mx.eval(next(self.work))
-                except StopIteration as done:
-                    self.caches = done.value
+            try:
+                piece = self.next if self.next is not None else next(self.work)
+                with cpu.many_rows():
+                    mx.eval(piece)
+                self.next = next(self.work)  # made now: done is known at once, not a step later
+            except StopIteration as done:
+                self.caches = done.value
             if time.perf_counter() - started >= seconds:
                 break
         return self.caches is not None
-
-    @contextlib.contextmanager
-    def timed(self):
-        before = tuple(clock() for clock in self.clocks)
-        with cpu.many_rows():
-            yield
-        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, before))
-        self.seconds += seconds
-        self.compiling += min(compiling, seconds)
 
 
 @dataclass(eq=False)
@@ -251,7 +242,10 @@ class Batch:
         assert 0 < len(requests) <= self.free
         encoding = encoding or self.encoding(requests)
         caches, started = encoding.finish(), encoding.started
-        encoded = max(encoding.seconds - encoding.compiling, 0.0)  # a kernel compiled on the way is compiling's
+        # The encoding its rows waited for, at once or in pieces between other rows' rounds; a kernel compiled on the
+        # way is compiling's.
+        seconds, compiling = (clock() - start for clock, start in zip(self.clocks, started))
+        encoded = max(seconds - compiling, 0.0)
         forced_end = self.models[0].args.forced_eos_token_id is not None
         for request in requests:
             if request.key is None:

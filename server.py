@@ -145,7 +145,7 @@ def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_
             deadline[0] = 0.0
             return
         engine.draining, deadline[0] = True, time.perf_counter() + grace
-        log.info("stopping: finishing %s (up to %.0f s)", plural(len(engine.jobs) + len(engine.waiting), "request"), grace)
+        log.info("stopping: finishing %s (up to %.0f s)", plural(engine.active + len(engine.waiting), "request"), grace)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)

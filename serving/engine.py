@@ -16,6 +16,7 @@ from typing import Callable
 
 from batches import batch_for, warm_up
 from errors import T5Error
+from model import ROWS_PER_CHUNK
 from rows import Encoding, Request
 from loading import Models
 from options import Settings
@@ -91,8 +92,8 @@ class Job:
         self.end()
 
 
-# What a step's encoding may take when no row decodes: the queue is read between slices, so that a short prompt sent
-# after a long one starts decoding while the long one is still encoded.
+# What a step's encoding may take at most (all of it when no row decodes): the queue is read between slices, so that a
+# short prompt sent after a long one starts decoding while the long one is still encoded.
 ENCODING_SLICE = 0.05
 
 
@@ -183,10 +184,12 @@ class Engine:
             job.times.admitted = now
             self.metrics.queue_time.observe(now - job.times.arrived)
             self.metrics.prompt_tokens.inc(len(job.request.source))
-        by_kind = {}
+        together = {}  # a kind's prompts of about one length encode together: a short one never waits for a long one
         for job in taken:
-            by_kind.setdefault(job.request.settings.kind(self.models), []).append(job)
-        for kind, jobs in by_kind.items():
+            length = len(job.request.source)
+            size = 0 if length <= ROWS_PER_CHUNK else length.bit_length()
+            together.setdefault((job.request.settings.kind(self.models), size), []).append(job)
+        for (kind, _), jobs in together.items():
             self.joining.append(Joining(kind, jobs, self.batch_of(kind, jobs[0]).encoding([job.request for job in jobs])))
 
     def batch_of(self, kind, job: Job):
@@ -198,37 +201,37 @@ class Engine:
 
     def encode(self) -> None:
         """Encoding takes a step's time in turn with decoding: while rows
-        decode, about as long as their rounds took (a piece at least), so
-        that a long prompt delays them by a few rounds, not its whole
-        encoding; with none, ENCODING_SLICE, so that the queue is read
-        between. The least work goes first, and joins its batch once encoded."""
-        budget = max(self.round_seconds, 1e-3) if self.round_seconds else ENCODING_SLICE
-        started = time.perf_counter()
+        decode, about as long as their rounds took (a piece at least, and
+        never more than ENCODING_SLICE), so that a long prompt delays them by
+        a few rounds, not its whole encoding; with none, ENCODING_SLICE, so
+        that the queue is read between. The least work goes first, and the
+        oldest encoding gets a piece every step whatever comes after it; each
+        joins its batch once encoded."""
+        for joining in [joining for joining in self.joining if all(job.cancelled for job in joining.jobs)]:
+            self.joining.remove(joining)  # every client left while it was encoded
+            for job in joining.jobs:
+                job.end()
+                self.record_end(job, "abort")
+        if not self.joining:
+            return
+        budget = min(max(self.round_seconds, 1e-3), ENCODING_SLICE) if self.round_seconds else ENCODING_SLICE
+        started, oldest = time.perf_counter(), self.joining[0]
         for joining in sorted(self.joining, key=lambda joining: joining.encoding.work_size):
             left = budget - (time.perf_counter() - started)
-            if left <= 0:
-                break
-            if all(job.cancelled for job in joining.jobs):  # every client left while it was encoded
-                self.joining.remove(joining)
-                for job in joining.jobs:
-                    job.end()
-                    self.record_end(job, "abort")
+            if left <= 0 and joining is not oldest:
                 continue
             try:
-                done = joining.encoding.advance(left)
-                if done:
-                    self.joining.remove(joining)
-                    self.batch_of(joining.kind, joining.jobs[0]).join([job.request for job in joining.jobs], joining.encoding)
+                if joining.encoding.advance(left):
+                    self.batch_of(joining.kind, joining.jobs[0]).join([job.request for job in joining.jobs],
+                                                                      joining.encoding)
+                    self.jobs.update({id(job.request): job for job in joining.jobs})
+                    self.joining.remove(joining)  # after the join: the jobs count as running throughout
             except Exception as e:  # encoding failed: these jobs only
                 log.exception("encoding failed")
-                if joining in self.joining:
-                    self.joining.remove(joining)
+                self.joining.remove(joining)
                 for job in joining.jobs:
                     job.fail(f"encoding failed: {e}")
                     self.record_end(job, "error")
-                continue
-            if done:
-                self.jobs.update({id(job.request): job for job in joining.jobs})
         self.metrics.parts["encoding"].inc(time.perf_counter() - started)
 
     def take_waiting(self) -> list[Job]:

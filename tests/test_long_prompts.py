@@ -227,3 +227,26 @@ def test_a_prompt_encoded_a_piece_at_a_time_gives_the_caches_encoding_at_once_gi
             assert all(mx.array_equal(x, y) for x, y in zip(a, b))
     small = rows.Encoding(models, [short])
     assert small.advance(0.0) and small.caches is not None
+
+
+def test_a_row_encoded_in_pieces_counts_the_wait_between_them_as_encoding_not_decoding(demo_models, monkeypatch):
+    """Other rows' rounds between a long prompt's pieces (half a second
+    each on the batch's clock) are time its row waited to be encoded:
+    encoding's in its statistics, none of it decoding's."""
+    from batches import batch_for
+
+    clock = EngineClock()
+    monkeypatch.setattr(rows.Batch, "clocks", (clock, lambda: 0.0))
+    settings = Settings(max_tokens=3, speculative=False)
+    batch = batch_for(demo_models, settings, 1)
+    request = rows.Request([3 + (i * 7919) % 2000 for i in range(1499)] + [1], settings)
+    encoding, pieces = batch.encoding([request]), 1
+    while not encoding.advance(0.0):
+        clock.advance(0.5)
+        pieces += 1
+    batch.join([request], encoding)
+    while batch.rows:
+        list(batch.round())
+    stats = request.stats
+    assert pieces > 10 and stats.encoding_seconds == pytest.approx(0.5 * (pieces - 1), abs=0.1)
+    assert 0 < stats.decoding_seconds < 0.05  # a few of the clock's millisecond readings

@@ -3,6 +3,7 @@ that fails decoding fails alone while its batchmates answer as they would have, 
 runs on the event loop, and the text's costs grow linearly with it."""
 
 import json
+import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -107,8 +108,8 @@ def test_a_long_prompt_is_encoded_in_turns_with_the_rows_decoding_and_health_ans
 
 def test_a_short_request_sent_just_after_a_long_prompt_is_answered_while_the_long_one_is_encoded(server):
     """With no other row decoding, the engine reads its queue between slices
-    of a long prompt's encoding: a 5-token request sent 50 ms after a
-    4,096-token prompt takes a small part of the long one's time."""
+    of a long prompt's encoding: a 5-token request sent once a 4,096-token
+    prompt is taken takes a small part of the long one's time."""
     def timed(prompt, max_tokens):
         started = time.perf_counter()
         answer = httpx.post(server.url + "/v1/completions", timeout=60,
@@ -116,9 +117,14 @@ def test_a_short_request_sent_just_after_a_long_prompt_is_answered_while_the_lon
         assert answer.status_code == 200
         return time.perf_counter() - started
 
+    def running() -> float:
+        metrics = httpx.get(server.url + "/metrics").text
+        return float(re.search(r"^t5:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M).group(1))
+
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(timed, [3 + (i * 7919) % 2000 for i in range(4096)], 1)
-        time.sleep(0.05)
+        while running() < 1:  # the long one is taken (and encoding): the short one comes after it
+            time.sleep(0.01)
         short = pool.submit(timed, "x = 1", 5)
         print(f"the long request {long.result():.2f} s, the short one {short.result():.2f} s")
         assert short.result() < 0.25 * long.result()
