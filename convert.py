@@ -170,8 +170,7 @@ class Weights:
     def shape(self, name: str) -> list[int]:
         if name in self.tables:
             return list(self.tables[name].shape)
-        shape = list(self.reader.shape(self.sources[name]))
-        return [math.prod(shape)] if name == "final_logits_bias" else shape
+        return self.family.shape(name, list(self.reader.shape(self.sources[name])))
 
     def tensor(self, name: str) -> mx.array:
         if name in self.tables:
@@ -278,7 +277,7 @@ def write_shard(path: Path, names: list[str], weights: Weights, dtype, quantizat
                 assert list(array.shape) == shape, (out_name, array.shape, shape)
                 if array.dtype == mx.bfloat16:  # numpy has no bfloat16: write its bits
                     array = array.view(mx.uint16)
-                data = memoryview(array)
+                data = memoryview(mx.contiguous(array))  # a transposed weight (a convolution's) is laid out anew
                 f.write(data)
                 progress.update(data.nbytes)
             del arrays, array, data
@@ -343,7 +342,7 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"Converting to {what}") as progress:
             for file_name, shard_names in zip(names, shards):
                 write_shard(partial / file_name, shard_names, weights, dtype, quantization, progress)
-        for file in tokenizer_files + [source / "generation_config.json"]:
+        for file in tokenizer_files + [source / "generation_config.json", source / "preprocessor_config.json"]:
             if file.is_file():
                 shutil.copy(file, partial / file.name)
         tokenizer_config = read_json(source / "tokenizer_config.json")

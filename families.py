@@ -162,6 +162,38 @@ def bart_tables(config: dict, args) -> dict[str, np.ndarray]:
     return {"encoder.positions.weight": table, "decoder.positions.weight": table}
 
 
+# ---------------------------------------------------------------- Whisper
+
+WHISPER_RENAMES = ((r"^(?:model\.)?encoder\.conv([12])\.", r"stem.conv\1."),
+                   (r"^proj_out\.weight$", None)) + BART_RENAMES  # the head: the token embedding, tied
+
+
+def whisper_arguments(config: dict) -> dict:
+    """Whisper: the BART family's layout with pre-norm LayerNorms, an audio stem for its input, a sinusoidal table
+    for the encoder's positions (in the checkpoint) and a learned one, shorter, for the decoder's."""
+    d_model, heads = config["d_model"], config["encoder_attention_heads"]
+    if (config.get("decoder_attention_heads", heads), config.get("decoder_ffn_dim", config["encoder_ffn_dim"])) != \
+            (heads, config["encoder_ffn_dim"]):
+        raise ConversionError("the encoder and the decoder differ in heads or FFN width: not a model this converts")
+    return {"vocab_size": config["vocab_size"], "d_model": d_model, "d_kv": d_model // heads, "num_heads": heads,
+            "d_ff": config["encoder_ffn_dim"], "num_layers": config["encoder_layers"],
+            "num_decoder_layers": config["decoder_layers"], "layer_norm_epsilon": 1e-5,
+            "feed_forward_proj": config.get("activation_function", "gelu"), "tie_word_embeddings": True,
+            "scale_decoder_outputs": False, "positions": "absolute", "position_offset": 0,
+            "max_positions": config["max_target_positions"], "encoder_positions": config["max_source_positions"],
+            "norm": "layer", "pre_norm": True, "final_norm": True, "embedding_norm": False, "embedding_scale": 1.0,
+            "linear_bias": True, "logits_bias": False, "num_mel_bins": config["num_mel_bins"]}
+
+
+def whisper_tables(config: dict, args) -> dict[str, np.ndarray]:
+    """Whisper's keys are projected without a bias, ours with one: zeros."""
+    zeros = np.zeros(args.num_heads * args.d_kv, np.float32)
+    names = [f"encoder.layers.{i}.attention.k.bias" for i in range(args.num_layers)]
+    names += [f"decoder.layers.{i}.{kind}.k.bias" for i in range(args.num_decoder_layers)
+              for kind in ("self_attention", "cross_attention")]
+    return dict.fromkeys(names, zeros)
+
+
 # ---------------------------------------------------------------- Marian's tokenizer
 
 HIDDEN = "\u0000"  # before a piece the source's model lacks: no text holds it, so only decoding reaches the piece
@@ -287,6 +319,9 @@ def languages(tokenizer_config: dict) -> dict | None:
 # ---------------------------------------------------------------- the table
 
 
+CONVOLUTION = re.compile(r"^stem\.conv\d\.weight$")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -295,11 +330,14 @@ class Family:
     embeddings: tuple[str, ...]  # the names a checkpoint may store the shared embedding under
     tables: Callable = lambda config, args: {}  # config, ModelArgs -> weights computed, not read
     scaled_queries: bool = False  # scores times d_kv**-0.5: folded into the queries' projection
+    convolutions: bool = False  # PyTorch's convolution weights (out, in, width), which MLX takes as (out, width, in)
 
     def rename(self, name: str) -> str | None:
+        """Ours for a checkpoint's weight name; None for one the model does not take (a replacement of None: one it
+        has under another name)."""
         for pattern, replacement in self.renames:
             if re.match(pattern, name):
-                return re.sub(pattern, replacement, name)
+                return None if replacement is None else re.sub(pattern, replacement, name)
         return None
 
     def transform(self, ours: str, array, args):
@@ -308,7 +346,17 @@ class Family:
             return array * args.d_kv**-0.5
         if ours == "final_logits_bias":
             return array.reshape(-1)
+        if self.convolutions and CONVOLUTION.search(ours):
+            return array.transpose(0, 2, 1)
         return array
+
+    def shape(self, ours: str, shape: list[int]) -> list[int]:
+        """A checkpoint's weight's shape as ours has it (transform)."""
+        if ours == "final_logits_bias":
+            return [math.prod(shape)]
+        if self.convolutions and CONVOLUTION.search(ours):
+            return [shape[0], shape[2], shape[1]]
+        return shape
 
 
 T5_EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
@@ -317,7 +365,10 @@ UMT5_FAMILY = Family("umT5", UMT5_RENAMES, t5_arguments, T5_EMBEDDINGS)
 BART_FAMILY = Family("BART", BART_RENAMES, bart_arguments,
                      ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
                       "shared.weight"), bart_tables, scaled_queries=True)
-FAMILIES = {"t5": T5_FAMILY, "mt5": T5_FAMILY, "umt5": UMT5_FAMILY} | {kind: BART_FAMILY for kind in BART_KINDS}
+WHISPER_FAMILY = Family("Whisper", WHISPER_RENAMES, whisper_arguments, ("model.decoder.embed_tokens.weight",),
+                        whisper_tables, scaled_queries=True, convolutions=True)
+FAMILIES = {"t5": T5_FAMILY, "mt5": T5_FAMILY, "umt5": UMT5_FAMILY} | {kind: BART_FAMILY for kind in BART_KINDS} | \
+    {"whisper": WHISPER_FAMILY}
 
 
 def family_of(config: dict) -> Family:

@@ -59,6 +59,8 @@ class ModelArgs:
     embedding_scale: float = 1.0  # the embeddings times this (sqrt(d_model) where a config says scale_embedding)
     linear_bias: bool = False  # every projection has a bias (the BART family)
     logits_bias: bool = False  # a bias added to the logits (final_logits_bias)
+    num_mel_bins: int = 0  # speech (Whisper): the log-mel bins its input layer (AudioStem) takes; 0: token ids
+    encoder_positions: int = 0  # absolute: the encoder's table's rows, where they differ from the decoder's (Whisper)
     forced_bos_token_id: int | None = None  # the first output token, whatever the logits (rows.forced)
     forced_eos_token_id: int | None = None  # the end of text forced at max_tokens
 
@@ -338,13 +340,13 @@ class Stack(nn.Module):
     bias, here or in each layer, or a table), the embeddings' norm, the layers
     and the final norm."""
 
-    def __init__(self, args: ModelArgs, layer, count: int, bidirectional: bool):
+    def __init__(self, args: ModelArgs, layer, count: int, bidirectional: bool, positions: int = 0):
         super().__init__()
         self.args = args
         if args.positions == "relative":
             self.relative_attention_bias = RelativePositionBias(args, bidirectional=bidirectional)
         elif args.positions == "absolute":
-            self.positions = nn.Embedding(args.max_positions, args.d_model)
+            self.positions = nn.Embedding(positions or args.max_positions, args.d_model)
         if args.embedding_norm:
             self.embedding_norm = make_norm(args)
         self.layers = [layer(args) for _ in range(count)]
@@ -357,7 +359,7 @@ class Stack(nn.Module):
 
 class Encoder(Stack):
     def __init__(self, args: ModelArgs):
-        super().__init__(args, EncoderLayer, args.num_layers, bidirectional=True)
+        super().__init__(args, EncoderLayer, args.num_layers, bidirectional=True, positions=args.encoder_positions)
 
     def pieces(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> Pieces:
         """Rows go through in chunks and attention in blocks of queries
@@ -419,6 +421,20 @@ class Decoder(Stack):
         return self.finish(x), new_keys, new_values
 
 
+class AudioStem(nn.Module):
+    """Whisper's input layer: log-mel frames (B, frames, bins) through two
+    convolutions of width 3, each followed by GELU, the second of stride 2:
+    (B, frames / 2, d_model)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.conv1 = nn.Conv1d(args.num_mel_bins, args.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(args.d_model, args.d_model, kernel_size=3, stride=2, padding=1)
+
+    def __call__(self, frames: mx.array) -> mx.array:
+        return nn.gelu(self.conv2(nn.gelu(self.conv1(frames))))
+
+
 class EncoderDecoder(nn.Module):
     """The one encoder-decoder: T5's by default, every other family a
     configuration of it (ModelArgs). Prompts encode once (encode,
@@ -431,6 +447,8 @@ class EncoderDecoder(nn.Module):
         super().__init__()
         self.args = args
         self.shared = nn.Embedding(args.vocab_size, args.d_model)
+        if args.num_mel_bins:
+            self.stem = AudioStem(args)
         self.encoder = Encoder(args)
         self.decoder = Decoder(args)
         if not args.tie_word_embeddings:
@@ -471,8 +489,10 @@ class EncoderDecoder(nn.Module):
 
     def source_input(self, source: mx.array) -> mx.array:
         """The encoder's input layer, as the family has it: token ids through
-        the shared embedding (every text family). A family whose source is
-        features (speech's log-mel frames) has its stem here instead."""
+        the shared embedding (every text family), or speech's log-mel frames
+        (B, frames, bins) through its stem."""
+        if self.args.num_mel_bins:
+            return self.stem(source.astype(self.stem.conv1.weight.dtype))
         return self.shared(source)
 
     def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None,
