@@ -1,0 +1,215 @@
+"""Whisper: converted from transformers' checkpoints, fed log-mel features made as transformers makes them, from
+audio files of any common format, and decoded token for token as transformers decodes, with and without a draft
+that decodes on the target's encoder output."""
+
+import io
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support import decode_batch
+from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+import audio
+import convert
+import mlx.core as mx
+from checkpoints import TOKENIZER_FILES
+from loading import Models, load_model
+from options import Opening, Settings
+from rows import Request
+
+START, END = 0, 1  # the fixtures' decoder start and end of text (the tokenizer's pad and EOS)
+
+
+def whisper_config(bins: int = 80, decoder_layers: int = 3, **overrides) -> WhisperConfig:
+    # init_std 1: greedy output of many distinct tokens, each chosen by a margin (1.8e-3 of the logits' scale at
+    # seed 1) far past float32 rounding.
+    return WhisperConfig(**dict(vocab_size=1104, num_mel_bins=bins, encoder_layers=2, decoder_layers=decoder_layers,
+                                d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448,
+                                pad_token_id=0, bos_token_id=END, eos_token_id=END, decoder_start_token_id=START,
+                                begin_suppress_tokens=None, init_std=1.0) | overrides)
+
+
+def save(model: WhisperForConditionalGeneration, folder, tokenizer_dir) -> None:
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+
+
+def spoken(text: str, tmp_path) -> np.ndarray:
+    """espeak-ng's speech of text, 16 kHz samples (espeak-ng speaks at 22,050 Hz: PyAV resamples it)."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng (a Debian package, which CI installs) speaks the test audio")
+    path = tmp_path / "speech.wav"
+    subprocess.run(["espeak-ng", "-w", str(path), text], check=True)
+    return audio.read(path)
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> np.ndarray:
+    """(3000, 80) features of a rising tone in light noise: 5 s, padded to the 30 s window."""
+    t = np.arange(audio.SAMPLE_RATE * 5) / audio.SAMPLE_RATE
+    noise = np.random.default_rng(0).standard_normal(len(t))
+    return audio.log_mel((0.3 * np.sin(2 * np.pi * (200 + 300 * t) * t) + 0.02 * noise).astype(np.float32), 80)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tokenizer_dir, features):
+    """A random Whisper target (3 decoder layers) converted, and a draft made
+    as distil-whisper is: the target's encoder and its first and last decoder
+    layers. The target's greedy output has many distinct tokens."""
+    root = tmp_path_factory.mktemp("whisper")
+    torch.manual_seed(1)
+    target = WhisperForConditionalGeneration(whisper_config()).eval()
+    save(target, root / "hf", tokenizer_dir)
+    draft_config = whisper_config(decoder_layers=2)
+    state = load_file(str(root / "hf" / "model.safetensors"))
+    kept = {"model.decoder.layers.2.": "model.decoder.layers.1."}
+    draft_state = {}
+    for name, tensor in state.items():
+        if name.startswith("model.decoder.layers.1."):
+            continue
+        for old, new in kept.items():
+            name = name.replace(old, new)
+        draft_state[name] = tensor
+    (root / "hf_draft").mkdir()
+    for file in (root / "hf").iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, root / "hf_draft" / file.name)
+    draft_config.save_pretrained(root / "hf_draft")
+    save_file(draft_state, str(root / "hf_draft" / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("hf", "hf_draft"):
+        convert.convert(str(root / name), root / name.replace("hf", "mlx"), "float32", force=False)
+    expected = reference_greedy(target, features, (START,), 40)
+    assert len(expected) == 40 and len(set(expected)) >= 20
+    return root, target, expected
+
+
+@torch.no_grad()
+def reference_greedy(model, features: np.ndarray, opening: tuple, max_tokens: int) -> list[int]:
+    """Greedy ids from transformers' full forward passes (no cache), after the decoder's opening."""
+    encoded = model.model.encoder(torch.tensor(features.T[None]))
+    ids = list(opening)
+    for _ in range(max_tokens):
+        token = int(model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        if token == END:
+            break
+        ids.append(token)
+    return ids[len(opening):]
+
+
+@pytest.mark.parametrize("bins", [80, 128])
+def test_a_converted_whisper_computes_transformers_encoder_output_and_logits(tmp_path, tokenizer_dir, bins):
+    """80 mel bins (tiny to large-v2) and 128 (large-v3 and turbo), float32."""
+    torch.manual_seed(0)
+    theirs = WhisperForConditionalGeneration(whisper_config(bins, init_std=0.02)).eval()
+    save(theirs, tmp_path / "hf", tokenizer_dir)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    ours = load_model(tmp_path / "mlx")
+    features = np.random.default_rng(bins).standard_normal((1, 3000, bins)).astype(np.float32)
+    tokens = [[START, 5, 17, 300, 42]]
+    with torch.no_grad():
+        encoded = theirs.model.encoder(torch.tensor(features.transpose(0, 2, 1))).last_hidden_state
+        logits = theirs(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor(tokens)).logits
+    our_encoded = ours.encode(mx.array(features))
+    np.testing.assert_allclose(np.array(our_encoded), encoded.numpy(), atol=2e-5 * float(encoded.abs().max()))
+    our_logits = ours.decode(mx.array(tokens), ours.make_cache(our_encoded))
+    np.testing.assert_allclose(np.array(our_logits), logits.numpy(), atol=2e-5 * float(logits.abs().max()))
+
+
+@pytest.mark.parametrize("bins", [80, 128])
+def test_log_mel_features_equal_transformers_feature_extractor_within_1e_4(tmp_path, bins):
+    """espeak-ng's speech, padded to 30 s as transformers pads a short file,
+    and 3 copies of it (over 30 s) at their own length as long-form reads them."""
+    speech = spoken("The quick brown fox jumps over the lazy dog, twice.", tmp_path)
+    extractor = WhisperFeatureExtractor(feature_size=bins)
+    theirs = extractor(speech, sampling_rate=audio.SAMPLE_RATE, return_tensors="np").input_features[0].T
+    assert theirs.shape == (audio.WINDOW_FRAMES, bins)
+    np.testing.assert_allclose(audio.log_mel(speech, bins), theirs, atol=1e-4)
+    long = np.tile(speech, 3 * audio.WINDOW_SECONDS // max(1, len(speech) // audio.SAMPLE_RATE))
+    theirs = extractor(long, sampling_rate=audio.SAMPLE_RATE, return_tensors="np", truncation=False,
+                       padding="longest").input_features[0].T
+    assert theirs.shape[0] > audio.WINDOW_FRAMES
+    np.testing.assert_allclose(audio.log_mel(long, bins, frames=theirs.shape[0]), theirs, atol=1e-4)
+
+
+def encoded_as(samples: np.ndarray, rate: int, channels: int, codec: str, container: str) -> bytes:
+    """samples (mono, float32) in a file of another format, written by PyAV."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format=container) as file:
+        stream = file.add_stream(codec, rate=rate, layout="stereo" if channels == 2 else "mono")
+        # planar float samples, a row a channel: the stream converts them to its codec's format
+        frame = av.AudioFrame.from_ndarray(np.tile(samples, (channels, 1)), format="fltp",
+                                           layout="stereo" if channels == 2 else "mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            file.mux(packet)
+        for packet in stream.encode(None):
+            file.mux(packet)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("codec,container", [("flac", "flac"), ("libmp3lame", "mp3"), ("libopus", "ogg"),
+                                             ("aac", "ipod"), ("libopus", "webm"), ("pcm_f32le", "wav")])
+def test_audio_of_each_common_format_reads_as_the_same_16khz_mono_samples(tmp_path, codec, container):
+    """A 440 Hz tone at 44.1 kHz in stereo, written in each format: read back
+    at 16 kHz, mono, the tone's length within 60 ms (codecs pad) and its
+    frequency kept (the spectrum's peak)."""
+    import av
+
+    rate = 48_000 if codec == "libopus" else 44_100
+    t = np.arange(rate * 2) / rate
+    tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    try:
+        data = encoded_as(tone, rate, 2, codec, container)
+    except (av.error.FFmpegError, ValueError) as e:  # an encoder this PyAV build lacks
+        pytest.skip(f"PyAV cannot write {codec}: {e}")
+    samples = audio.read(data)
+    assert samples.dtype == np.float32 and samples.ndim == 1
+    assert abs(len(samples) - 2 * audio.SAMPLE_RATE) < 0.06 * audio.SAMPLE_RATE
+    spectrum = np.abs(np.fft.rfft(samples[: audio.SAMPLE_RATE]))
+    assert abs(np.argmax(spectrum) - 440) <= 2  # one bin a hertz
+
+
+def test_a_16khz_pcm_wav_is_read_by_the_standard_library_as_pyav_reads_it(tmp_path):
+    import wave
+
+    samples = (np.sin(np.arange(16_000) / 10) * 20_000).astype(np.int16)
+    path = tmp_path / "plain.wav"
+    with wave.open(str(path), "wb") as file:
+        file.setnchannels(1), file.setsampwidth(2), file.setframerate(16_000)
+        file.writeframes(samples.tobytes())
+    np.testing.assert_array_equal(audio.read(path), samples / np.float32(32768))
+    np.testing.assert_allclose(audio._decoded(path.read_bytes()), samples / np.float32(32768), atol=1e-6)
+
+
+@pytest.mark.parametrize("data,message", [(b"", "the audio file is empty"),
+                                          (b"hello, this is text" * 20, "not an audio file this can read"),
+                                          (b"RIFF\x00\x00\x00\x00WAVEjunk", "not an audio file this can read")])
+def test_what_is_not_audio_is_a_one_line_error(data, message):
+    with pytest.raises(audio.AudioError, match=message) as error:
+        audio.read(data)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_greedy_whisper_decodes_as_transformers_with_and_without_a_draft(pair, features, drafted):
+    """Features as the request's source, the decoder's opening given: the
+    target's greedy tokens, regular and drafted (the draft the target's
+    encoder and two of its decoder layers), alone and beside another row."""
+    root, _, expected = pair
+    models = Models(load_model(root / "mlx"), load_model(root / "mlx_draft") if drafted else None)
+    settings = Settings(max_tokens=40, speculative=drafted, num_draft=3, delta=0.0)
+    other = np.roll(features, 500, axis=0)
+    requests = [Request(mx.array(source), settings, opening=Opening((START,))) for source in (features, other)]
+    tokens, _ = decode_batch(models, requests, 2)
+    assert tokens[0] == expected
+    alone, _ = decode_batch(models, requests[1:], 1)
+    assert tokens[1] == alone[0] != expected
