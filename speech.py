@@ -1,0 +1,197 @@
+"""Speech to text with Whisper: its decoder's openings, the tokens it suppresses, the spoken language, and `transcribe`.
+
+    transcriptions = transcribe(models, ["talk.mp3", "call.wav"], language="en", max_tokens=200)
+
+`Whisper` reads a converted model's generation_config.json (as
+transformers' Whisper `generate` reads it): the start of transcript, the
+language and task tokens, the no-timestamps token, the tokens suppressed
+everywhere and those suppressed first. A file's features (audio.py) are the
+request's source; its decoder opens with the start of transcript, its
+language, its task and no-timestamps, and its rules suppress what the
+config suppresses. Where no language is given, a multilingual model's is
+detected from the file's first 30 s, on the encoder output its decoding then
+reuses. Files decode together, in one batch, drafted or not as the settings
+say (the draft follows the same rules).
+"""
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import audio
+import cpu  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+
+from batches import batch_for
+from errors import OptionError
+from options import Opening, Settings, Stats
+from plans import with_presets
+from rows import Request
+from rules import BadWords, Rule
+
+TASKS = ("transcribe", "translate")
+
+
+@dataclass(frozen=True)
+class AtStart(Rule):
+    """transformers' SuppressTokensAtBeginLogitsProcessor: tokens banned as a
+    row's first output token only (Whisper's space and end of text)."""
+
+    tokens: tuple[int, ...]
+    opening: int  # the tokens the row's decoder opens with: its first output follows them
+
+    looks_back = None
+
+    def banned(self, before: Sequence[int]) -> tuple[int, ...]:
+        return self.tokens if len(before) == self.opening else ()
+
+
+@dataclass(frozen=True)
+class Whisper:
+    """A Whisper model's special tokens and suppressions, from its generation config."""
+
+    start: int  # <|startoftranscript|>
+    end: int  # <|endoftext|>
+    languages: dict = field(default_factory=dict)  # "<|en|>" -> id; empty for an English-only model
+    tasks: dict = field(default_factory=dict)  # "transcribe" -> id
+    no_timestamps: int | None = None
+    suppress: tuple[int, ...] = ()
+    begin_suppress: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, models) -> "Whisper":
+        args, generation = models.target.args, models.generation
+        if not args.num_mel_bins:
+            raise OptionError("this model reads text, not audio: pass a Whisper model for --audio")
+        return cls(start=generation.get("decoder_start_token_id", args.decoder_start_token_id),
+                   end=args.eos_token_id, languages=generation.get("lang_to_id") or {},
+                   tasks=generation.get("task_to_id") or {}, no_timestamps=generation.get("no_timestamps_token_id"),
+                   suppress=tuple(generation.get("suppress_tokens") or ()),
+                   begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()))
+
+    @property
+    def multilingual(self) -> bool:
+        return bool(self.languages)
+
+    def language_token(self, language: str) -> int:
+        """"en", "<|en|>" or a name transformers takes ("english") -> its token; OptionError naming the codes."""
+        code = LANGUAGE_NAMES.get(language.lower(), language.lower()).strip("<|>")
+        token = self.languages.get(f"<|{code}|>")
+        if token is None:
+            codes = ", ".join(sorted(code.strip("<|>") for code in self.languages))
+            raise OptionError(f"unknown language {language!r} (this model's: {codes})" if self.languages else
+                              "this model is English-only: it takes no language")
+        return token
+
+    def opening(self, language: int | None, task: str) -> Opening:
+        """The start of transcript, the language and the task (a multilingual
+        model's), then no-timestamps: transformers' decoder prompt."""
+        start = [self.start]
+        if self.multilingual:
+            start += [language, self.tasks[task]]
+        if self.no_timestamps is not None:
+            start.append(self.no_timestamps)
+        return Opening(tuple(start))
+
+    def rules(self, opening: Opening) -> tuple:
+        rules = []
+        if self.suppress:
+            rules.append(BadWords(tuple((token,) for token in self.suppress)))
+        if self.begin_suppress:
+            rules.append(AtStart(self.begin_suppress, len(opening.start)))
+        return tuple(rules)
+
+    def detect(self, target, cache, rows: int) -> list[int]:
+        """Each row's likeliest language token after the start of transcript
+        alone, as transformers' detect_language decides it; the cache is left
+        as it was."""
+        logits = target.decode(mx.array([[self.start]] * rows), cache)[:, -1]
+        ids = mx.array(sorted(self.languages.values()))
+        chosen = ids[mx.argmax(logits[:, ids], axis=-1)]
+        cache.trim(1)
+        return [int(token) for token in chosen.tolist()]
+
+
+@dataclass
+class Transcription:
+    """A file's text and the tokens that made it (the opening left out), its language and length, and its statistics."""
+
+    text: str
+    tokens: list[int]
+    language: str | None
+    duration: float  # seconds of audio
+    finish_reason: str | None
+    stats: Stats
+
+
+def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe",
+               settings: Settings | None = None, given=(), **options) -> list[Transcription]:
+    """Each file's Transcription (a path, or a file's bytes), decoded
+    together in one batch at these settings (options as Settings' fields,
+    over the model's generation defaults): a file of up to 30 s each."""
+    whisper = Whisper.of(models)
+    if task not in TASKS:
+        raise OptionError(f"task must be transcribe or translate, not {task!r}")
+    if task == "translate" and not whisper.multilingual:
+        raise OptionError("this model is English-only: it transcribes, and does not translate")
+    fixed = whisper.language_token(language) if language is not None and whisper.multilingual else None
+    if language is not None and not whisper.multilingual:
+        whisper.language_token(language)  # English-only: refuses any language
+    settings = replace(settings or Settings(), **options)
+    _, settings, _ = with_presets(models, settings, given=set(given) | set(options), search=False)
+    settings = settings.check_models(models)
+    sources, durations = [], []
+    for file in files:
+        samples = audio.read(file)
+        duration = len(samples) / audio.SAMPLE_RATE
+        if duration > audio.WINDOW_SECONDS:
+            name = file if isinstance(file, (str, Path)) else "a file"
+            raise OptionError(f"{name} is {duration:.1f} s long: files of up to {audio.WINDOW_SECONDS} s transcribe "
+                              "here so far")
+        sources.append(mx.array(audio.log_mel(samples, models.target.args.num_mel_bins)))
+        durations.append(duration)
+    requests = [Request(source, settings) for source in sources]
+    batch = batch_for(models, settings, len(requests))
+    encoding = batch.encoding(requests)
+    if fixed is None and whisper.multilingual:
+        chosen = whisper.detect(models.target, encoding.finish()[0], len(requests))
+    else:
+        chosen = [fixed] * len(requests)
+    for request, token in zip(requests, chosen):
+        request.opening = whisper.opening(token, task)
+        request.rules = whisper.rules(request.opening)
+    batch.join(requests, encoding)
+    tokens, finish = {id(request): [] for request in requests}, {}
+    while batch.rows:
+        for request, token, reason in batch.round():
+            if token is not None:
+                tokens[id(request)].append(token)
+            if reason:
+                finish[id(request)] = reason
+    names = {token: code.strip("<|>") for code, token in whisper.languages.items()}
+    return [Transcription(models.tokenizer.decode(tokens[id(request)], skip_special_tokens=True).strip(),
+                          tokens[id(request)], names.get(token, "en" if not whisper.multilingual else None),
+                          duration, finish.get(id(request)), request.stats)
+            for request, token, duration in zip(requests, chosen, durations)]
+
+
+# The language names transformers' generate takes, for the codes of Whisper's first 99 languages.
+LANGUAGE_NAMES = {
+    "english": "en", "chinese": "zh", "german": "de", "spanish": "es", "russian": "ru", "korean": "ko",
+    "french": "fr", "japanese": "ja", "portuguese": "pt", "turkish": "tr", "polish": "pl", "catalan": "ca",
+    "dutch": "nl", "arabic": "ar", "swedish": "sv", "italian": "it", "indonesian": "id", "hindi": "hi",
+    "finnish": "fi", "vietnamese": "vi", "hebrew": "he", "ukrainian": "uk", "greek": "el", "malay": "ms",
+    "czech": "cs", "romanian": "ro", "danish": "da", "hungarian": "hu", "tamil": "ta", "norwegian": "no",
+    "thai": "th", "urdu": "ur", "croatian": "hr", "bulgarian": "bg", "lithuanian": "lt", "latin": "la",
+    "maori": "mi", "malayalam": "ml", "welsh": "cy", "slovak": "sk", "telugu": "te", "persian": "fa",
+    "latvian": "lv", "bengali": "bn", "serbian": "sr", "azerbaijani": "az", "slovenian": "sl", "kannada": "kn",
+    "estonian": "et", "macedonian": "mk", "breton": "br", "basque": "eu", "icelandic": "is", "armenian": "hy",
+    "nepali": "ne", "mongolian": "mn", "bosnian": "bs", "kazakh": "kk", "albanian": "sq", "swahili": "sw",
+    "galician": "gl", "marathi": "mr", "punjabi": "pa", "sinhala": "si", "khmer": "km", "shona": "sn",
+    "yoruba": "yo", "somali": "so", "afrikaans": "af", "occitan": "oc", "georgian": "ka", "belarusian": "be",
+    "tajik": "tg", "sindhi": "sd", "gujarati": "gu", "amharic": "am", "yiddish": "yi", "lao": "lo",
+    "uzbek": "uz", "faroese": "fo", "haitian creole": "ht", "pashto": "ps", "turkmen": "tk", "nynorsk": "nn",
+    "maltese": "mt", "sanskrit": "sa", "luxembourgish": "lb", "myanmar": "my", "tibetan": "bo", "tagalog": "tl",
+    "malagasy": "mg", "assamese": "as", "tatar": "tt", "hawaiian": "haw", "lingala": "ln", "hausa": "ha",
+    "bashkir": "ba", "javanese": "jw", "sundanese": "su", "cantonese": "yue",
+}
