@@ -33,10 +33,13 @@ class AudioError(T5Error):
 def read(source: str | Path | bytes) -> np.ndarray:
     """A file's path, or its bytes, as float32 samples in [-1, 1], mono, 16 kHz."""
     data = source if isinstance(source, bytes) else _read_bytes(Path(source))
-    if not data:
-        raise AudioError("the audio file is empty")
-    samples = _plain_wav(data)
-    return samples if samples is not None else _decoded(data)
+    try:
+        if not data:
+            raise AudioError("the audio file is empty")
+        samples = _plain_wav(data)
+        return samples if samples is not None else _decoded(data)
+    except AudioError as e:
+        raise e if isinstance(source, bytes) else AudioError(f"{source}: {e}") from None
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -86,7 +89,7 @@ def _decoded(data: bytes) -> np.ndarray:
     except AudioError:
         raise
     except (av.error.FFmpegError, ValueError, EOFError) as e:
-        raise AudioError(f"not an audio file this can read ({e})") from None
+        raise AudioError(f"not an audio file this can read ({getattr(e, 'strerror', None) or e})") from None
     if not pieces:
         raise AudioError("the audio stream holds no samples")
     return np.concatenate(pieces).astype(np.float32)

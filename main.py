@@ -9,6 +9,7 @@
     python main.py --prompt-lookup --prompt "..."    # drafts copied from the prompt: no draft model
     python main.py --prompts-file prompts.txt --json # every line's output, 8 prompts decoded together
     python main.py --demo                            # the small trained pair in demo/ (demo/train.py), no download
+    python main.py --model whisper-small --audio talk.mp3 --json  # speech to text with a converted Whisper
 """
 
 import argparse
@@ -26,6 +27,8 @@ from interactive import Session
 from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
+from audio import SAMPLE_RATE, WINDOW_SAMPLES, read as read_audio
+from speech import TASKS, transcribe
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -119,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt-lang", help="and for the output's language: its first token (mBART's: the decoder's start)")
     p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
                    "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
+    p.add_argument("--audio", nargs="+", metavar="FILE",
+                   help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; up to 30 s each) with a "
+                        "converted Whisper --model, drafted by --draft-model if given; --task transcribe or translate")
+    p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
@@ -344,10 +351,36 @@ def show_one(models, plan: Plan) -> None:
     show_filled(plan.prompt, text)
 
 
+def listen(args) -> int:
+    """--audio: each file's transcription (one JSON object a file, in OpenAI's verbose_json shape, with --json)."""
+    if args.model is None:
+        raise UsageError("--audio needs --model: a converted Whisper (python convert.py --model openai/whisper-small)")
+    if args.task is not None and args.task not in TASKS:
+        raise UsageError(f"--task with --audio is transcribe or translate, not {args.task!r}")
+    settings = replace(knob_settings(args, DEFAULTS), speculative=args.draft_model is not None and not args.regular_decode)
+    given = {name for name in KNOBS if getattr(args, name) is not None}
+    samples = [read_audio(file) for file in args.audio]  # a file that is not audio fails before loading
+    for file, heard in zip(args.audio, samples):
+        if len(heard) > WINDOW_SAMPLES:
+            raise UsageError(f"{file} is {len(heard) / SAMPLE_RATE:.1f} s long: files of up to 30 s transcribe so far")
+    models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)
+    transcriptions = transcribe(models, samples, language=args.language, task=args.task or "transcribe",
+                                settings=settings, given=given)
+    for file, transcription in zip(args.audio, transcriptions):
+        if args.json:
+            print(json.dumps({"file": file, "text": transcription.text, "language": transcription.language,
+                              "duration": round(transcription.duration, 3),
+                              "segments": [{"id": 0, "start": 0.0, "end": round(transcription.duration, 2),
+                                            "text": transcription.text, "tokens": transcription.tokens}]}))
+        else:
+            print(f"{file}: {transcription.text}" if len(args.audio) > 1 else transcription.text)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(check_usage(args))
+        return listen(args) if args.audio else run(check_usage(args))
     except T5Error as e:  # bad options, and model folders the user has to fix
         print(f"error: {e}", file=sys.stderr)
         return 2

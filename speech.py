@@ -21,6 +21,7 @@ from typing import Sequence
 import audio
 import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
+import numpy as np
 
 from batches import batch_for
 from errors import OptionError
@@ -126,7 +127,7 @@ class Transcription:
 
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe",
                settings: Settings | None = None, given=(), **options) -> list[Transcription]:
-    """Each file's Transcription (a path, or a file's bytes), decoded
+    """Each file's Transcription (a path, a file's bytes, or its samples as audio.read gives them), decoded
     together in one batch at these settings (options as Settings' fields,
     over the model's generation defaults): a file of up to 30 s each."""
     whisper = Whisper.of(models)
@@ -142,10 +143,10 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     settings = settings.check_models(models)
     sources, durations = [], []
     for file in files:
-        samples = audio.read(file)
+        samples = file if isinstance(file, np.ndarray) else audio.read(file)
         duration = len(samples) / audio.SAMPLE_RATE
         if duration > audio.WINDOW_SECONDS:
-            name = file if isinstance(file, (str, Path)) else "a file"
+            name = file if isinstance(file, (str, Path)) else "a file"  # its samples: the caller knows which
             raise OptionError(f"{name} is {duration:.1f} s long: files of up to {audio.WINDOW_SECONDS} s transcribe "
                               "here so far")
         sources.append(mx.array(audio.log_mel(samples, models.target.args.num_mel_bins)))

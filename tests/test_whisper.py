@@ -343,3 +343,28 @@ def test_what_whisper_cannot_do_is_refused_in_one_line(spoken_pair, v1_1_checkpo
         speech.transcribe(models, [path], task="summarize")
     with pytest.raises(OptionError, match="reads text, not audio"):
         speech.transcribe(Models(load_model(v1_1_checkpoint.mlx_dir)), [path])
+
+
+def test_the_command_line_transcribes_files_and_prints_openais_verbose_json(spoken_pair, tmp_path, capsys):
+    import json
+
+    import main
+
+    root, target, ids, path = spoken_pair
+    features = audio.log_mel(audio.read(path), 80)
+    opening = [ids[token] for token in ("<|startoftranscript|>", "<|fr|>", "<|transcribe|>", "<|notimestamps|>")]
+    expected = reference_transcription(target, features, opening, 12)
+    assert main.main(["--model", str(root / "mlx"), "--audio", str(path), str(path), "--language", "fr",
+                      "--max-tokens", "12", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == 2 and records[0] == records[1]
+    assert records[0]["language"] == "fr" and records[0]["duration"] == 5.0
+    (segment,) = records[0]["segments"]
+    assert segment["tokens"] == expected and segment["start"] == 0.0 and segment["end"] == 5.0
+    (tmp_path / "notes.txt").write_text("not audio at all, just some words " * 10)
+    assert main.main(["--model", str(root / "mlx"), "--audio", str(tmp_path / "notes.txt")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "notes.txt: not an audio file this can read" in error
+    assert error.count("\n") == 1
+    assert main.main(["--audio", str(path)]) == 2
+    assert "--audio needs --model" in capsys.readouterr().err
