@@ -20,6 +20,7 @@ import cpu  # before mlx.core
 import kernels
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from errors import LoadError, ModelNotFound
 from languages import Languages
@@ -344,6 +345,12 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
     target_model = _mapped(target_path, one_row)
     draft_model = _mapped(draft_path) if draft_path is not None else None
+    if draft_model is not None and same_encoder(target_model, draft_model):
+        # distil-whisper's drafts keep their target's encoder: the draft decodes on the target's encoder output, and
+        # its own copy is dropped before it is ever read whole
+        draft_model.encoder = target_model.encoder
+        if target_model.args.num_mel_bins:
+            draft_model.stem = target_model.stem
     if verbose:  # on stderr: stdout may carry a program's output (main.py --json)
         names = [os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
                  for path in (target_path, draft_path) if path is not None]
@@ -360,6 +367,18 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve(),
                   tasks=config.get("task_specific_params") or {}, languages=Languages.of(config, tokenizer),
                   generation=read_generation_config(target_path))
+
+
+def same_encoder(target: EncoderDecoder, draft: EncoderDecoder) -> bool:
+    """Whether the draft's encoder (and input layer, for speech) is the target's, weight for weight. Text models'
+    encoders read the shared token embedding, which the draft keeps: only speech's encoders can be shared."""
+    if not target.args.num_mel_bins or target.args.num_mel_bins != draft.args.num_mel_bins:
+        return False
+    ours, theirs = (dict(tree_flatten({"encoder": m.encoder.parameters(), "stem": m.stem.parameters()}))
+                    for m in (target, draft))
+    return ours.keys() == theirs.keys() and all(
+        a.shape == theirs[name].shape and a.dtype == theirs[name].dtype and mx.array_equal(a, theirs[name]).item()
+        for name, a in ours.items())
 
 
 def read_generation_config(folder: Path) -> dict:

@@ -95,14 +95,16 @@ class Encoding:
         mask = None
         if any(n < length for n in self.lengths):
             mask = mx.array([[1] * n + [0] * (length - n) for n in self.lengths])
-        caches = []
+        caches, encoded = [], {}  # id(an encoder) -> its output: a draft that shares its target's reuses it
         for model in models:
             if tokens:
                 pad = [model.args.pad_token_id]
                 inputs = mx.array([list(source) + pad * (length - n) for source, n in zip(sources, self.lengths)])
             else:
                 inputs = mx.stack([mx.pad(source, [(0, length - n), (0, 0)]) for source, n in zip(sources, self.lengths)])
-            cache = model.make_cache((yield from model.encoding(inputs, mask)), mask)
+            if id(model.encoder) not in encoded:
+                encoded[id(model.encoder)] = yield from model.encoding(inputs, mask)
+            cache = model.make_cache(encoded[id(model.encoder)], mask)
             if rows is not None:
                 cache.keep(rows)
             layers, at_once = cache.cross_keys_values, max(1, len(cpu.lanes()))  # a layer per lane (make_cache)

@@ -368,3 +368,35 @@ def test_the_command_line_transcribes_files_and_prints_openais_verbose_json(spok
     assert error.count("\n") == 1
     assert main.main(["--audio", str(path)]) == 2
     assert "--audio needs --model" in capsys.readouterr().err
+
+
+def test_a_draft_that_keeps_its_targets_encoder_decodes_on_the_targets_encoder_output(pair, features, monkeypatch):
+    """distil-whisper's kind of draft: found by its weights at load, its
+    encoder is the target's (one copy), run once for both; the tokens are the
+    target's. A draft whose encoder differs in one weight keeps its own."""
+    from loading import load
+    from model import Encoder
+
+    root, _, expected = pair
+    models = load(root / "mlx", draft=root / "mlx_draft")
+    assert models.draft.encoder is models.target.encoder and models.draft.stem is models.target.stem
+    runs, real = [], Encoder.pieces
+
+    def counted(self, *args):
+        runs.append(self)
+        return (yield from real(self, *args))
+
+    monkeypatch.setattr(Encoder, "pieces", counted)
+    settings = Settings(max_tokens=40, num_draft=3, delta=0.0)
+    tokens, _ = decode_batch(models, [Request(mx.array(features), settings, opening=Opening((START,)))], 1)
+    assert tokens[0] == expected and len(runs) == 1
+    changed = root / "mlx_draft_changed"
+    shutil.copytree(root / "mlx_draft", changed)
+    weights = mx.load(str(changed / "model.safetensors"))
+    weights["encoder.layers.0.ffn.wo.bias"] = weights["encoder.layers.0.ffn.wo.bias"] + 1e-3
+    mx.save_safetensors(str(changed / "model.safetensors"), weights, metadata={"format": "mlx"})
+    models = load(root / "mlx", draft=changed)
+    assert models.draft.encoder is not models.target.encoder
+    runs.clear()
+    tokens, _ = decode_batch(models, [Request(mx.array(features), settings, opening=Opening((START,)))], 1)
+    assert tokens[0] == expected and len(runs) == 2
