@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; up to 30 s each) with a "
                         "converted Whisper --model, drafted by --draft-model if given; --task transcribe or translate")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
+    p.add_argument("--timestamps", action="store_true", help="--audio: segments with their start and end")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
@@ -365,15 +366,19 @@ def listen(args) -> int:
             raise UsageError(f"{file} is {len(heard) / SAMPLE_RATE:.1f} s long: files of up to 30 s transcribe so far")
     models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)
     transcriptions = transcribe(models, samples, language=args.language, task=args.task or "transcribe",
-                                settings=settings, given=given)
+                                timestamps=args.timestamps, settings=settings, given=given)
     for file, transcription in zip(args.audio, transcriptions):
         if args.json:
             print(json.dumps({"file": file, "text": transcription.text, "language": transcription.language,
                               "duration": round(transcription.duration, 3),
-                              "segments": [{"id": 0, "start": 0.0, "end": round(transcription.duration, 2),
-                                            "text": transcription.text, "tokens": transcription.tokens}]}))
-        else:
-            print(f"{file}: {transcription.text}" if len(args.audio) > 1 else transcription.text)
+                              "segments": [{"id": i} | segment for i, segment in enumerate(transcription.segments)]}))
+            continue
+        if len(args.audio) > 1:
+            print(f"{file}:")
+        for segment in transcription.segments if args.timestamps else []:
+            print(f"[{segment['start']:6.2f} -> {segment['end']:6.2f}] {segment['text']}")
+        if not args.timestamps:
+            print(transcription.text)
     return 0
 
 

@@ -27,9 +27,12 @@ import mlx.core as mx
 class Rule:
     """A ban on the next token: `banned(before)` gives the tokens that may not
     follow `before` (a range, or any collection of ids); `looks_back`, how many
-    of the tokens before it reads (0: none, a fixed ban; None: all of them)."""
+    of the tokens before it reads (0: none, a fixed ban; None: all of them).
+    `after_timestamps`: applied after Whisper's timestamp rules (`Timestamps`),
+    as transformers orders Whisper's own processors; the others before them."""
 
     looks_back: int | None = 0
+    after_timestamps = False
 
     def banned(self, before: Sequence[int]) -> Iterable[int]:
         raise NotImplementedError
@@ -53,9 +56,45 @@ class BadWords(Rule):
                 if len(sequence) == 1 or before[len(before) - len(sequence) + 1 :] == list(sequence[:-1])]
 
 
-def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int) -> mx.array | None:
-    """(B, V): each row's bans from rules that read nothing before them; None when no row has one."""
-    fixed = [[rule for rule in row if rule.looks_back == 0] for row in rules]
+@dataclass(frozen=True)
+class Timestamps(Rule):
+    """transformers' WhisperTimeStampLogitsProcessor, its bans: no
+    <|notimestamps|>; timestamps in pairs (after a pair, text; after a lone
+    one, another timestamp or the end of text); none earlier than the last;
+    the first output token a timestamp no later than `max_initial` steps of
+    0.02 s. Its other rule, a timestamp whenever the timestamps' probability
+    together beats every text token's, reads the logits: the batch applies it
+    (sampling.RowPenalties) for the rows with this rule, after these bans."""
+
+    first: int  # <|0.00|>: it and every token after it are timestamps
+    no_timestamps: int
+    end: int  # the end of text: every token below it is text
+    opening: int  # the tokens the decoder opens with: the output follows them
+    vocabulary: int
+    max_initial: int | None = None
+
+    looks_back = None
+
+    def banned(self, before: Sequence[int]) -> list:
+        output = list(before[self.opening :])
+        banned = [range(self.no_timestamps, self.no_timestamps + 1)]
+        last = len(output) >= 1 and output[-1] >= self.first
+        penultimate = len(output) < 2 or output[-2] >= self.first
+        if last:
+            banned.append(range(self.first, self.vocabulary) if penultimate else range(0, self.end))
+        stamps = [token for token in output if token >= self.first]
+        earliest = self.first if not stamps else stamps[-1] if last and not penultimate else stamps[-1] + 1
+        banned.append(range(self.first, earliest))
+        if not output:
+            banned.append(range(0, self.first))
+            if self.max_initial is not None:
+                banned.append(range(self.first + self.max_initial + 1, self.vocabulary))
+        return banned
+
+
+def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int, which=lambda rule: True) -> mx.array | None:
+    """(B, V): each row's bans from rules that read nothing before them (those `which` takes); None when no row has one."""
+    fixed = [[rule for rule in row if rule.looks_back == 0 and which(rule)] for row in rules]
     if not any(fixed):
         return None
     mask = np.zeros((len(rules), vocabulary), bool)
@@ -65,14 +104,16 @@ def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int) -> mx.array | Non
     return mx.array(mask)
 
 
-def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries: int, vocabulary: int) -> mx.array:
+def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries: int, vocabulary: int,
+                 which=lambda rule: True) -> mx.array:
     """(B, queries, V): each row's bans from rules that read the tokens before
-    them, at each of the last `queries` prefixes of the row's tokens (its
-    opening, output and any drafts: lengths L - queries + 1 to L)."""
+    them (those `which` takes), at each of the last `queries` prefixes of the
+    row's tokens (its opening, output and any drafts: lengths L - queries + 1
+    to L)."""
     mask = np.zeros((len(rules), queries, vocabulary), bool)
     for row, (row_rules, seen) in enumerate(zip(rules, tokens)):
         for rule in row_rules:
-            if rule.looks_back == 0:
+            if rule.looks_back == 0 or not which(rule):
                 continue
             for query in range(queries):
                 before = seen[: len(seen) - queries + 1 + query]
@@ -82,9 +123,12 @@ def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries
     return mx.array(mask)
 
 
-def mark(mask: np.ndarray, banned: Iterable[int]) -> None:
-    """Set `banned` (a range or ids) in a row's (V,) mask."""
+def mark(mask: np.ndarray, banned: Iterable) -> None:
+    """Set `banned` (a range, ids, or a list of ranges) in a row's (V,) mask."""
     if isinstance(banned, range):
         mask[banned.start : banned.stop : banned.step] = True
+    elif isinstance(banned, list) and banned and isinstance(banned[0], range):
+        for part in banned:
+            mark(mask, part)
     else:
         mask[list(banned)] = True

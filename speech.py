@@ -28,9 +28,17 @@ from errors import OptionError
 from options import Opening, Settings, Stats
 from plans import with_presets
 from rows import Request
-from rules import BadWords, Rule
+from rules import BadWords, Rule, Timestamps
 
 TASKS = ("transcribe", "translate")
+TIMESTAMP_SECONDS = 0.02  # a timestamp token's step
+
+
+@dataclass(frozen=True)
+class Suppressed(BadWords):
+    """transformers' SuppressTokensLogitsProcessor: tokens never output, applied after the timestamp rules."""
+
+    after_timestamps = True
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class AtStart(Rule):
     opening: int  # the tokens the row's decoder opens with: its first output follows them
 
     looks_back = None
+    after_timestamps = True
 
     def banned(self, before: Sequence[int]) -> tuple[int, ...]:
         return self.tokens if len(before) == self.opening else ()
@@ -55,9 +64,11 @@ class Whisper:
     end: int  # <|endoftext|>
     languages: dict = field(default_factory=dict)  # "<|en|>" -> id; empty for an English-only model
     tasks: dict = field(default_factory=dict)  # "transcribe" -> id
-    no_timestamps: int | None = None
+    no_timestamps: int | None = None  # and the timestamps after it, <|0.00|> to <|30.00|>
     suppress: tuple[int, ...] = ()
     begin_suppress: tuple[int, ...] = ()
+    vocabulary: int = 0
+    max_initial: int | None = None  # the latest first timestamp, in steps of 0.02 s
 
     @classmethod
     def of(cls, models) -> "Whisper":
@@ -68,7 +79,12 @@ class Whisper:
                    end=args.eos_token_id, languages=generation.get("lang_to_id") or {},
                    tasks=generation.get("task_to_id") or {}, no_timestamps=generation.get("no_timestamps_token_id"),
                    suppress=tuple(generation.get("suppress_tokens") or ()),
-                   begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()))
+                   begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()), vocabulary=args.vocab_size,
+                   max_initial=generation.get("max_initial_timestamp_index"))
+
+    @property
+    def first_timestamp(self) -> int | None:
+        return None if self.no_timestamps is None else self.no_timestamps + 1
 
     @property
     def multilingual(self) -> bool:
@@ -84,23 +100,54 @@ class Whisper:
                               "this model is English-only: it takes no language")
         return token
 
-    def opening(self, language: int | None, task: str) -> Opening:
+    def opening(self, language: int | None, task: str, timestamps: bool = False) -> Opening:
         """The start of transcript, the language and the task (a multilingual
-        model's), then no-timestamps: transformers' decoder prompt."""
+        model's), then no-timestamps unless they are asked for: transformers'
+        decoder prompt."""
         start = [self.start]
         if self.multilingual:
             start += [language, self.tasks[task]]
-        if self.no_timestamps is not None:
+        if self.no_timestamps is not None and not timestamps:
             start.append(self.no_timestamps)
         return Opening(tuple(start))
 
-    def rules(self, opening: Opening) -> tuple:
+    def rules(self, opening: Opening, timestamps: bool = False) -> tuple:
+        """The rules of a row that opens so, in transformers' order: the timestamps' (when asked for), the tokens
+        suppressed, those suppressed first."""
         rules = []
+        if timestamps:
+            rules.append(Timestamps(self.first_timestamp, self.no_timestamps, self.end, len(opening.start),
+                                    self.vocabulary, self.max_initial))
         if self.suppress:
-            rules.append(BadWords(tuple((token,) for token in self.suppress)))
+            rules.append(Suppressed(tuple((token,) for token in self.suppress)))
         if self.begin_suppress:
             rules.append(AtStart(self.begin_suppress, len(opening.start)))
         return tuple(rules)
+
+    def segments(self, tokens: list[int], duration: float, decode, timestamps: bool = True) -> list[dict]:
+        """A window's output in segments ({start, end, text, tokens}), as its
+        timestamps mark them: a segment runs from a timestamp to the next, and
+        consecutive timestamps close one and open another; text after the last
+        timestamp runs to the end of the audio. Without timestamps (not asked
+        for, or none output), one segment of the whole."""
+        first = self.first_timestamp
+        if not timestamps or first is None or not any(token >= first for token in tokens):
+            return [{"start": 0.0, "end": round(duration, 2), "text": decode(tokens), "tokens": tokens}]
+        segments, start, text = [], None, []
+        for token in tokens:
+            if token < first:
+                text.append(token)
+                continue
+            at = round((token - first) * TIMESTAMP_SECONDS, 2)
+            if start is not None and text:
+                segments.append({"start": start, "end": at, "text": decode(text), "tokens": text})
+                start, text = None, []
+            else:  # a segment's first timestamp (after an empty one: the later)
+                start = at
+        if text:  # no timestamp closed it: it runs to the end of the audio
+            start = start or 0.0
+            segments.append({"start": start, "end": max(start, round(duration, 2)), "text": decode(text), "tokens": text})
+        return segments
 
     def detect(self, target, cache, rows: int) -> list[int]:
         """Each row's likeliest language token after the start of transcript
@@ -123,13 +170,15 @@ class Transcription:
     duration: float  # seconds of audio
     finish_reason: str | None
     stats: Stats
+    segments: list[dict] = field(default_factory=list)  # {start, end, text, tokens}: Whisper.segments
 
 
-def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe",
+def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
                settings: Settings | None = None, given=(), **options) -> list[Transcription]:
-    """Each file's Transcription (a path, a file's bytes, or its samples as audio.read gives them), decoded
-    together in one batch at these settings (options as Settings' fields,
-    over the model's generation defaults): a file of up to 30 s each."""
+    """Each file's Transcription (a path, a file's bytes, or its samples as
+    audio.read gives them), decoded together in one batch at these settings
+    (options as Settings' fields, over the model's generation defaults): a
+    file of up to 30 s each; with `timestamps`, in timestamped segments."""
     whisper = Whisper.of(models)
     if task not in TASKS:
         raise OptionError(f"task must be transcribe or translate, not {task!r}")
@@ -159,8 +208,8 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     else:
         chosen = [fixed] * len(requests)
     for request, token in zip(requests, chosen):
-        request.opening = whisper.opening(token, task)
-        request.rules = whisper.rules(request.opening)
+        request.opening = whisper.opening(token, task, timestamps)
+        request.rules = whisper.rules(request.opening, timestamps)
     batch.join(requests, encoding)
     tokens, finish = {id(request): [] for request in requests}, {}
     while batch.rows:
@@ -170,9 +219,13 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
             if reason:
                 finish[id(request)] = reason
     names = {token: code.strip("<|>") for code, token in whisper.languages.items()}
-    return [Transcription(models.tokenizer.decode(tokens[id(request)], skip_special_tokens=True).strip(),
-                          tokens[id(request)], names.get(token, "en" if not whisper.multilingual else None),
-                          duration, finish.get(id(request)), request.stats)
+
+    def text(ids: list[int]) -> str:
+        return models.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    return [Transcription(text(tokens[id(request)]), tokens[id(request)],
+                          names.get(token, "en" if not whisper.multilingual else None), duration,
+                          finish.get(id(request)), request.stats, whisper.segments(tokens[id(request)], duration, text, timestamps))
             for request, token, duration in zip(requests, chosen, durations)]
 
 

@@ -265,20 +265,29 @@ def spoken_pair(tmp_path_factory, tokenizer_dir):
 
 
 @torch.no_grad()
-def reference_transcription(model, features: np.ndarray, opening: list[int], max_tokens: int) -> list[int]:
+def reference_transcription(model, features: np.ndarray, opening: list[int], max_tokens: int,
+                            timestamps: bool = False) -> list[int]:
     """Greedy ids from transformers' forward passes with its own Whisper
-    logits processors: the config's suppressed tokens, and those suppressed
-    at the start."""
+    logits processors, in the order its generate applies them: the
+    timestamps' (when asked for), the config's suppressed tokens, and those
+    suppressed at the start."""
     from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
-                                                         SuppressTokensLogitsProcessor)
+                                                         SuppressTokensLogitsProcessor,
+                                                         WhisperTimeStampLogitsProcessor)
 
     generation = model.generation_config
     processors = [SuppressTokensLogitsProcessor(generation.suppress_tokens),
                   SuppressTokensAtBeginLogitsProcessor(generation.begin_suppress_tokens, len(opening))]
+    if timestamps:
+        processors.insert(0, WhisperTimeStampLogitsProcessor(generation, begin_index=len(opening)))
     encoded = model.model.encoder(torch.tensor(features.T[None]))
     ids = list(opening)
     for _ in range(max_tokens):
         logits = model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([ids])).logits[:, -1]
+        if timestamps:  # the timestamps' probability together against the text's: a margin rounding cannot cross
+            logprobs = torch.log_softmax(processors[0](torch.tensor([ids]), logits.clone()), dim=-1)[0]
+            first = generation.no_timestamps_token_id + 1
+            assert abs(logprobs[first:].logsumexp(-1) - logprobs[:first].max()) > 1e-4 or ids == list(opening)
         for processor in processors:
             logits = processor(torch.tensor([ids]), logits)
         top = torch.topk(logits[0], 2).values
@@ -400,3 +409,29 @@ def test_a_draft_that_keeps_its_targets_encoder_decodes_on_the_targets_encoder_o
     runs.clear()
     tokens, _ = decode_batch(models, [Request(mx.array(features), settings, opening=Opening((START,)))], 1)
     assert tokens[0] == expected and len(runs) == 2
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_timestamps_follow_transformers_rules_and_mark_the_segments(spoken_pair, drafted):
+    """With timestamps: no <|notimestamps|> in the opening; transformers'
+    timestamp rules (pairs, never earlier than the last, the first no later
+    than 1 s, a timestamp whenever the timestamps' probability together beats
+    the likeliest text token's), then the suppressions, in its order; the
+    segments run between them."""
+    import speech
+
+    root, target, ids, path = spoken_pair
+    features = audio.log_mel(audio.read(path), 80)
+    opening = [ids[token] for token in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>")]
+    expected = reference_transcription(target, features, opening, 40, timestamps=True)
+    first = ids["<|notimestamps|>"] + 1
+    stamps = [token for token in expected if token >= first]
+    assert len(stamps) >= 4 and len(expected) - len(stamps) >= 4  # both kinds, decided by the rules
+    models = Models(load_model(root / "mlx"), load_model(root / "mlx") if drafted else None,
+                    tokenizer=load_tokenizer(root / "mlx"), generation=read_generation_config(root / "mlx"))
+    (transcription,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=40,
+                                         speculative=drafted, num_draft=3, delta=0.0)
+    assert transcription.tokens == expected
+    segments = transcription.segments
+    assert segments and all(0 <= segment["start"] <= segment["end"] <= 30 for segment in segments)
+    assert [token for segment in segments for token in segment["tokens"]] == [t for t in expected if t < first]
