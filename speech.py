@@ -188,7 +188,17 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     if language is not None and not whisper.multilingual:
         whisper.language_token(language)  # English-only: refuses any language
     settings = replace(settings or Settings(), **options)
-    _, settings, _ = with_presets(models, settings, given=set(given) | set(options), search=False)
+    given = set(given) | set(options)
+    _, settings, _ = with_presets(models, settings, given=given, search=False)
+    # The decoder's positions hold the opening and the output: by default the output takes what the opening leaves
+    # (transformers' max_length of 448 does the same); asked for more, it is refused.
+    positions = models.target.args.max_positions
+    opened = len(whisper.opening(next(iter(whisper.languages.values()), None), task, timestamps).start)
+    if "max_tokens" not in given:
+        settings = replace(settings, max_tokens=positions - opened)
+    elif settings.max_tokens + opened > positions:
+        raise OptionError(f"max_tokens is {settings.max_tokens:,}: with the {opened} tokens the decoder opens with, "
+                          f"this model's {positions} positions leave {positions - opened} for the output", "max_tokens")
     settings = settings.check_models(models)
     sources, durations = [], []
     for file in files:

@@ -350,6 +350,9 @@ def test_what_whisper_cannot_do_is_refused_in_one_line(spoken_pair, v1_1_checkpo
         speech.transcribe(models, [path], language="de")
     with pytest.raises(OptionError, match="task must be transcribe or translate"):
         speech.transcribe(models, [path], task="summarize")
+    with pytest.raises(OptionError, match="max_tokens is 445: with the 4 tokens the decoder opens with, this model's "
+                                          "448 positions leave 444 for the output"):
+        speech.transcribe(models, [path], language="en", max_tokens=445)
     with pytest.raises(OptionError, match="reads text, not audio"):
         speech.transcribe(Models(load_model(v1_1_checkpoint.mlx_dir)), [path])
 
@@ -435,3 +438,16 @@ def test_timestamps_follow_transformers_rules_and_mark_the_segments(spoken_pair,
     segments = transcription.segments
     assert segments and all(0 <= segment["start"] <= segment["end"] <= 30 for segment in segments)
     assert [token for segment in segments for token in segment["tokens"]] == [t for t in expected if t < first]
+
+
+def test_by_default_the_output_takes_the_positions_the_opening_leaves(spoken_pair):
+    """As transformers' max_length of 448 does: 444 tokens after an opening of 4, 445 after 3 (timestamps)."""
+    import speech
+
+    root, _, _, path = spoken_pair
+    models = Models(load_model(root / "mlx"), tokenizer=load_tokenizer(root / "mlx"),
+                    generation=read_generation_config(root / "mlx"))
+    for timestamps, most in ((False, 444), (True, 445)):
+        (transcription,) = speech.transcribe(models, [path], language="en", timestamps=timestamps)
+        assert len(transcription.tokens) <= most
+        assert transcription.finish_reason == "stop" or len(transcription.tokens) == most
