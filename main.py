@@ -28,7 +28,7 @@ from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
 from audio import SAMPLE_RATE, WINDOW_SAMPLES, read as read_audio
-from speech import TASKS, transcribe
+from speech import TASKS, render, transcribe
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "converted Whisper --model, drafted by --draft-model if given; --task transcribe or translate")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
     p.add_argument("--timestamps", action="store_true", help="--audio: segments with their start and end")
+    p.add_argument("--output-format", choices=("txt", "srt", "vtt", "json"),
+                   help="--audio: print (or write, with --output-dir) each file's transcription in this format "
+                        "(srt and vtt with timestamps; json: OpenAI's verbose_json)")
+    p.add_argument("--output-dir", help="--audio: write each file's transcription beside the others here, "
+                   "named after the file (talk.mp3 -> talk.srt)")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
@@ -358,6 +363,10 @@ def listen(args) -> int:
         raise UsageError("--audio needs --model: a converted Whisper (python convert.py --model openai/whisper-small)")
     if args.task is not None and args.task not in TASKS:
         raise UsageError(f"--task with --audio is transcribe or translate, not {args.task!r}")
+    if args.json and (args.output_format or args.output_dir):
+        raise UsageError("--json prints verbose_json: drop it to choose --output-format or --output-dir")
+    if args.output_dir is not None and not Path(args.output_dir).is_dir():
+        raise UsageError(f"--output-dir {args.output_dir} is not a folder")
     settings = replace(knob_settings(args, DEFAULTS), speculative=args.draft_model is not None and not args.regular_decode)
     given = {name for name in KNOBS if getattr(args, name) is not None}
     samples = [read_audio(file) for file in args.audio]  # a file that is not audio fails before loading
@@ -365,13 +374,21 @@ def listen(args) -> int:
         if len(heard) > WINDOW_SAMPLES:
             raise UsageError(f"{file} is {len(heard) / SAMPLE_RATE:.1f} s long: files of up to 30 s transcribe so far")
     models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)
+    form = {"txt": "text", "json": "verbose_json"}.get(args.output_format, args.output_format)
+    timestamps = args.timestamps or form in ("srt", "vtt")
     transcriptions = transcribe(models, samples, language=args.language, task=args.task or "transcribe",
-                                timestamps=args.timestamps, settings=settings, given=given)
+                                timestamps=timestamps, settings=settings, given=given)
     for file, transcription in zip(args.audio, transcriptions):
         if args.json:
-            print(json.dumps({"file": file, "text": transcription.text, "language": transcription.language,
-                              "duration": round(transcription.duration, 3),
-                              "segments": [{"id": i} | segment for i, segment in enumerate(transcription.segments)]}))
+            print(json.dumps({"file": file} | json.loads(render(transcription, "verbose_json"))))
+            continue
+        if args.output_dir is not None:
+            path = Path(args.output_dir) / f"{Path(file).stem}.{args.output_format or 'txt'}"
+            path.write_text(render(transcription, form or "text"))
+            print(f"{file} -> {path}")
+            continue
+        if form is not None:
+            print(render(transcription, form), end="")
             continue
         if len(args.audio) > 1:
             print(f"{file}:")

@@ -14,6 +14,7 @@ reuses. Files decode together, in one batch, drafted or not as the settings
 say (the draft follows the same rules).
 """
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
@@ -233,9 +234,9 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     def text(ids: list[int]) -> str:
         return models.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    return [Transcription(text(tokens[id(request)]), tokens[id(request)],
-                          names.get(token, "en" if not whisper.multilingual else None), duration,
-                          finish.get(id(request)), request.stats, whisper.segments(tokens[id(request)], duration, text, timestamps))
+    return [Transcription(text(ids := tokens[id(request)]), ids, names.get(token, None if whisper.multilingual else "en"),
+                          duration, finish.get(id(request)), request.stats,
+                          whisper.segments(ids, duration, text, timestamps))
             for request, token, duration in zip(requests, chosen, durations)]
 
 
@@ -259,3 +260,35 @@ LANGUAGE_NAMES = {
     "malagasy": "mg", "assamese": "as", "tatar": "tt", "hawaiian": "haw", "lingala": "ln", "hausa": "ha",
     "bashkir": "ba", "javanese": "jw", "sundanese": "su", "cantonese": "yue",
 }
+
+
+FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's response_format
+
+
+def render(transcription: Transcription, form: str) -> str:
+    """A transcription as OpenAI's audio endpoints answer in each response_format: json ({"text"}), text, srt,
+    verbose_json (text, language, duration, segments) or vtt."""
+    if form == "text":
+        return transcription.text + "\n"
+    if form == "json":
+        return json.dumps({"text": transcription.text})
+    if form == "verbose_json":
+        return json.dumps({"task": "transcribe", "language": transcription.language,
+                           "duration": round(transcription.duration, 3), "text": transcription.text,
+                           "segments": [{"id": i} | segment for i, segment in enumerate(transcription.segments)]})
+    if form not in ("srt", "vtt"):
+        raise OptionError(f"the format is one of {', '.join(FORMATS)}, not {form!r}", "response_format")
+    mark = "," if form == "srt" else "."
+    cues = []
+    for i, segment in enumerate(transcription.segments, 1):
+        span = f"{clock(segment['start'], mark)} --> {clock(segment['end'], mark)}"
+        cues.append(f"{i}\n{span}\n{segment['text'].strip()}\n" if form == "srt" else f"{span}\n{segment['text'].strip()}\n")
+    return ("" if form == "srt" else "WEBVTT\n\n") + "\n".join(cues)
+
+
+def clock(seconds: float, mark: str) -> str:
+    """HH:MM:SS,mmm (SubRip's) or HH:MM:SS.mmm (WebVTT's)."""
+    milliseconds = round(seconds * 1000)
+    hours, milliseconds = divmod(milliseconds, 3_600_000)
+    minutes, milliseconds = divmod(milliseconds, 60_000)
+    return f"{hours:02d}:{minutes:02d}:{milliseconds // 1000:02d}{mark}{milliseconds % 1000:03d}"

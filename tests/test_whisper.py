@@ -450,3 +450,39 @@ def test_by_default_the_output_takes_the_positions_the_opening_leaves(spoken_pai
     for timestamps, most in ((False, 444), (True, 445)):
         (transcription,) = speech.transcribe(models, [path], language="en", timestamps=timestamps)
         assert len(transcription.tokens) == most and transcription.finish_reason == "length"  # no end of text comes
+
+
+def test_a_transcription_renders_in_each_of_openais_response_formats():
+    import json
+
+    import speech
+    from options import Stats
+
+    segments = [{"start": 0.0, "end": 2.5, "text": " Hello there.", "tokens": [3, 4]},
+                {"start": 2.5, "end": 3725.5, "text": " A long one.", "tokens": [5]}]
+    heard = speech.Transcription("Hello there. A long one.", [3, 4, 5], "en", 3726.0, "stop", Stats(), segments)
+    assert speech.render(heard, "text") == "Hello there. A long one.\n"
+    assert json.loads(speech.render(heard, "json")) == {"text": "Hello there. A long one."}
+    verbose = json.loads(speech.render(heard, "verbose_json"))
+    assert verbose["language"] == "en" and verbose["duration"] == 3726.0 and verbose["segments"][1]["id"] == 1
+    assert speech.render(heard, "srt") == ("1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n"
+                                           "2\n00:00:02,500 --> 01:02:05,500\nA long one.\n")
+    assert speech.render(heard, "vtt") == ("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n"
+                                           "00:00:02.500 --> 01:02:05.500\nA long one.\n")
+
+
+def test_the_command_line_writes_subtitles_beside_each_other_in_a_folder(spoken_pair, tmp_path, capsys):
+    """--output-format srt turns timestamps on; --output-dir names each file after its audio."""
+    import main
+
+    root, target, ids, path = spoken_pair
+    features = audio.log_mel(audio.read(path), 80)
+    opening = [ids[token] for token in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>")]
+    expected = reference_transcription(target, features, opening, 30, timestamps=True)
+    assert main.main(["--model", str(root / "mlx"), "--audio", str(path), "--language", "en", "--max-tokens", "30",
+                      "--output-format", "srt", "--output-dir", str(tmp_path)]) == 0
+    written = (tmp_path / "tone.srt").read_text()
+    first = ids["<|notimestamps|>"] + 1
+    pairs = sum(1 for a, b in zip(expected, expected[1:]) if a >= first and b < first)  # a timestamp, then text
+    assert written.startswith("1\n00:00:") and written.count(" --> ") == pairs >= 2
+    assert f"{path} -> {tmp_path / 'tone.srt'}" in capsys.readouterr().out
