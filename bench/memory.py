@@ -121,6 +121,13 @@ _PEGASUS = dict(model_type="pegasus", d_model=1024, encoder_attention_heads=16, 
 _FLAN = dict(model_type="t5", vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
 _MADLAD = dict(model_type="t5", vocab_size=256000, feed_forward_proj="gated-gelu", tie_word_embeddings=False, d_kv=128,
                num_layers=32)
+_WHISPER = dict(model_type="whisper", d_model=1280, encoder_layers=32, decoder_layers=32, encoder_attention_heads=20,
+                encoder_ffn_dim=5120, vocab_size=51866, num_mel_bins=128, max_source_positions=1500,
+                max_target_positions=448)
+_WHISPER_MEDIUM = _WHISPER | dict(d_model=1024, encoder_layers=24, decoder_layers=24, encoder_attention_heads=16,
+                                  encoder_ffn_dim=4096, vocab_size=51864, num_mel_bins=80)
+# A distil-whisper draft keeps its target's encoder: loaded with it, it shares the target's (loading.same_encoder).
+SHARED_ENCODER = "shared_encoder"
 PUBLIC_PAIRS = [
     ("summarise news", ("facebook/bart-large-cnn", _BART), ("sshleifer/distilbart-cnn-12-6", _BART | {"decoder_layers": 6})),
     ("summarise in a sentence", ("google/pegasus-xsum", _PEGASUS | {"encoder_layers": 16, "decoder_layers": 16}),
@@ -135,6 +142,10 @@ PUBLIC_PAIRS = [
      ("google/flan-ul2", _FLAN | {"d_model": 4096, "d_ff": 16384, "num_layers": 32, "num_heads": 16, "d_kv": 256,
                                   "feed_forward_proj": "gated-silu"}),
      ("google/flan-t5-small", _FLAN | {"d_model": 512, "d_ff": 1024, "num_layers": 8, "num_heads": 6, "d_kv": 64})),
+    ("transcribe, 99 languages", ("openai/whisper-large-v3", _WHISPER),
+     ("distil-whisper/distil-large-v3", _WHISPER | {"decoder_layers": 2, SHARED_ENCODER: True})),
+    ("transcribe English", ("openai/whisper-medium.en", _WHISPER_MEDIUM),
+     ("distil-whisper/distil-medium.en", _WHISPER_MEDIUM | {"decoder_layers": 2, SHARED_ENCODER: True})),
 ]
 RUNTIME_GB = 1.0  # an allowance for Python, MLX and caches (decoding itself adds ~0.1 GB: `quantized`)
 # Metal's recommended working set (what a Mac's GPU may keep resident), GiB by memory size: two thirds of
@@ -161,6 +172,8 @@ def weight_bytes(shapes: dict, format: str, group_size: int = 64) -> int:
     model = EncoderDecoder(args)  # lazy: only shapes are read
     bits, total = BITS[format], 0
     for name, array in tree_flatten(model.parameters()):
+        if shapes.get(SHARED_ENCODER) and name.startswith(("encoder.", "stem.")):  # the target's, shared
+            continue
         if bits and Quantization(bits, group_size).applies(name, array.shape):
             total += array.size * bits // 8 + 2 * 2 * array.size // group_size
         else:
@@ -219,4 +232,5 @@ def render_sizes(data: dict) -> str:
             + "\n\nCache a row of a batch needs, bfloat16, with a t5-small draft: a token of prompt or output, and a "
             "512-token prompt with 100 tokens of output\n\n" + table(["target", "a token", "512 + 100 tokens"], cache)
             + "\n\nThe other families' pairs, from their public configs, with the smallest Mac that holds both and the "
-            "runtime\n\n" + pairs_table(data))
+            "runtime (a distil-whisper draft's weights are its decoder's: it shares its target's encoder)\n\n"
+            + pairs_table(data))
