@@ -486,3 +486,21 @@ def test_the_command_line_writes_subtitles_beside_each_other_in_a_folder(spoken_
     pairs = sum(1 for a, b in zip(expected, expected[1:]) if a >= first and b < first)  # a timestamp, then text
     assert written.startswith("1\n00:00:") and written.count(" --> ") == pairs >= 2
     assert f"{path} -> {tmp_path / 'tone.srt'}" in capsys.readouterr().out
+
+
+def test_a_whisper_quantizes_its_projections_and_keeps_its_convolutions_and_tables(spoken_pair, tmp_path):
+    """8-bit: the projections and the embedding quantized, the stem's convolutions and the position tables not; the
+    quantized model's logits within 8-bit rounding of the float model's."""
+    from convert import Quantization
+
+    root, _, _, _ = spoken_pair
+    convert.convert(str(root / "hf"), tmp_path / "q8", "float32", force=False, quantization=Quantization(8, 64))
+    weights = mx.load(str(tmp_path / "q8" / "model.safetensors"))
+    assert "encoder.layers.0.attention.q.scales" in weights and "shared.scales" in weights
+    assert not any(name.startswith(("stem.", "encoder.positions", "decoder.positions")) and name.endswith(".scales")
+                   for name in weights)
+    features = mx.array(np.random.default_rng(0).standard_normal((1, 3000, 80)).astype(np.float32))
+    tokens = mx.array([[1101, 1102, 1105, 1107, 5, 17]])
+    logits = [np.array(model.decode(tokens, model.make_cache(model.encode(features))))
+              for model in (load_model(root / "mlx"), load_model(tmp_path / "q8"))]
+    assert np.abs(logits[0] - logits[1]).max() < 0.05 * np.abs(logits[0]).max()
