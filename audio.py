@@ -61,12 +61,15 @@ def _plain_wav(data: bytes) -> np.ndarray | None:
             raw = file.readframes(file.getnframes())
     except (wave.Error, EOFError):
         return None  # a WAV of floats, or extensible: PyAV reads it
+    raw = raw[: len(raw) // (width * channels) * width * channels]  # a truncated file: its whole frames
+    if not raw:
+        raise AudioError("the audio file holds no samples")
     if width == 1:  # unsigned 8-bit
         samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
     else:
         kind = np.int16 if width == 2 else np.int32
         samples = np.frombuffer(raw, kind).astype(np.float32) / float(2 ** (8 * width - 1))
-    samples = samples[: len(samples) // channels * channels].reshape(-1, channels)
+    samples = samples.reshape(-1, channels)
     return samples.mean(axis=1) if channels > 1 else samples[:, 0]
 
 

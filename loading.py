@@ -347,7 +347,7 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
     draft_model = _mapped(draft_path) if draft_path is not None else None
     if draft_model is not None and same_encoder(target_model, draft_model):
         # distil-whisper's drafts keep their target's encoder: the draft decodes on the target's encoder output, and
-        # its own copy is dropped before it is ever read whole
+        # its own copy (read once, for the comparison) is dropped
         draft_model.encoder = target_model.encoder
         if target_model.args.num_mel_bins:
             draft_model.stem = target_model.stem

@@ -367,6 +367,10 @@ def listen(args) -> int:
         raise UsageError("--json prints verbose_json: drop it to choose --output-format or --output-dir")
     if args.output_dir is not None and not Path(args.output_dir).is_dir():
         raise UsageError(f"--output-dir {args.output_dir} is not a folder")
+    stems = [Path(file).stem for file in args.audio]
+    if args.output_dir is not None and len(set(stems)) < len(stems):
+        twice = next(stem for stem in stems if stems.count(stem) > 1)
+        raise UsageError(f"two files named {twice} would write one output in --output-dir: rename one")
     settings = replace(knob_settings(args, DEFAULTS), speculative=args.draft_model is not None and not args.regular_decode)
     given = {name for name in KNOBS if getattr(args, name) is not None}
     samples = [read_audio(file) for file in args.audio]  # a file that is not audio fails before loading
@@ -387,11 +391,12 @@ def listen(args) -> int:
             path.write_text(render(transcription, form or "text"))
             print(f"{file} -> {path}")
             continue
-        if form is not None:
-            print(render(transcription, form), end="")
-            continue
         if len(args.audio) > 1:
             print(f"{file}:")
+        if form is not None:
+            rendered = render(transcription, form)
+            print(rendered, end="" if rendered.endswith("\n") else "\n")
+            continue
         for segment in transcription.segments if args.timestamps else []:
             print(f"[{segment['start']:6.2f} -> {segment['end']:6.2f}] {segment['text']}")
         if not args.timestamps:

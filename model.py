@@ -329,7 +329,10 @@ def embedded(stack: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     if args.embedding_scale != 1.0:
         x = x * args.embedding_scale
     if args.positions == "absolute":
-        x = x + stack.positions(positions + args.position_offset)
+        # A drafted round may run a row's padding drafts past the table's end (outputs thrown away): MLX's gather
+        # would read past it unchecked.
+        last = stack.positions.weight.shape[0] - 1  # (position tables are never quantized)
+        x = x + stack.positions(mx.minimum(positions + args.position_offset, last))
     if args.embedding_norm:
         x = stack.embedding_norm(x)
     return x

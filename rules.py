@@ -28,11 +28,11 @@ class Rule:
     """A ban on the next token: `banned(before)` gives the tokens that may not
     follow `before` (a range, or any collection of ids); `looks_back`, how many
     of the tokens before it reads (0: none, a fixed ban; None: all of them).
-    `after_timestamps`: applied after Whisper's timestamp rules (`Timestamps`),
-    as transformers orders Whisper's own processors; the others before them."""
+    `first_only`: a fixed ban of the first output token only (applied on the
+    device where a row decides its first token)."""
 
     looks_back: int | None = 0
-    after_timestamps = False
+    first_only = False
 
     def banned(self, before: Sequence[int]) -> Iterable[int]:
         raise NotImplementedError
@@ -64,7 +64,8 @@ class Timestamps(Rule):
     the first output token a timestamp no later than `max_initial` steps of
     0.02 s. Its other rule, a timestamp whenever the timestamps' probability
     together beats every text token's, reads the logits: the batch applies it
-    (sampling.RowPenalties) for the rows with this rule, after these bans."""
+    (sampling.RowPenalties) for the rows with this rule, after every ban, as
+    transformers runs this processor after all the others."""
 
     first: int  # <|0.00|>: it and every token after it are timestamps
     no_timestamps: int
@@ -92,9 +93,10 @@ class Timestamps(Rule):
         return banned
 
 
-def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int, which=lambda rule: True) -> mx.array | None:
-    """(B, V): each row's bans from rules that read nothing before them (those `which` takes); None when no row has one."""
-    fixed = [[rule for rule in row if rule.looks_back == 0 and which(rule)] for row in rules]
+def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int, first_only: bool = False) -> mx.array | None:
+    """(B, V): each row's bans from rules that read nothing before them (of
+    its first output token only, with `first_only`); None when no row has one."""
+    fixed = [[rule for rule in row if rule.looks_back == 0 and rule.first_only == first_only] for row in rules]
     if not any(fixed):
         return None
     mask = np.zeros((len(rules), vocabulary), bool)
@@ -104,16 +106,14 @@ def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int, which=lambda rule
     return mx.array(mask)
 
 
-def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries: int, vocabulary: int,
-                 which=lambda rule: True) -> mx.array:
+def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries: int, vocabulary: int) -> mx.array:
     """(B, queries, V): each row's bans from rules that read the tokens before
-    them (those `which` takes), at each of the last `queries` prefixes of the
-    row's tokens (its opening, output and any drafts: lengths L - queries + 1
-    to L)."""
+    them, at each of the last `queries` prefixes of the row's tokens (its
+    opening, output and any drafts: lengths L - queries + 1 to L)."""
     mask = np.zeros((len(rules), queries, vocabulary), bool)
     for row, (row_rules, seen) in enumerate(zip(rules, tokens)):
         for rule in row_rules:
-            if rule.looks_back == 0 or not which(rule):
+            if rule.looks_back == 0:
                 continue
             for query in range(queries):
                 before = seen[: len(seen) - queries + 1 + query]

@@ -78,12 +78,11 @@ class RowPenalties:
             mx.array([-1 if getattr(p, name) is None else getattr(p, name) for p in penalties])
             for name in ("forced_first", "forced_end_at"))
         self.rules = [p.rules for p in penalties]
-        # Bans in transformers' order: the rules before Whisper's timestamp rules, those rules (their bans, then the
-        # timestamps' probability against the text's), the rules after them (rules.Rule.after_timestamps).
-        self.fixed_bans = rules.fixed_bans(self.rules, vocabulary, lambda rule: not rule.after_timestamps)  # (B, V)
-        self.fixed_after = rules.fixed_bans(self.rules, vocabulary, lambda rule: rule.after_timestamps)
+        self.fixed_bans = rules.fixed_bans(self.rules, vocabulary)  # (B, V) or None
+        self.first_bans = rules.fixed_bans(self.rules, vocabulary, first_only=True)  # of the first output token only
+        # Whisper's timestamp rule that reads the logits, after every ban (rules.Timestamps): each row's first timestamp
         stamps = [next((rule.first for rule in row if isinstance(rule, rules.Timestamps)), vocabulary) for row in self.rules]
-        self.timestamps = mx.array(stamps) if min(stamps) < vocabulary else None  # each row's first timestamp
+        self.timestamps = mx.array(stamps) if min(stamps) < vocabulary else None
         self.vocabulary = vocabulary
 
     @classmethod
@@ -112,26 +111,18 @@ class RowPenalties:
         n prefixes (lengths L - n + 1 to L); history, the same as lists on
         the host, for the rules that read them (None: those rules are not
         applied, as drafters leave them to the target)."""
-        banned, stamped, after = mx.array(False), None, None
+        banned = mx.array(False)
         if self.needs_tokens:
             banned = ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1])
         if self.fixed_bans is not None:
             banned = banned | self.fixed_bans[:, None]
-        if self.fixed_after is not None:
-            after = self.fixed_after[:, None]
+        if self.first_bans is not None:
+            banned = banned | ((positions == 0)[..., None] & self.first_bans[:, None])
         if history is not None and self.reads_tokens:
-            queries = logits.shape[1]
-            earlier = lambda rule: not rule.after_timestamps and not isinstance(rule, rules.Timestamps)  # noqa: E731
-            banned = banned | rules.reading_bans(self.rules, history, queries, self.vocabulary, earlier)
-            if self.timestamps is not None:
-                stamped = rules.reading_bans(self.rules, history, queries, self.vocabulary,
-                                             lambda rule: isinstance(rule, rules.Timestamps))
-            late = rules.reading_bans(self.rules, history, queries, self.vocabulary, lambda rule: rule.after_timestamps)
-            after = late if after is None else after | late
-        timestamps = None if self.timestamps is None else (stamped, self.timestamps)
+            banned = banned | rules.reading_bans(self.rules, history, logits.shape[1], self.vocabulary)
         return _penalize(logits, counts, positions, self.repetition, self.presence, self.frequency, self.min_tokens,
                          self.bias, self.ends, self.opened, banned, self.forced_first, self.forced_end_at, self.forced_end,
-                         timestamps, after)
+                         self.timestamps)
 
 
 def dense(pairs: list, vocabulary: int) -> mx.array:
@@ -145,7 +136,7 @@ def dense(pairs: list, vocabulary: int) -> mx.array:
 
 @mx.compile  # one pass over the logits, not one per rule: on a CPU each operation costs a dispatch
 def _penalize(logits, counts, positions, repetition, presence, frequency, min_tokens, bias, ends, opened, banned,
-              forced_first, forced_end_at, forced_end, timestamps=None, after=None):
+              forced_first, forced_end_at, forced_end, timestamps=None):
     logits = logits.astype(mx.float32)
     vocabulary = mx.arange(logits.shape[-1])
     seen = (counts > 0) | opened
@@ -154,19 +145,14 @@ def _penalize(logits, counts, positions, repetition, presence, frequency, min_to
     logits = logits - presence[:, None, None] * (counts > 0) - frequency[:, None, None] * counts + bias[:, None]
     early = positions < min_tokens[:, None]
     logits = mx.where((early[..., None] & ends[:, None]) | banned, -mx.inf, logits)
-    if timestamps is not None:  # Whisper's timestamp rules: (their bans, or None from a drafter; each row's first)
-        stamped, first = timestamps
-        if stamped is not None:
-            logits = mx.where(stamped, -mx.inf, logits)
-        stamp = vocabulary >= first[:, None, None]
+    if timestamps is not None:  # Whisper's rows' first timestamp (the vocabulary's size for other rows)
+        stamp = vocabulary >= timestamps[:, None, None]
         # transformers' comparison, in log-probabilities as it rounds them: the timestamps' together against the
         # likeliest text token's
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         together = mx.logsumexp(mx.where(stamp, logprobs, -mx.inf), axis=-1, keepdims=True)
         text = mx.where(stamp, -mx.inf, logprobs).max(axis=-1, keepdims=True)
         logits = mx.where(~stamp & (together > text), -mx.inf, logits)
-    if after is not None:
-        logits = mx.where(after, -mx.inf, logits)
     # Every token banned (no_repeat_ngram_size past the vocabulary): the row ends here, with the end of text.
     exhausted = (logits == -mx.inf).all(axis=-1, keepdims=True)
     logits = mx.where(exhausted & (vocabulary == forced_end), 0.0, logits)

@@ -36,25 +36,17 @@ TIMESTAMP_SECONDS = 0.02  # a timestamp token's step
 
 
 @dataclass(frozen=True)
-class Suppressed(BadWords):
-    """transformers' SuppressTokensLogitsProcessor: tokens never output, applied after the timestamp rules."""
-
-    after_timestamps = True
-
-
-@dataclass(frozen=True)
 class AtStart(Rule):
     """transformers' SuppressTokensAtBeginLogitsProcessor: tokens banned as a
-    row's first output token only (Whisper's space and end of text)."""
+    row's first output token only (Whisper's space and end of text), on the
+    device with the other fixed bans."""
 
     tokens: tuple[int, ...]
-    opening: int  # the tokens the row's decoder opens with: its first output follows them
 
-    looks_back = None
-    after_timestamps = True
+    first_only = True
 
     def banned(self, before: Sequence[int]) -> tuple[int, ...]:
-        return self.tokens if len(before) == self.opening else ()
+        return self.tokens
 
 
 @dataclass(frozen=True)
@@ -76,8 +68,9 @@ class Whisper:
         args, generation = models.target.args, models.generation
         if not args.num_mel_bins:
             raise OptionError("this model reads text, not audio: pass a Whisper model for --audio")
+        multilingual = generation.get("is_multilingual", bool(generation.get("lang_to_id")))
         return cls(start=generation.get("decoder_start_token_id", args.decoder_start_token_id),
-                   end=args.eos_token_id, languages=generation.get("lang_to_id") or {},
+                   end=args.eos_token_id, languages=(generation.get("lang_to_id") or {}) if multilingual else {},
                    tasks=generation.get("task_to_id") or {}, no_timestamps=generation.get("no_timestamps_token_id"),
                    suppress=tuple(generation.get("suppress_tokens") or ()),
                    begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()), vocabulary=args.vocab_size,
@@ -89,7 +82,7 @@ class Whisper:
 
     @property
     def multilingual(self) -> bool:
-        return bool(self.languages)
+        return bool(self.languages)  # (Whisper.of reads the config's is_multilingual into languages)
 
     def language_token(self, language: str) -> int:
         """"en", "<|en|>" or a name transformers takes ("english") -> its token; OptionError naming the codes."""
@@ -113,16 +106,17 @@ class Whisper:
         return Opening(tuple(start))
 
     def rules(self, opening: Opening, timestamps: bool = False) -> tuple:
-        """The rules of a row that opens so, in transformers' order: the timestamps' (when asked for), the tokens
-        suppressed, those suppressed first."""
+        """The rules of a row that opens so: the tokens suppressed, those
+        suppressed first, and the timestamps' (when asked for), whose check
+        of the logits comes after every ban, as transformers orders them."""
         rules = []
+        if self.suppress:
+            rules.append(BadWords(tuple((token,) for token in self.suppress)))
+        if self.begin_suppress:
+            rules.append(AtStart(self.begin_suppress))
         if timestamps:
             rules.append(Timestamps(self.first_timestamp, self.no_timestamps, self.end, len(opening.start),
                                     self.vocabulary, self.max_initial))
-        if self.suppress:
-            rules.append(Suppressed(tuple((token,) for token in self.suppress)))
-        if self.begin_suppress:
-            rules.append(AtStart(self.begin_suppress, len(opening.start)))
         return tuple(rules)
 
     def segments(self, tokens: list[int], duration: float, decode, timestamps: bool = True) -> list[dict]:
@@ -172,6 +166,7 @@ class Transcription:
     finish_reason: str | None
     stats: Stats
     segments: list[dict] = field(default_factory=list)  # {start, end, text, tokens}: Whisper.segments
+    task: str = "transcribe"
 
 
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
@@ -236,7 +231,7 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
 
     return [Transcription(text(ids := tokens[id(request)]), ids, names.get(token, None if whisper.multilingual else "en"),
                           duration, finish.get(id(request)), request.stats,
-                          whisper.segments(ids, duration, text, timestamps))
+                          whisper.segments(ids, duration, text, timestamps), task)
             for request, token, duration in zip(requests, chosen, durations)]
 
 
@@ -273,7 +268,7 @@ def render(transcription: Transcription, form: str) -> str:
     if form == "json":
         return json.dumps({"text": transcription.text})
     if form == "verbose_json":
-        return json.dumps({"task": "transcribe", "language": transcription.language,
+        return json.dumps({"task": transcription.task, "language": transcription.language,
                            "duration": round(transcription.duration, 3), "text": transcription.text,
                            "segments": [{"id": i} | segment for i, segment in enumerate(transcription.segments)]})
     if form not in ("srt", "vtt"):

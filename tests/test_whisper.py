@@ -178,6 +178,10 @@ def test_audio_of_each_common_format_reads_as_the_same_16khz_mono_samples(tmp_pa
     assert abs(np.argmax(spectrum) - 440) <= 2  # one bin a hertz
 
 
+def test_a_truncated_wav_reads_as_the_whole_samples_it_holds():
+    assert audio.read(wav_header(100) + b"\x01\x02\x03").tolist() == [0x0201 / 32768]
+
+
 def test_a_16khz_pcm_wav_is_read_by_the_standard_library_as_pyav_reads_it(tmp_path):
     import wave
 
@@ -190,7 +194,18 @@ def test_a_16khz_pcm_wav_is_read_by_the_standard_library_as_pyav_reads_it(tmp_pa
     np.testing.assert_allclose(audio._decoded(path.read_bytes()), samples / np.float32(32768), atol=1e-6)
 
 
+def wav_header(frames: int) -> bytes:
+    """A 16 kHz 16-bit mono WAV's header announcing `frames` samples."""
+    import struct
+
+    size = frames * 2
+    return (b"RIFF" + struct.pack("<I", 36 + size) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, 16_000, 32_000, 2, 16)
+            + b"data" + struct.pack("<I", size))
+
+
 @pytest.mark.parametrize("data,message", [(b"", "the audio file is empty"),
+                                          (wav_header(100), "holds no samples"),
+
                                           (b"hello, this is text" * 20, "not an audio file this can read"),
                                           (b"RIFF\x00\x00\x00\x00WAVEjunk", "not an audio file this can read")])
 def test_what_is_not_audio_is_a_one_line_error(data, message):
@@ -268,27 +283,28 @@ def spoken_pair(tmp_path_factory, tokenizer_dir):
 def reference_transcription(model, features: np.ndarray, opening: list[int], max_tokens: int,
                             timestamps: bool = False) -> list[int]:
     """Greedy ids from transformers' forward passes with its own Whisper
-    logits processors, in the order its generate applies them: the
-    timestamps' (when asked for), the config's suppressed tokens, and those
-    suppressed at the start."""
+    logits processors, in the order its generate applies them: those
+    suppressed at the start, the config's suppressed tokens, and the
+    timestamps' (when asked for)."""
     from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
                                                          SuppressTokensLogitsProcessor,
                                                          WhisperTimeStampLogitsProcessor)
 
     generation = model.generation_config
-    processors = [SuppressTokensLogitsProcessor(generation.suppress_tokens),
-                  SuppressTokensAtBeginLogitsProcessor(generation.begin_suppress_tokens, len(opening))]
+    processors = [SuppressTokensAtBeginLogitsProcessor(generation.begin_suppress_tokens, len(opening)),
+                  SuppressTokensLogitsProcessor(generation.suppress_tokens)]
     if timestamps:
-        processors.insert(0, WhisperTimeStampLogitsProcessor(generation, begin_index=len(opening)))
+        processors.append(WhisperTimeStampLogitsProcessor(generation, begin_index=len(opening)))
     encoded = model.model.encoder(torch.tensor(features.T[None]))
     ids = list(opening)
     for _ in range(max_tokens):
         logits = model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([ids])).logits[:, -1]
-        if timestamps:  # the timestamps' probability together against the text's: a margin rounding cannot cross
-            logprobs = torch.log_softmax(processors[0](torch.tensor([ids]), logits.clone()), dim=-1)[0]
-            first = generation.no_timestamps_token_id + 1
-            assert abs(logprobs[first:].logsumexp(-1) - logprobs[:first].max()) > 1e-4 or ids == list(opening)
         for processor in processors:
+            if isinstance(processor, WhisperTimeStampLogitsProcessor):  # its check's margin, past rounding
+                check = WhisperTimeStampLogitsProcessor(generation, len(opening), _detect_timestamp_from_logprob=False)
+                logprobs = torch.log_softmax(check(torch.tensor([ids]), logits.clone()), dim=-1)[0]
+                first = generation.no_timestamps_token_id + 1
+                assert abs(logprobs[first:].logsumexp(-1) - logprobs[:first].max()) > 1e-4 or ids == list(opening)
             logits = processor(torch.tensor([ids]), logits)
         top = torch.topk(logits[0], 2).values
         assert top[0] - top[1] > 1e-3  # a margin rounding cannot cross
@@ -486,6 +502,11 @@ def test_the_command_line_writes_subtitles_beside_each_other_in_a_folder(spoken_
     pairs = sum(1 for a, b in zip(expected, expected[1:]) if a >= first and b < first)  # a timestamp, then text
     assert written.startswith("1\n00:00:") and written.count(" --> ") == pairs >= 2
     assert f"{path} -> {tmp_path / 'tone.srt'}" in capsys.readouterr().out
+    (tmp_path / "again").mkdir()
+    shutil.copy(path, tmp_path / "again" / "tone.wav")
+    assert main.main(["--model", str(root / "mlx"), "--audio", str(path), str(tmp_path / "again" / "tone.wav"),
+                      "--output-dir", str(tmp_path)]) == 2
+    assert "two files named tone would write one output" in capsys.readouterr().err
 
 
 def test_a_whisper_quantizes_its_projections_and_keeps_its_convolutions_and_tables(spoken_pair, tmp_path):
@@ -504,3 +525,39 @@ def test_a_whisper_quantizes_its_projections_and_keeps_its_convolutions_and_tabl
     logits = [np.array(model.decode(tokens, model.make_cache(model.encode(features))))
               for model in (load_model(root / "mlx"), load_model(tmp_path / "q8"))]
     assert np.abs(logits[0] - logits[1]).max() < 0.05 * np.abs(logits[0]).max()
+
+
+def test_the_timestamps_check_comes_after_the_suppressions_as_transformers_orders_them():
+    """A suppressed token with the text's largest logit: transformers bans it
+    first, then finds the timestamps' probability together above the next
+    text token's and forces a timestamp. The batch's logits are
+    transformers' processed ones, -inf where they are."""
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
+                                                         SuppressTokensLogitsProcessor,
+                                                         WhisperTimeStampLogitsProcessor)
+
+    import speech
+    from sampling import Penalties, RowPenalties
+
+    end, start, no_timestamps, vocabulary = 10, 9, 11, 20  # timestamps: 12 to 19
+    generation = GenerationConfig(eos_token_id=end, no_timestamps_token_id=no_timestamps, suppress_tokens=[3],
+                                  begin_suppress_tokens=[4], max_initial_timestamp_index=5)
+    whisper = speech.Whisper(start, end, no_timestamps=no_timestamps, suppress=(3,), begin_suppress=(4,),
+                             vocabulary=vocabulary, max_initial=5)
+    opening = Opening((start,))
+    logits = np.full(vocabulary, -10.0, np.float32)
+    logits[3], logits[4], logits[12:16] = 5.0, 2.0, 1.5  # suppressed 5; text 2; four timestamps, together 2.9
+    for before in ([12, 5], [12, 5, 6]):  # a timestamp, then text
+        ids = torch.tensor([[start, *before]])
+        theirs = torch.tensor(logits)[None]
+        for processor in (SuppressTokensAtBeginLogitsProcessor(generation.begin_suppress_tokens, 1),
+                          SuppressTokensLogitsProcessor(generation.suppress_tokens),
+                          WhisperTimeStampLogitsProcessor(generation, begin_index=1)):
+            theirs = processor(ids, theirs)
+        penalties = RowPenalties([Penalties(rules=whisper.rules(opening, timestamps=True))], [opening.start], end,
+                                 vocabulary)
+        ours = penalties.apply(mx.array(logits)[None, None], mx.zeros((1, 1, vocabulary)), mx.array([[len(before)]]),
+                               history=[[start, *before]])
+        np.testing.assert_allclose(np.array(ours)[0, 0], theirs[0].numpy())
+        assert int(theirs[0].argmax()) >= 12  # a timestamp forced: the check saw the suppressed token gone
