@@ -17,7 +17,7 @@ say (the draft follows the same rules).
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import audio
 import cpu  # noqa: F401  (before mlx.core)
@@ -175,64 +175,109 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     audio.read gives them), decoded together in one batch at these settings
     (options as Settings' fields, over the model's generation defaults): a
     file of up to 30 s each; with `timestamps`, in timestamped segments."""
-    whisper = Whisper.of(models)
-    if task not in TASKS:
-        raise OptionError(f"task must be transcribe or translate, not {task!r}")
-    if task == "translate" and not whisper.multilingual:
-        raise OptionError("this model is English-only: it transcribes, and does not translate")
-    fixed = whisper.language_token(language) if language is not None and whisper.multilingual else None
-    if language is not None and not whisper.multilingual:
-        whisper.language_token(language)  # English-only: refuses any language
-    settings = replace(settings or Settings(), **options)
-    given = set(given) | set(options)
-    _, settings, _ = with_presets(models, settings, given=given, search=False)
-    # The decoder's positions hold the opening and the output: by default the output takes what the opening leaves
-    # (transformers' max_length of 448 does the same); asked for more, it is refused.
-    positions = models.target.args.max_positions
-    opened = len(whisper.opening(next(iter(whisper.languages.values()), None), task, timestamps).start)
-    if "max_tokens" not in given:
-        settings = replace(settings, max_tokens=positions - opened)
-    elif settings.max_tokens + opened > positions:
-        raise OptionError(f"max_tokens is {settings.max_tokens:,}: with the {opened} tokens the decoder opens with, "
-                          f"this model's {positions} positions leave {positions - opened} for the output", "max_tokens")
-    settings = settings.check_models(models)
-    sources, durations = [], []
-    for file in files:
-        samples = file if isinstance(file, np.ndarray) else audio.read(file)
-        duration = len(samples) / audio.SAMPLE_RATE
-        if duration > audio.WINDOW_SECONDS:
-            name = file if isinstance(file, (str, Path)) else "a file"  # its samples: the caller knows which
-            raise OptionError(f"{name} is {duration:.1f} s long: files of up to {audio.WINDOW_SECONDS} s transcribe "
-                              "here so far")
-        sources.append(mx.array(audio.log_mel(samples, models.target.args.num_mel_bins)))
-        durations.append(duration)
-    requests = [Request(source, settings) for source in sources]
-    batch = batch_for(models, settings, len(requests))
-    encoding = batch.encoding(requests)
-    if fixed is None and whisper.multilingual:
-        chosen = whisper.detect(models.target, encoding.finish()[0], len(requests))
-    else:
-        chosen = [fixed] * len(requests)
-    for request, token in zip(requests, chosen):
-        request.opening = whisper.opening(token, task, timestamps)
-        request.rules = whisper.rules(request.opening, timestamps)
-    batch.join(requests, encoding)
-    tokens, finish = {id(request): [] for request in requests}, {}
-    while batch.rows:
-        for request, token, reason in batch.round():
-            if token is not None:
-                tokens[id(request)].append(token)
-            if reason:
-                finish[id(request)] = reason
-    names = {token: code.strip("<|>") for code, token in whisper.languages.items()}
+    job = Listening.of(models, files, language, task, timestamps, settings, given, options)
+    tokens, finish = {id(request): [] for request in job.requests}, {}
+    for request, token, reason in job.events():
+        if token is not None:
+            tokens[id(request)].append(token)
+        if reason:
+            finish[id(request)] = reason
+    return [job.transcription(request, tokens[id(request)], finish.get(id(request))) for request in job.requests]
 
-    def text(ids: list[int]) -> str:
-        return models.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    return [Transcription(text(ids := tokens[id(request)]), ids, names.get(token, None if whisper.multilingual else "en"),
-                          duration, finish.get(id(request)), request.stats,
-                          whisper.segments(ids, duration, text, timestamps), task)
-            for request, token, duration in zip(requests, chosen, durations)]
+def stream_transcribe(models, file, *, language: str | None = None, task: str = "transcribe", timestamps: bool = True,
+                      settings: Settings | None = None, given=(), **options) -> Iterator[dict]:
+    """One file's segments ({start, end, text, tokens}) as they are decided:
+    each as soon as the timestamp that closes it is out, the last (text no
+    timestamp closed, or the whole without timestamps) when decoding ends."""
+    job = Listening.of(models, [file], language, task, timestamps, settings, given, options)
+    (request,), tokens, sent = job.requests, [], 0
+    for _, token, _ in job.events():
+        if token is None:
+            continue
+        tokens.append(token)
+        if timestamps and job.whisper.first_timestamp is not None and token >= job.whisper.first_timestamp:
+            closed = job.whisper.segments(tokens, job.durations[0], job.text)  # each closed by a timestamp
+            yield from closed[sent:]
+            sent = len(closed)
+    yield from job.transcription(request, tokens, None).segments[sent:]
+
+
+@dataclass
+class Listening:
+    """Files' requests, their opening and rules set (a language detected where none is given), joined to a batch."""
+
+    whisper: Whisper
+    models: object
+    batch: object
+    requests: list[Request]
+    languages: list[int | None]  # each request's language token
+    durations: list[float]
+    task: str
+    timestamps: bool
+
+    @classmethod
+    def of(cls, models, files: list, language: str | None, task: str, timestamps: bool, settings: Settings | None,
+           given, options: dict) -> "Listening":
+        whisper = Whisper.of(models)
+        if task not in TASKS:
+            raise OptionError(f"task must be transcribe or translate, not {task!r}")
+        if task == "translate" and not whisper.multilingual:
+            raise OptionError("this model is English-only: it transcribes, and does not translate")
+        fixed = whisper.language_token(language) if language is not None and whisper.multilingual else None
+        if language is not None and not whisper.multilingual:
+            whisper.language_token(language)  # English-only: refuses any language
+        settings = replace(settings or Settings(), **options)
+        given = set(given) | set(options)
+        _, settings, _ = with_presets(models, settings, given=given, search=False)
+        # The decoder's positions hold the opening and the output: by default the output takes what the opening
+        # leaves (transformers' max_length of 448 does the same); asked for more, it is refused.
+        positions = models.target.args.max_positions
+        opened = len(whisper.opening(next(iter(whisper.languages.values()), None), task, timestamps).start)
+        if "max_tokens" not in given:
+            settings = replace(settings, max_tokens=positions - opened)
+        elif settings.max_tokens + opened > positions:
+            raise OptionError(f"max_tokens is {settings.max_tokens:,}: with the {opened} tokens the decoder opens "
+                              f"with, this model's {positions} positions leave {positions - opened} for the output",
+                              "max_tokens")
+        settings = settings.check_models(models)
+        sources, durations = [], []
+        for file in files:
+            samples = file if isinstance(file, np.ndarray) else audio.read(file)
+            duration = len(samples) / audio.SAMPLE_RATE
+            if duration > audio.WINDOW_SECONDS:
+                name = file if isinstance(file, (str, Path)) else "a file"  # its samples: the caller knows which
+                raise OptionError(f"{name} is {duration:.1f} s long: files of up to {audio.WINDOW_SECONDS} s "
+                                  "transcribe here so far")
+            sources.append(mx.array(audio.log_mel(samples, models.target.args.num_mel_bins)))
+            durations.append(duration)
+        requests = [Request(source, settings) for source in sources]
+        batch = batch_for(models, settings, len(requests))
+        encoding = batch.encoding(requests)
+        if fixed is None and whisper.multilingual:
+            chosen = whisper.detect(models.target, encoding.finish()[0], len(requests))
+        else:
+            chosen = [fixed] * len(requests)
+        for request, token in zip(requests, chosen):
+            request.opening = whisper.opening(token, task, timestamps)
+            request.rules = whisper.rules(request.opening, timestamps)
+        batch.join(requests, encoding)
+        return cls(whisper, models, batch, requests, chosen, durations, task, timestamps)
+
+    def events(self) -> Iterator:
+        """The batch's rounds' events until every row is done."""
+        while self.batch.rows:
+            yield from self.batch.round()
+
+    def text(self, ids: list[int]) -> str:
+        return self.models.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def transcription(self, request: Request, tokens: list[int], finish: str | None) -> Transcription:
+        i = self.requests.index(request)
+        names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
+        language = names.get(self.languages[i], None if self.whisper.multilingual else "en")
+        return Transcription(self.text(tokens), tokens, language, self.durations[i], finish, request.stats,
+                             self.whisper.segments(tokens, self.durations[i], self.text, self.timestamps), self.task)
 
 
 # The language names transformers' generate takes, for the codes of Whisper's first 99 languages.

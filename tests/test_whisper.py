@@ -561,3 +561,28 @@ def test_the_timestamps_check_comes_after_the_suppressions_as_transformers_order
                                history=[[start, *before]])
         np.testing.assert_allclose(np.array(ours)[0, 0], theirs[0].numpy())
         assert int(theirs[0].argmax()) >= 12  # a timestamp forced: the check saw the suppressed token gone
+
+
+def test_a_files_segments_stream_as_their_closing_timestamps_are_decided(spoken_pair, monkeypatch):
+    """stream_transcribe yields transcribe's segments, each as soon as the
+    timestamp that closes it is out: the first long before decoding ends."""
+    import speech
+
+    root, _, _, path = spoken_pair
+    models = Models(load_model(root / "mlx"), tokenizer=load_tokenizer(root / "mlx"),
+                    generation=read_generation_config(root / "mlx"))
+    (whole,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=40)
+    events, real = [], speech.Listening.events
+
+    def counted(self):
+        for event in real(self):
+            events.append(event)
+            yield event
+
+    monkeypatch.setattr(speech.Listening, "events", counted)
+    streamed, decided = [], []
+    for segment in speech.stream_transcribe(models, path, language="en", max_tokens=40):
+        streamed.append(segment)
+        decided.append(len(events))
+    assert streamed == whole.segments and len(streamed) >= 2
+    assert decided[0] < len(events) // 2
