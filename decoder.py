@@ -38,9 +38,9 @@ class RegularBatch(Batch):
 
     def step(self, tokens: mx.array, cache: DecoderCache, sampling: RowSampling, penalties: RowPenalties | None = None,
              counts: mx.array | None = None, seen: mx.array | None = None, history: list[list[int]] | None = None,
-             opened: list[int] | None = None) -> tuple[mx.array, mx.array]:
+             opened: list[int] | None = None, rows: list[Row] = ()) -> tuple[mx.array, mx.array]:
         """Each row's next token after `tokens` (B,), and the logits (B, V)
-        the target gave before any processor; with penalties, given the
+        its logprobs read (Batch.logprobs_of); with penalties, given the
         output's counts and, for no_repeat_ngram_size, its tokens (`seen`;
         `history` on the host, for rules that read them). `opened`: each
         row's opening tokens before `tokens` in the cache."""
@@ -53,7 +53,7 @@ class RegularBatch(Batch):
             logits = penalties.apply(logits[:, None], counts[:, None], positions[:, None], seen, history)[:, 0]
         token = sample(logits, sampling, positions)
         mx.async_eval(token)
-        return token, raw
+        return token, self.logprobs_of(rows, raw, logits)
 
     def joined(self, rows: list[Row], caches: list[DecoderCache]) -> None:
         start = mx.array([self.start(row) for row in rows])
@@ -65,7 +65,7 @@ class RegularBatch(Batch):
             seen = mx.array(pad_left([list(self.opening(row).start) for row in rows]))
         if penalties is not None and penalties.reads_tokens:
             history = [list(self.opening(row).start) for row in rows]
-        first, logits = self.step(start, caches[0], sampling, penalties, counts, seen, history, self.opened(rows))
+        first, logits = self.step(start, caches[0], sampling, penalties, counts, seen, history, self.opened(rows), rows)
         self.queued = first if self.queued is None else mx.concatenate([self.queued, first])
         self.queued_logits = logits if self.queued_logits is None else mx.concatenate([self.queued_logits, logits])
 
@@ -85,7 +85,7 @@ class RegularBatch(Batch):
             opened = None if self.sampling.all_greedy and self.penalties is None else self.opened(self.rows)
             self.queued, self.queued_logits = self.step(current, self.caches[0], self.sampling, self.penalties,
                                                         self.counts, self.tokens(self.rows, current[:, None]), history,
-                                                        opened)
+                                                        opened, self.rows)
         logprobs = [None] * len(self.rows) if logprobs is None else logprob_lists(*logprobs)
         finished = set()
         for position, (row, value, given) in enumerate(zip(self.rows, current.tolist(), logprobs)):
@@ -256,7 +256,7 @@ class SpeculativeBatch(Batch):
         if self.top_logprobs is not None:  # at each position the row decides: its accepted drafts, then its next token
             padded = mx.concatenate([proposal.drafts, next_tokens[:, None]], axis=1)
             chosen = mx.where(mx.arange(k + 1) == num_accepted[:, None], next_tokens[:, None], padded)
-            logprobs = log_probabilities(raw, chosen, self.top_logprobs)
+            logprobs = log_probabilities(self.logprobs_of(rows, raw, target_logits), chosen, self.top_logprobs)
         # The round's one host sync (with auto, one a draft step too, and the last step's confidences in this one).
         mx.eval(num_accepted, next_tokens, proposal.drafts, *proposal.pending, *(a for a in logprobs if a is not None))
         logprobs = logprob_lists(*logprobs) if logprobs else [None] * len(rows)

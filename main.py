@@ -27,7 +27,7 @@ from interactive import Session
 from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
-from audio import SAMPLE_RATE, WINDOW_SAMPLES, read as read_audio
+from audio import read as read_audio
 from speech import TASKS, render, transcribe
 from sweep import check_plot_path, parse_list, sweep
 
@@ -374,9 +374,6 @@ def listen(args) -> int:
     settings = replace(knob_settings(args, DEFAULTS), speculative=args.draft_model is not None and not args.regular_decode)
     given = {name for name in KNOBS if getattr(args, name) is not None}
     samples = [read_audio(file) for file in args.audio]  # a file that is not audio fails before loading
-    for file, heard in zip(args.audio, samples):
-        if len(heard) > WINDOW_SAMPLES:
-            raise UsageError(f"{file} is {len(heard) / SAMPLE_RATE:.1f} s long: files of up to 30 s transcribe so far")
     models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)
     form = {"txt": "text", "json": "verbose_json"}.get(args.output_format, args.output_format)
     timestamps = args.timestamps or form in ("srt", "vtt")

@@ -41,6 +41,10 @@ class Request:
     opening: Opening | None = None  # how its decoder opens; None: the model's own (Opening.of)
     rules: tuple = ()  # rules.Rule objects the plan adds to the settings' own (plans.Plan.rules)
     key: tuple[int, int] | None = None  # its random stream (sampling.random_key), once it has one: a replay keeps it
+    # Its logprobs from the logits after its rules and penalties (what Whisper's thresholds read, as transformers'
+    # and openai-whisper's), not the model's own; and the end of text's, when it ends so (end_logprob).
+    ruled_logprobs: bool = False
+    end_logprob: float | None = None
 
 
 # An output token's log-probability, and the most likely tokens' (id, log-probability), most likely first.
@@ -179,6 +183,8 @@ class Row:
         # An end of text the model's config forces at max_tokens ends the output by its length.
         cut = end is not None and self.forced_end and self.produced + end + 1 == self.settings.max_tokens
         if end is not None:
+            if tokens[end] == eos and logprobs:
+                self.request.end_logprob = logprobs[end][0]
             tokens = tokens[: end + (tokens[end] != eos)]
         self.output += tokens
         if self.settings.logprobs is not None:
@@ -367,6 +373,15 @@ class Batch:
         """The most alternatives a row asks logprobs for; None when no row asks for logprobs."""
         asked = [row.settings.logprobs for row in self.rows if row.settings.logprobs is not None]
         return max(asked) if asked else None
+
+    def logprobs_of(self, rows: list[Row], raw: mx.array, ruled: mx.array) -> mx.array:
+        """The logits each row's logprobs read: the model's own (raw), or those after its rules (ruled)."""
+        asks = [row.request.ruled_logprobs for row in rows]
+        if not any(asks) or raw is ruled:
+            return raw
+        if all(asks):
+            return ruled
+        return mx.where(mx.array(asks).reshape((-1,) + (1,) * (raw.ndim - 1)), ruled, raw)
 
     @property
     def vocabulary(self) -> int:

@@ -15,8 +15,9 @@ say (the draft follows the same rules).
 """
 
 import json
+import math
+import zlib
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import audio
@@ -33,6 +34,7 @@ from rules import BadWords, Rule, Timestamps
 
 TASKS = ("transcribe", "translate")
 TIMESTAMP_SECONDS = 0.02  # a timestamp token's step
+FRAMES_PER_STEP = 2  # feature frames (10 ms) a timestamp step spans: the encoder's stride
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Whisper:
     begin_suppress: tuple[int, ...] = ()
     vocabulary: int = 0
     max_initial: int | None = None  # the latest first timestamp, in steps of 0.02 s
+    previous: int | None = None  # <|startofprev|>, which a prompt opens with
+    positions: int = 448  # the decoder's
 
     @classmethod
     def of(cls, models) -> "Whisper":
@@ -74,7 +78,8 @@ class Whisper:
                    tasks=generation.get("task_to_id") or {}, no_timestamps=generation.get("no_timestamps_token_id"),
                    suppress=tuple(generation.get("suppress_tokens") or ()),
                    begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()), vocabulary=args.vocab_size,
-                   max_initial=generation.get("max_initial_timestamp_index"))
+                   max_initial=generation.get("max_initial_timestamp_index"),
+                   previous=generation.get("prev_sot_token_id"), positions=args.max_positions)
 
     @property
     def first_timestamp(self) -> int | None:
@@ -94,11 +99,11 @@ class Whisper:
                               "this model is English-only: it takes no language")
         return token
 
-    def opening(self, language: int | None, task: str, timestamps: bool = False) -> Opening:
-        """The start of transcript, the language and the task (a multilingual
-        model's), then no-timestamps unless they are asked for: transformers'
-        decoder prompt."""
-        start = [self.start]
+    def opening(self, language: int | None, task: str, timestamps: bool = False, prefix: tuple[int, ...] = ()) -> Opening:
+        """The prompt's prefix (Whisper.prompt), the start of transcript, the
+        language and the task (a multilingual model's), then no-timestamps
+        unless they are asked for: transformers' decoder prompt."""
+        start = [*prefix, self.start]
         if self.multilingual:
             start += [language, self.tasks[task]]
         if self.no_timestamps is not None and not timestamps:
@@ -119,106 +124,220 @@ class Whisper:
                                     self.vocabulary, self.max_initial))
         return tuple(rules)
 
-    def segments(self, tokens: list[int], duration: float, decode, timestamps: bool = True) -> list[dict]:
-        """A window's output in segments ({start, end, text, tokens}), as its
-        timestamps mark them: a segment runs from a timestamp to the next, and
-        consecutive timestamps close one and open another; text after the last
-        timestamp runs to the end of the audio. Without timestamps (not asked
-        for, or none output), one segment of the whole."""
-        first = self.first_timestamp
-        if not timestamps or first is None or not any(token >= first for token in tokens):
-            return [{"start": 0.0, "end": round(duration, 2), "text": decode(tokens), "tokens": tokens}]
-        segments, start, text = [], None, []
-        for token in tokens:
-            if token < first:
-                text.append(token)
-                continue
-            at = round((token - first) * TIMESTAMP_SECONDS, 2)
-            if start is not None and text:
-                segments.append({"start": start, "end": at, "text": decode(text), "tokens": text})
-                start, text = None, []
-            else:  # a segment's first timestamp (after an empty one: the later)
-                start = at
-        if text:  # no timestamp closed it: it runs to the end of the audio
-            start = start or 0.0
-            segments.append({"start": start, "end": max(start, round(duration, 2)), "text": decode(text), "tokens": text})
-        return segments
+    def window_segments(self, tokens: list[int], offset: float, frames: int) -> tuple[list[dict], int]:
+        """A window's output (its end of text left out) in segments ({start,
+        end, tokens}, in seconds from `offset`, the window's start), and the
+        frames the file moves on by, as transformers' long-form decoding
+        splits them: a pair of timestamps closes a segment and opens the
+        next; text after the last pair is dropped and the next window starts
+        at that pair (a window ending in a lone timestamp, or with no pair,
+        is used whole). Without a pair, one segment of the whole, to its last
+        timestamp or the window's end."""
+        first = self.first_timestamp if self.first_timestamp is not None else self.vocabulary + 1
+        stamp = [token >= first for token in tokens]
+        lone_ending = stamp[-2:] == [False, True]
+        cuts = [i + 1 for i in range(len(tokens) - 1) if stamp[i] and stamp[i + 1]]
+        if not cuts:
+            stamps = [token for token in tokens if token >= first]
+            # (in transformers' floats: 58 frames are 28 steps there, not 29)
+            last = float(stamps[-1] - first) if stamps and stamps[-1] != first else int(frames * 0.01 / TIMESTAMP_SECONDS)
+            return [{"start": offset, "end": offset + last * TIMESTAMP_SECONDS, "tokens": tokens}], frames
+        if lone_ending:
+            cuts.append(len(tokens))
+        else:
+            cuts[-1] += 1  # the last pair's second timestamp stays with its segment
+        segments, begin = [], 0
+        for n, cut in enumerate(cuts):
+            piece = tokens[begin:cut]
+            closing = piece[-2] if n == len(cuts) - 1 and not lone_ending else piece[-1]
+            segments.append({"start": offset + (piece[0] - first) * TIMESTAMP_SECONDS,
+                             "end": offset + (closing - first) * TIMESTAMP_SECONDS, "tokens": piece})
+            begin = cut
+        # The next window starts at the last pair (a window that would not move on is used whole).
+        advance = frames if lone_ending else (tokens[begin - 2] - first) * FRAMES_PER_STEP
+        return segments, advance if advance > 0 else frames
 
-    def detect(self, target, cache, rows: int) -> list[int]:
-        """Each row's likeliest language token after the start of transcript
-        alone, as transformers' detect_language decides it; the cache is left
-        as it was."""
-        logits = target.decode(mx.array([[self.start]] * rows), cache)[:, -1]
+    def prompt(self, tokenizer, text: str | None) -> tuple[int, ...]:
+        """<|startofprev|> and a prompt's tokens (its last 223, as openai-whisper keeps them), which every window's
+        opening starts with, as transformers' prompt_ids; () for no prompt."""
+        if not text:
+            return ()
+        if self.previous is None:
+            raise OptionError("this model's generation config has no prev_sot_token_id: it takes no prompt", "prompt")
+        ids = tokenizer.encode(" " + text.strip(), add_special_tokens=False)
+        return (self.previous, *ids[-(self.positions // 2 - 1):])
+
+    def after_start(self, target, cache, prefix: tuple[int, ...], rows: int) -> mx.array:
+        """(rows, V): the target's logits after the prefix and the start of transcript; the cache left as it was."""
+        tokens = [*prefix, self.start]
+        logits = target.decode(mx.array([tokens] * rows), cache)[:, -1]
+        cache.trim(len(tokens))
+        return logits
+
+    def detect(self, logits: mx.array) -> list[int]:
+        """Each row's likeliest language token in its logits after the start of
+        transcript alone, as transformers' detect_language decides it."""
         ids = mx.array(sorted(self.languages.values()))
-        chosen = ids[mx.argmax(logits[:, ids], axis=-1)]
-        cache.trim(1)
-        return [int(token) for token in chosen.tolist()]
+        return [int(token) for token in ids[mx.argmax(logits[:, ids], axis=-1)].tolist()]
+
+    def no_speech_probs(self, logits: mx.array) -> list[float]:
+        """Each row's probability of <|nospeech|> (the token before <|notimestamps|>) in its logits after the start
+        of transcript, before any rule, as transformers' WhisperNoSpeechDetection reads it."""
+        if self.no_timestamps is None:
+            return [0.0] * logits.shape[0]
+        return mx.softmax(logits.astype(mx.float32), axis=-1)[:, self.no_timestamps - 1].tolist()
+
+
+@dataclass(frozen=True)
+class Guards:
+    """When a window is decoded again, hotter, or passed over as silence, as
+    transformers' and openai-whisper's long-form decoding decide it. With
+    none set (the default, as in transformers) every window is decoded once,
+    at the settings' temperature."""
+
+    temperatures: tuple[float, ...] = ()  # tried in turn while a threshold fails; () : the settings' temperature
+    compression_ratio_threshold: float | None = None  # above it the window is too repetitive
+    logprob_threshold: float | None = None  # below it the window is too unsure
+    no_speech_threshold: float | None = None  # above it (and unsure, when logprob_threshold is set): silence
+
+    def retry(self, window: "Window") -> bool:
+        """The window fails a threshold (and is not silence): decode it again at the next temperature."""
+        ratio, unsure = self.compression_ratio_threshold, self.logprob_threshold
+        failed = (ratio is not None and window.compression_ratio > ratio) or \
+                 (unsure is not None and window.avg_logprob < unsure)
+        return failed and not self.silent(window)
+
+    def silent(self, window: "Window") -> bool:
+        """The window is silence, by the no-speech probability after its start
+        of transcript (and its average log-probability, when that has a
+        threshold too): it is skipped."""
+        if self.no_speech_threshold is None or window.no_speech_prob <= self.no_speech_threshold:
+            return False
+        return self.logprob_threshold is None or window.avg_logprob < self.logprob_threshold
+
+    @property
+    def any(self) -> bool:
+        return any(value is not None for value in (self.compression_ratio_threshold, self.logprob_threshold,
+                                                   self.no_speech_threshold))
+
+
+@dataclass(eq=False)
+class Window:
+    """One decoding of 30 s of a file, from `seek` (in 10 ms frames): its
+    request, and what the guards read of it."""
+
+    request: Request
+    seek: int
+    frames: int  # the file's frames it holds, up to 3,000 (the rest is padding)
+    temperature: float
+    no_speech_prob: float = 0.0  # the probability of <|nospeech|> after its start of transcript
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    avg_logprob: float | None = None  # what the guards read, once it ends (Window.close)
+    compression_ratio: float | None = None
+
+    def close(self, vocabulary: int, end: int) -> None:
+        """Its figures, as transformers computes them: the mean log-probability
+        of its tokens, the end of text's included (after the rules, at
+        temperature 1); its tokens' bytes (the end of text's included) over
+        their zlib-compressed bytes."""
+        request, ended = self.request, self.request.end_logprob is not None
+        picked = [logprob for logprob, _ in request.logprobs] + [request.end_logprob] * ended
+        self.avg_logprob = sum(picked) / len(picked) if picked else 0.0
+        width = int(math.log2(vocabulary) / 8) + 1
+        data = b"".join(token.to_bytes(width, "little") for token in self.tokens + [end] * ended)
+        self.compression_ratio = len(data) / len(zlib.compress(data))
+
+
+@dataclass(eq=False)
+class Track:
+    """One file's way through the sequential algorithm: where it stands, and its segments so far."""
+
+    features: np.ndarray  # (frames, bins): the whole file's
+    frames: int  # its frames to decode (a file of up to 30 s: the whole window, padding included)
+    duration: float
+    timestamps: bool  # decoded with timestamps (over 30 s: always, as the windows move by them)
+    language: int | None = None  # its language token (a multilingual model's)
+    seek: int = 0
+    attempt: int = 0  # the temperature tried now (Guards.temperatures)
+    window: Window | None = None
+    segments: list[dict] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+    finish: str | None = None
+    sent: int = 0  # segments already given out
+
+    @property
+    def done(self) -> bool:
+        return self.seek >= self.frames
+
+    def window_features(self) -> mx.array:
+        """The 3,000 frames from seek, the file's last window padded with zeros, as transformers pads it."""
+        part = self.features[self.seek : self.seek + audio.WINDOW_FRAMES]
+        return mx.array(np.pad(part, [(0, audio.WINDOW_FRAMES - len(part)), (0, 0)]))
 
 
 @dataclass
 class Transcription:
-    """A file's text and the tokens that made it (the opening left out), its language and length, and its statistics."""
+    """A file's text and the tokens that made it (its segments', timestamps included), its language and length,
+    its segments, and its statistics (its windows' together)."""
 
     text: str
     tokens: list[int]
     language: str | None
     duration: float  # seconds of audio
-    finish_reason: str | None
+    finish_reason: str | None  # its last window's
     stats: Stats
-    segments: list[dict] = field(default_factory=list)  # {start, end, text, tokens}: Whisper.segments
+    segments: list[dict] = field(default_factory=list)  # Whisper.segments' fields, and the window's figures
     task: str = "transcribe"
 
 
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
-               settings: Settings | None = None, given=(), **options) -> list[Transcription]:
+               guards: Guards = Guards(), prompt: str | None = None, settings: Settings | None = None, given=(),
+               **options) -> list[Transcription]:
     """Each file's Transcription (a path, a file's bytes, or its samples as
     audio.read gives them), decoded together in one batch at these settings
-    (options as Settings' fields, over the model's generation defaults): a
-    file of up to 30 s each; with `timestamps`, in timestamped segments."""
-    job = Listening.of(models, files, language, task, timestamps, settings, given, options)
-    tokens, finish = {id(request): [] for request in job.requests}, {}
-    for request, token, reason in job.events():
-        if token is not None:
-            tokens[id(request)].append(token)
-        if reason:
-            finish[id(request)] = reason
-    return [job.transcription(request, tokens[id(request)], finish.get(id(request))) for request in job.requests]
+    (options as Settings' fields, over the model's generation defaults). A
+    file over 30 s is decoded window by window, each moving on from the last
+    one's last timestamp, as transformers' long-form generate does; with
+    `timestamps`, a short file too. `max_tokens` counts a window's tokens."""
+    job = Listening.of(models, files, language, task, timestamps, guards, prompt, settings, given, options)
+    for _ in job.events():
+        pass
+    return [job.transcription(track) for track in job.tracks]
 
 
 def stream_transcribe(models, file, *, language: str | None = None, task: str = "transcribe", timestamps: bool = True,
-                      settings: Settings | None = None, given=(), **options) -> Iterator[dict]:
-    """One file's segments ({start, end, text, tokens}) as they are decided:
-    each as soon as the timestamp that closes it is out, the last (text no
-    timestamp closed, or the whole without timestamps) when decoding ends."""
-    job = Listening.of(models, [file], language, task, timestamps, settings, given, options)
-    (request,), tokens, sent = job.requests, [], 0
-    for _, token, _ in job.events():
-        if token is None:
-            continue
-        tokens.append(token)
-        if timestamps and job.whisper.first_timestamp is not None and token >= job.whisper.first_timestamp:
-            closed = job.whisper.segments(tokens, job.durations[0], job.text)  # each closed by a timestamp
-            yield from closed[sent:]
-            sent = len(closed)
-    yield from job.transcription(request, tokens, None).segments[sent:]
+                      guards: Guards = Guards(), prompt: str | None = None, settings: Settings | None = None, given=(),
+                      **options) -> Iterator[dict]:
+    """One file's segments as they are decided: with no guard set, each as
+    soon as the timestamps after it show it final (its window's figures,
+    avg_logprob and compression_ratio, None until the window ends); with
+    guards, a window's once it ends and passes them."""
+    job = Listening.of(models, [file], language, task, timestamps, guards, prompt, settings, given, options)
+    for _, segment in job.events():
+        yield segment
 
 
 @dataclass
 class Listening:
-    """Files' requests, their opening and rules set (a language detected where none is given), joined to a batch."""
+    """Files decoded window by window in one batch: each file's next window
+    joins as soon as its last ends (its language detected from its first,
+    where none is given), so that no file waits for another's."""
 
     whisper: Whisper
     models: object
+    settings: Settings
     batch: object
-    requests: list[Request]
-    languages: list[int | None]  # each request's language token
-    durations: list[float]
+    tracks: list[Track]
     task: str
-    timestamps: bool
+    guards: Guards
+    prefix: tuple[int, ...]  # <|startofprev|> and a prompt's tokens, before the start of transcript
+    max_tokens: int | None  # as asked; None: what each window's opening leaves
+    windows: dict = field(default_factory=dict)  # id(a window's request) -> its track
 
     @classmethod
-    def of(cls, models, files: list, language: str | None, task: str, timestamps: bool, settings: Settings | None,
-           given, options: dict) -> "Listening":
+    def of(cls, models, files: list, language: str | None, task: str, timestamps: bool, guards: Guards,
+           prompt: str | None, settings: Settings | None, given, options: dict) -> "Listening":
         whisper = Whisper.of(models)
         if task not in TASKS:
             raise OptionError(f"task must be transcribe or translate, not {task!r}")
@@ -230,54 +349,142 @@ class Listening:
         settings = replace(settings or Settings(), **options)
         given = set(given) | set(options)
         _, settings, _ = with_presets(models, settings, given=given, search=False)
-        # The decoder's positions hold the opening and the output: by default the output takes what the opening
-        # leaves (transformers' max_length of 448 does the same); asked for more, it is refused.
-        positions = models.target.args.max_positions
-        opened = len(whisper.opening(next(iter(whisper.languages.values()), None), task, timestamps).start)
-        if "max_tokens" not in given:
-            settings = replace(settings, max_tokens=positions - opened)
-        elif settings.max_tokens + opened > positions:
-            raise OptionError(f"max_tokens is {settings.max_tokens:,}: with the {opened} tokens the decoder opens "
-                              f"with, this model's {positions} positions leave {positions - opened} for the output",
-                              "max_tokens")
-        settings = settings.check_models(models)
-        sources, durations = [], []
+        prefix = whisper.prompt(models.tokenizer, prompt)
+        tracks = []
         for file in files:
             samples = file if isinstance(file, np.ndarray) else audio.read(file)
             duration = len(samples) / audio.SAMPLE_RATE
-            if duration > audio.WINDOW_SECONDS:
-                name = file if isinstance(file, (str, Path)) else "a file"  # its samples: the caller knows which
-                raise OptionError(f"{name} is {duration:.1f} s long: files of up to {audio.WINDOW_SECONDS} s "
-                                  "transcribe here so far")
-            sources.append(mx.array(audio.log_mel(samples, models.target.args.num_mel_bins)))
-            durations.append(duration)
-        requests = [Request(source, settings) for source in sources]
-        batch = batch_for(models, settings, len(requests))
-        encoding = batch.encoding(requests)
-        if fixed is None and whisper.multilingual:
-            chosen = whisper.detect(models.target, encoding.finish()[0], len(requests))
-        else:
-            chosen = [fixed] * len(requests)
-        for request, token in zip(requests, chosen):
-            request.opening = whisper.opening(token, task, timestamps)
-            request.rules = whisper.rules(request.opening, timestamps)
-        batch.join(requests, encoding)
-        return cls(whisper, models, batch, requests, chosen, durations, task, timestamps)
+            long = len(samples) > audio.WINDOW_SAMPLES
+            frames = len(samples) // audio.HOP if long else audio.WINDOW_FRAMES  # a short file: padded to 30 s
+            features = audio.log_mel(samples, models.target.args.num_mel_bins, frames)
+            tracks.append(Track(features, frames, duration, timestamps or long, fixed))
+        if (settings.num_beams > 1 or settings.n > 1) and any(track.timestamps for track in tracks):
+            raise OptionError("beam search and n decode files of up to 30 s without timestamps so far")
+        # The decoder's positions hold the opening and the output: by default a window's output takes what its
+        # opening leaves (transformers' max_length of 448 does the same); asked for more, it is refused.
+        positions = models.target.args.max_positions
+        opened = max(len(whisper.opening(next(iter(whisper.languages.values()), None), task, track.timestamps,
+                                         prefix).start) for track in tracks) if tracks else 0
+        if "max_tokens" in given and settings.max_tokens + opened > positions:
+            raise OptionError(f"max_tokens is {settings.max_tokens:,}: with the {opened} tokens the decoder opens "
+                              f"with, this model's {positions} positions leave {positions - opened} for the output",
+                              "max_tokens")
+        if not guards.temperatures:
+            guards = replace(guards, temperatures=(settings.temp,))
+        if settings.num_beams == 1 and settings.n == 1:
+            settings = replace(settings, logprobs=0)  # each token's, for the guards and the segments' figures
+        settings = settings.check_models(models)
+        batch = batch_for(models, settings, max(1, len(tracks)))
+        return cls(whisper, models, settings, batch, tracks, task, guards, prefix,
+                   settings.max_tokens if "max_tokens" in given else None)
 
-    def events(self) -> Iterator:
-        """The batch's rounds' events until every row is done."""
+    def events(self) -> Iterator[tuple[Track, dict]]:
+        """Each segment as it is decided, with its track, until every file is done."""
+        self.start([track for track in self.tracks if not track.done])
         while self.batch.rows:
-            yield from self.batch.round()
+            ended = []
+            for request, token, reason in self.batch.round():
+                track = self.windows[id(request)]
+                if token is not None:
+                    track.window.tokens.append(token)
+                    if not self.guards.any:
+                        yield from self.closed(track)
+                if reason:
+                    track.window.finish = reason
+                    ended.append(track)
+            for track in ended:
+                yield from self.ended(track)
+            self.start([track for track in ended if not track.done])
+
+    def start(self, tracks: list[Track]) -> None:
+        """These tracks' next windows join the batch: encoded together, each
+        opening with its language (detected from its first window where none
+        was given), the no-speech probability read after its start of
+        transcript."""
+        if not tracks:
+            return
+        windows = []
+        for track in tracks:
+            temperature = self.guards.temperatures[track.attempt]
+            request = Request(track.window_features(), replace(self.settings, temp=temperature), ruled_logprobs=True)
+            track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature)
+            self.windows[id(request)] = track
+            windows.append(track.window)
+        requests = [window.request for window in windows]
+        encoding = self.batch.encoding(requests)
+        cache, target = encoding.finish()[0], self.models.target
+        logits = self.whisper.after_start(target, cache, self.prefix, len(tracks))
+        if self.whisper.multilingual and any(track.language is None for track in tracks):
+            # on the start of transcript alone (every row: cheaper than picking some)
+            alone = self.whisper.after_start(target, cache, (), len(tracks)) if self.prefix else logits
+            for track, token in zip(tracks, self.whisper.detect(alone)):
+                track.language = track.language or token
+        no_speech = self.whisper.no_speech_probs(logits)
+        for track, window, probability in zip(tracks, windows, no_speech):
+            request = window.request
+            window.no_speech_prob = probability
+            request.opening = self.whisper.opening(track.language, self.task, track.timestamps, self.prefix)
+            request.rules = self.whisper.rules(request.opening, track.timestamps)
+            most = self.models.target.args.max_positions - len(request.opening.start)
+            request.settings = replace(request.settings, max_tokens=self.max_tokens or most)
+        self.batch.join(requests, encoding)
+
+    def closed(self, track: Track) -> Iterator[tuple[Track, dict]]:
+        """The window's segments the last timestamps showed final: each one
+        once the pair of timestamps after the next is out (a window's last
+        pair is part of its segment, an earlier one is not)."""
+        tokens, first = track.window.tokens, self.whisper.first_timestamp
+        if first is None or len(tokens) < 2 or tokens[-1] < first or tokens[-2] < first:
+            return
+        final = self.whisper.window_segments(tokens, self.offset(track), track.window.frames)[0][:-1]
+        for segment in final[track.sent :]:
+            yield track, self.finished(track, segment)
+        track.sent = max(track.sent, len(final))
+
+    def ended(self, track: Track) -> Iterator[tuple[Track, dict]]:
+        """A window is done: its segments, and the file moves on (or the window
+        is decoded again hotter, or passed over as silence)."""
+        window = track.window
+        window.close(self.whisper.vocabulary, self.whisper.end)
+        track.stats = track.stats + window.request.stats
+        self.windows.pop(id(window.request))
+        if self.guards.retry(window) and track.attempt + 1 < len(self.guards.temperatures):
+            track.attempt += 1  # (the seek stays: the same window again)
+            return
+        track.attempt, track.window, track.finish = 0, None, window.finish
+        if self.guards.silent(window):
+            track.seek += window.frames
+            return
+        segments, advance = self.whisper.window_segments(window.tokens, self.offset(track, window), window.frames)
+        for segment in segments[track.sent :]:
+            yield track, self.finished(track, segment, window)
+        track.segments += [self.finished(track, segment, window) for segment in segments]
+        track.seek += advance
+        track.sent = 0
+
+    def offset(self, track: Track, window: Window | None = None) -> float:
+        """Where the track's window starts, in seconds (as transformers computes it: in float64, from frames)."""
+        return (window or track.window).seek * TIMESTAMP_SECONDS / FRAMES_PER_STEP
+
+    def finished(self, track: Track, segment: dict, window: Window | None = None) -> dict:
+        """A segment as the transcription gives it: OpenAI's verbose_json fields (the window's figures None until it
+        ends)."""
+        window = window or track.window
+        text = [token for token in segment["tokens"] if token < self.whisper.end]
+        return {"seek": window.seek, "start": round(segment["start"], 2), "end": round(segment["end"], 2),
+                "text": self.text(text), "tokens": segment["tokens"], "temperature": window.temperature,
+                "avg_logprob": window.avg_logprob, "compression_ratio": window.compression_ratio,
+                "no_speech_prob": window.no_speech_prob}
 
     def text(self, ids: list[int]) -> str:
         return self.models.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    def transcription(self, request: Request, tokens: list[int], finish: str | None) -> Transcription:
-        i = self.requests.index(request)
+    def transcription(self, track: Track) -> Transcription:
         names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
-        language = names.get(self.languages[i], None if self.whisper.multilingual else "en")
-        return Transcription(self.text(tokens), tokens, language, self.durations[i], finish, request.stats,
-                             self.whisper.segments(tokens, self.durations[i], self.text, self.timestamps), self.task)
+        language = names.get(track.language, None if self.whisper.multilingual else "en")
+        tokens = [token for segment in track.segments for token in segment["tokens"]]
+        return Transcription(self.text([token for token in tokens if token < self.whisper.end]), tokens, language,
+                             track.duration, track.finish, track.stats, track.segments, self.task)
 
 
 # The language names transformers' generate takes, for the codes of Whisper's first 99 languages.

@@ -234,7 +234,8 @@ def test_greedy_whisper_decodes_as_transformers_with_and_without_a_draft(pair, f
 
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|fr|>", "<|translate|>", "<|transcribe|>",
             "<|nospeech|>", "<|notimestamps|>"] + [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
-SUPPRESSED, FIRST_SUPPRESSED = [5, 6, 7, 2244], [220, 2537]  # the fixture's greedy first token, and a later one
+SUPPRESSED, FIRST_SUPPRESSED = [5, 6, 7, 2244], [220, 2537]
+END_OF_TEXT = 1100  # the spoken fixture's (its tokenizer's 1,100 tokens, then SPECIALS)  # the fixture's greedy first token, and a later one
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +316,30 @@ def reference_transcription(model, features: np.ndarray, opening: list[int], max
     return ids[len(opening):]
 
 
+class Margins:
+    """A logits processor that runs last in transformers' generate and asserts each greedy choice wins by a
+    margin rounding cannot cross."""
+
+    def __call__(self, input_ids, scores):
+        top = torch.topk(scores, 2, dim=-1).values
+        assert ((top[:, 0] - top[:, 1] > 1e-3) | ~torch.isfinite(top[:, 1])).all()
+        return scores
+
+
+@torch.no_grad()
+def generated(model, features: np.ndarray, **options) -> list[tuple[float, float, list[int]]]:
+    """transformers' Whisper generate on one file's features (its whole length, as long-form reads it): each
+    segment's (start, end, tokens), greedy choices checked for their margins."""
+    out = model.generate(torch.tensor(features.T[None]), attention_mask=torch.ones(1, len(features), dtype=torch.long),
+                         return_segments=True, logits_processor=[Margins()], **options)
+    return [(round(float(segment["start"]), 2), round(float(segment["end"]), 2), segment["tokens"].tolist())
+            for segment in out["segments"][0]]
+
+
+def ours(transcription) -> list[tuple[float, float, list[int]]]:
+    return [(segment["start"], segment["end"], segment["tokens"]) for segment in transcription.segments]
+
+
 @pytest.mark.parametrize("drafted", [False, True])
 def test_a_file_transcribes_as_transformers_decodes_it_with_whispers_opening_and_suppressions(spoken_pair, drafted):
     """Language and task given: the opening is the start of transcript,
@@ -329,13 +354,16 @@ def test_a_file_transcribes_as_transformers_decodes_it_with_whispers_opening_and
     opening = [ids[token] for token in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")]
     expected = reference_transcription(target, features, opening, 40)
     assert len(expected) == 40 and len(set(expected)) >= 10
+    theirs = generated(target, features, language="en", task="transcribe", max_new_tokens=40)
+    assert [token for _, _, tokens in theirs for token in tokens][:20] == expected[:20]
     models = Models(load_model(root / "mlx"), load_model(root / "mlx") if drafted else None,
                     tokenizer=load_tokenizer(root / "mlx"), generation=read_generation_config(root / "mlx"))
     (transcription,) = speech.transcribe(models, [path], language="en", max_tokens=40, speculative=drafted,
                                          num_draft=3, delta=0.0)
-    assert transcription.tokens == expected and transcription.language == "en"
+    assert ours(transcription) == theirs and transcription.language == "en"
     assert transcription.duration == pytest.approx(5.0)
-    assert transcription.text == models.tokenizer.decode(expected, skip_special_tokens=True).strip()
+    text = [token for token in transcription.tokens if token < END_OF_TEXT]
+    assert transcription.text == models.tokenizer.decode(text, skip_special_tokens=True).strip()
     plain = reference_greedy(target, features, tuple(opening), 40)
     assert plain[0] in FIRST_SUPPRESSED and set(plain) & set(SUPPRESSED)  # what the rules kept out
 
@@ -351,8 +379,7 @@ def test_without_a_language_the_spoken_one_is_detected_as_transformers_detects_i
     (transcription,) = speech.transcribe(models, [path, path], max_tokens=20)[:1]
     code = next(code for code, token in ids.items() if token == detected).strip("<|>")
     assert transcription.language == code
-    opening = [ids["<|startoftranscript|>"], detected, ids["<|transcribe|>"], ids["<|notimestamps|>"]]
-    assert transcription.tokens == reference_transcription(target, features, opening, 20)
+    assert ours(transcription) == generated(target, features, task="transcribe", max_new_tokens=20)
 
 
 def test_what_whisper_cannot_do_is_refused_in_one_line(spoken_pair, v1_1_checkpoint):
@@ -380,15 +407,18 @@ def test_the_command_line_transcribes_files_and_prints_openais_verbose_json(spok
 
     root, target, ids, path = spoken_pair
     features = audio.log_mel(audio.read(path), 80)
-    opening = [ids[token] for token in ("<|startoftranscript|>", "<|fr|>", "<|transcribe|>", "<|notimestamps|>")]
-    expected = reference_transcription(target, features, opening, 12)
+    theirs = generated(target, features, language="fr", task="transcribe", max_new_tokens=12)
     assert main.main(["--model", str(root / "mlx"), "--audio", str(path), str(path), "--language", "fr",
                       "--max-tokens", "12", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(records) == 2 and records[0] == records[1]
-    assert records[0]["language"] == "fr" and records[0]["duration"] == 5.0
-    (segment,) = records[0]["segments"]
-    assert segment["tokens"] == expected and segment["start"] == 0.0 and segment["end"] == 5.0
+    figures = ("avg_logprob", "compression_ratio", "no_speech_prob")  # the same file's, to rounding (its batch row)
+    for first, second in zip(records[0]["segments"], records[1]["segments"]):
+        assert {key: value for key, value in first.items() if key not in figures} == \
+            {key: value for key, value in second.items() if key not in figures}
+        assert [first[key] for key in figures] == pytest.approx([second[key] for key in figures], rel=1e-5)
+    assert len(records) == 2 and records[0]["language"] == "fr" and records[0]["duration"] == 5.0
+    assert [(segment["start"], segment["end"], segment["tokens"]) for segment in records[0]["segments"]] == theirs
+    assert set(records[0]["segments"][0]) == {"id", "seek", "start", "end", "text", "tokens", "temperature", *figures}
     (tmp_path / "notes.txt").write_text("not audio at all, just some words " * 10)
     assert main.main(["--model", str(root / "mlx"), "--audio", str(tmp_path / "notes.txt")]) == 2
     error = capsys.readouterr().err
@@ -450,22 +480,36 @@ def test_timestamps_follow_transformers_rules_and_mark_the_segments(spoken_pair,
                     tokenizer=load_tokenizer(root / "mlx"), generation=read_generation_config(root / "mlx"))
     (transcription,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=40,
                                          speculative=drafted, num_draft=3, delta=0.0)
-    assert transcription.tokens == expected
+    # The first window's segments, up to its last pair of timestamps, are the reference's tokens; the next window
+    # starts there, as transformers' generate decodes it.
+    theirs = generated(target, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=40)
+    assert ours(transcription) == theirs
+    kept = [token for segment in transcription.segments if segment["seek"] == 0 for token in segment["tokens"]]
+    assert len(kept) >= 8 and kept == expected[: len(kept)]  # the first window's, to its last pair
+    assert len({segment["seek"] for segment in transcription.segments}) > 1
     segments = transcription.segments
-    assert segments and all(0 <= segment["start"] <= segment["end"] <= 30 for segment in segments)
-    assert [token for segment in segments for token in segment["tokens"]] == [t for t in expected if t < first]
+    assert segments and all(segment["tokens"][0] >= first for segment in segments)
 
 
-def test_by_default_the_output_takes_the_positions_the_opening_leaves(spoken_pair):
-    """As transformers' max_length of 448 does: 444 tokens after an opening of 4, 445 after 3 (timestamps)."""
+def test_by_default_the_output_takes_the_positions_the_opening_leaves(spoken_pair, monkeypatch):
+    """As transformers' max_length of 448 does: a window's 444 tokens after an opening of 4, 445 after 3
+    (timestamps)."""
     import speech
 
     root, _, _, path = spoken_pair
     models = Models(load_model(root / "mlx"), tokenizer=load_tokenizer(root / "mlx"),
                     generation=read_generation_config(root / "mlx"))
+    windows, real = [], speech.Listening.ended
+
+    def ended(self, track):
+        windows.append((len(track.window.tokens), track.window.finish))
+        return (yield from real(self, track))
+
+    monkeypatch.setattr(speech.Listening, "ended", ended)
     for timestamps, most in ((False, 444), (True, 445)):
-        (transcription,) = speech.transcribe(models, [path], language="en", timestamps=timestamps)
-        assert len(transcription.tokens) == most and transcription.finish_reason == "length"  # no end of text comes
+        windows.clear()
+        speech.transcribe(models, [path], language="en", timestamps=timestamps)
+        assert windows[0] == (most, "length")  # no end of text comes
 
 
 def test_a_transcription_renders_in_each_of_openais_response_formats():
@@ -490,17 +534,17 @@ def test_a_transcription_renders_in_each_of_openais_response_formats():
 def test_the_command_line_writes_subtitles_beside_each_other_in_a_folder(spoken_pair, tmp_path, capsys):
     """--output-format srt turns timestamps on; --output-dir names each file after its audio."""
     import main
+    import speech
 
     root, target, ids, path = spoken_pair
     features = audio.log_mel(audio.read(path), 80)
-    opening = [ids[token] for token in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>")]
-    expected = reference_transcription(target, features, opening, 30, timestamps=True)
+    theirs = generated(target, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=30)
     assert main.main(["--model", str(root / "mlx"), "--audio", str(path), "--language", "en", "--max-tokens", "30",
                       "--output-format", "srt", "--output-dir", str(tmp_path)]) == 0
     written = (tmp_path / "tone.srt").read_text()
-    first = ids["<|notimestamps|>"] + 1
-    pairs = sum(1 for a, b in zip(expected, expected[1:]) if a >= first and b < first)  # a timestamp, then text
-    assert written.startswith("1\n00:00:") and written.count(" --> ") == pairs >= 2
+    start, end, _ = theirs[-1]
+    assert written.startswith("1\n00:00:") and written.count(" --> ") == len(theirs) >= 2
+    assert f"{len(theirs)}\n{speech.clock(start, ',')} --> {speech.clock(end, ',')}\n" in written
     assert f"{path} -> {tmp_path / 'tone.srt'}" in capsys.readouterr().out
     (tmp_path / "again").mkdir()
     shutil.copy(path, tmp_path / "again" / "tone.wav")
@@ -565,24 +609,163 @@ def test_the_timestamps_check_comes_after_the_suppressions_as_transformers_order
 
 def test_a_files_segments_stream_as_their_closing_timestamps_are_decided(spoken_pair, monkeypatch):
     """stream_transcribe yields transcribe's segments, each as soon as the
-    timestamp that closes it is out: the first long before decoding ends."""
+    timestamps after it show it final: the first long before decoding ends
+    (the window's figures, known at its end, left out until then)."""
+    import decoder
     import speech
 
     root, _, _, path = spoken_pair
     models = Models(load_model(root / "mlx"), tokenizer=load_tokenizer(root / "mlx"),
                     generation=read_generation_config(root / "mlx"))
     (whole,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=40)
-    events, real = [], speech.Listening.events
+    events, real = [], decoder.RegularBatch.round
 
     def counted(self):
         for event in real(self):
             events.append(event)
             yield event
 
-    monkeypatch.setattr(speech.Listening, "events", counted)
+    monkeypatch.setattr(decoder.RegularBatch, "round", counted)
     streamed, decided = [], []
     for segment in speech.stream_transcribe(models, path, language="en", max_tokens=40):
         streamed.append(segment)
         decided.append(len(events))
-    assert streamed == whole.segments and len(streamed) >= 2
-    assert decided[0] < len(events) // 2
+    figures = ("avg_logprob", "compression_ratio")
+    assert [{key: value for key, value in segment.items() if key not in figures} for segment in streamed] == \
+        [{key: value for key, value in segment.items() if key not in figures} for segment in whole.segments]
+    assert len(streamed) >= 2 and streamed[0]["avg_logprob"] is None and streamed[-1]["avg_logprob"] is not None
+    assert decided[0] < len(events) // 4
+
+
+# ---------------------------------------------------------------- long files: the sequential algorithm
+
+@pytest.fixture(scope="module")
+def long_file(spoken_pair):
+    """75 s: the tone at three loudnesses, between stretches of quiet noise, as a 16 kHz WAV (noise seed 9: every
+    greedy choice of the tests below wins by a margin of 1e-3; at seeds 2 and 3 one does not)."""
+    import wave
+
+    root, _, _, path = spoken_pair
+    tone, quiet = audio.read(path), 0.01 * np.random.default_rng(9).standard_normal(5 * audio.SAMPLE_RATE)
+    samples = np.concatenate([tone * (1 + i % 3) if i % 4 else quiet for i in range(15)])
+    long = root / "long.wav"
+    with wave.open(str(long), "wb") as file:
+        file.setnchannels(1), file.setsampwidth(2), file.setframerate(audio.SAMPLE_RATE)
+        file.writeframes((np.clip(samples, -1, 1) * 32767).astype(np.int16).tobytes())
+    return long
+
+
+def spoken_models(root, drafted: bool = False) -> Models:
+    return Models(load_model(root / "mlx"), load_model(root / "mlx") if drafted else None,
+                  tokenizer=load_tokenizer(root / "mlx"), generation=read_generation_config(root / "mlx"))
+
+
+def whole_features(path) -> np.ndarray:
+    samples = audio.read(path)
+    return audio.log_mel(samples, 80, frames=len(samples) // audio.HOP)
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_long_file_decodes_window_by_window_as_transformers_long_form_generate(spoken_pair, long_file, drafted):
+    """Over 30 s: each window starts at the last one's last pair of
+    timestamps (the whole window when it ends on a lone one), the last padded
+    with zeros, max_tokens counting a window's tokens: segment for segment
+    (start, end, tokens) as transformers' long-form generate, regular and
+    drafted."""
+    import speech
+
+    root, target, _, _ = spoken_pair
+    features = whole_features(long_file)
+    theirs = generated(target, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=60)
+    (transcription,) = speech.transcribe(spoken_models(root, drafted), [long_file], language="en", max_tokens=60,
+                                         speculative=drafted, num_draft=3, delta=0.0)
+    assert ours(transcription) == theirs
+    seeks = [segment["seek"] for segment in transcription.segments]
+    assert len(set(seeks)) >= 3 and max(seeks) > len(features) - audio.WINDOW_FRAMES  # the last window is padded
+    assert transcription.duration == pytest.approx(75.0)
+    assert transcription.tokens == [token for _, _, tokens in theirs for token in tokens]
+
+
+def test_files_of_any_length_decode_together_each_as_it_does_alone(spoken_pair, long_file, monkeypatch):
+    """Two long files and a short one in one batch: a file's next window joins
+    as soon as its last ends, and each file's segments are what it gets alone."""
+    import speech
+    from rows import Batch
+
+    root, _, _, path = spoken_pair
+    models = spoken_models(root)
+    shifted = audio.read(long_file)[7 * audio.SAMPLE_RATE :]
+    files = [long_file, path, shifted]
+    widths, real = [], Batch.join
+
+    def join(self, requests, encoding=None):
+        rows = real(self, requests, encoding)
+        widths.append((len(requests), len(self.rows)))
+        return rows
+
+    monkeypatch.setattr(Batch, "join", join)
+    together = speech.transcribe(models, files, language="en", timestamps=True, max_tokens=50)
+    assert widths[0] == (3, 3) and len(widths) >= 3  # the files' first windows together, then the next ones
+    for file, transcription in zip(files, together):
+        (alone,) = speech.transcribe(models, [file], language="en", timestamps=True, max_tokens=50)
+        assert ours(transcription) == ours(alone)
+    assert len(together[0].segments) > len(together[1].segments)
+
+
+@torch.no_grad()
+def test_the_windows_figures_are_transformers_and_a_silent_window_is_skipped_by_its_threshold(spoken_pair, long_file):
+    """Each window's no-speech probability (after its start of transcript,
+    before any rule), average log-probability (after the rules, the end of
+    text's included) and compression ratio are those transformers computes;
+    with a no-speech threshold between the windows' probabilities (and a
+    log-probability threshold every window is under), the windows above it
+    are skipped, as transformers skips them."""
+    import speech
+    from transformers import WhisperForConditionalGeneration as Whisper
+
+    root, target, ids, _ = spoken_pair
+    models = spoken_models(root)
+    features = whole_features(long_file)
+    (plain,) = speech.transcribe(models, [long_file], language="en", max_tokens=60)
+    windows = {segment["seek"]: segment for segment in plain.segments}
+    opening = [ids[token] for token in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>")]
+    for seek, segment in windows.items():
+        window = np.pad(features[seek : seek + audio.WINDOW_FRAMES], [(0, max(0, seek + audio.WINDOW_FRAMES - len(features))), (0, 0)])
+        logits = target(torch.tensor(window.T[None]), decoder_input_ids=torch.tensor([opening])).logits[0, 0]
+        expected = float(torch.softmax(logits, -1)[ids["<|nospeech|>"]])
+        assert segment["no_speech_prob"] == pytest.approx(expected, rel=1e-4)
+    out = target.generate(torch.tensor(features.T[None]), attention_mask=torch.ones(1, len(features), dtype=torch.long),
+                          return_segments=True, logits_processor=[Margins()], language="en", task="transcribe",
+                          return_timestamps=True, max_new_tokens=60, logprob_threshold=0.0, temperature=0.0)
+    for theirs, mine in zip(out["segments"][0], plain.segments):
+        result = theirs["result"]
+        tokens = result["sequences"][len(opening):]
+        assert mine["avg_logprob"] == pytest.approx(float(Whisper._retrieve_avg_logprobs(result["scores"], tokens, 0.0)), abs=1e-4)
+        assert mine["compression_ratio"] == pytest.approx(Whisper._retrieve_compression_ratio(tokens, 2609))
+    probabilities = sorted({segment["no_speech_prob"] for segment in plain.segments})
+    assert len(probabilities) >= 3
+    threshold = (probabilities[-2] + probabilities[-1]) / 2  # the most silent-seeming window is skipped
+    theirs = generated(target, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=60,
+                       no_speech_threshold=threshold, logprob_threshold=0.0, temperature=0.0)
+    guards = speech.Guards(no_speech_threshold=threshold, logprob_threshold=0.0)
+    (skipping,) = speech.transcribe(models, [long_file], language="en", max_tokens=60, guards=guards)
+    assert ours(skipping) == theirs and len(skipping.segments) < len(plain.segments)
+    assert max(segment["no_speech_prob"] for segment in skipping.segments) < threshold
+
+
+def test_a_window_failing_a_threshold_is_decoded_again_at_the_next_temperature(spoken_pair, long_file):
+    """Temperature fallback: every window's compression ratio over a
+    threshold of 0 sends it through each temperature (the last kept, as
+    transformers keeps it); a threshold no window reaches keeps greedy."""
+    import speech
+
+    root, _, _, path = spoken_pair
+    models = spoken_models(root)
+    (greedy,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=30)
+    hot = speech.Guards(temperatures=(0.0, 0.5, 1.0), compression_ratio_threshold=0.0)
+    (redone,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=30, guards=hot, seed=3)
+    assert {segment["temperature"] for segment in redone.segments} == {1.0}
+    assert redone.stats.target_calls >= 3 * len({segment["seek"] for segment in redone.segments})
+    calm = speech.Guards(temperatures=(0.0, 0.5, 1.0), compression_ratio_threshold=1e9)
+    (kept,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=30, guards=calm)
+    assert ours(kept) == ours(greedy) and {segment["temperature"] for segment in kept.segments} == {0.0}
