@@ -167,12 +167,15 @@ class Whisper:
         ids = tokenizer.encode(" " + text.strip(), add_special_tokens=False)
         return (self.previous, *ids[-(self.positions // 2 - 1):])
 
-    def after_start(self, target, cache, prefix: tuple[int, ...], rows: int) -> mx.array:
-        """(rows, V): the target's logits after the prefix and the start of transcript; the cache left as it was."""
-        tokens = [*prefix, self.start]
-        logits = target.decode(mx.array([tokens] * rows), cache)[:, -1]
-        cache.trim(len(tokens))
-        return logits
+    def after_start(self, target, cache, prefixes: list[tuple[int, ...]]) -> mx.array:
+        """(rows, V): the target's logits after each row's prefix and the start
+        of transcript (padded on the right where they differ); the cache left
+        as it was."""
+        rows = [[*prefix, self.start] for prefix in prefixes]
+        width = max(len(row) for row in rows)
+        logits = target.decode(mx.array([row + [self.start] * (width - len(row)) for row in rows]), cache)
+        cache.trim(width)
+        return logits[mx.arange(len(rows)), mx.array([len(row) - 1 for row in rows])]
 
     def detect(self, logits: mx.array) -> list[int]:
         """Each row's likeliest language token in its logits after the start of
@@ -253,6 +256,7 @@ class Window:
 class Track:
     """One file's way through the sequential algorithm: where it stands, and its segments so far."""
 
+    listening: "Listening" = field(repr=False)
     features: np.ndarray  # (frames, bins): the whole file's
     frames: int  # its frames to decode (a file of up to 30 s: the whole window, padding included)
     duration: float
@@ -300,10 +304,11 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     file over 30 s is decoded window by window, each moving on from the last
     one's last timestamp, as transformers' long-form generate does; with
     `timestamps`, a short file too. `max_tokens` counts a window's tokens."""
-    job = Listening.of(models, files, language, task, timestamps, guards, prompt, settings, given, options)
-    for _ in job.events():
+    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options)
+    tracks = [listening.track(file) for file in files]
+    for _ in listen(tracks):
         pass
-    return [job.transcription(track) for track in job.tracks]
+    return [listening.transcription(track) for track in tracks]
 
 
 def stream_transcribe(models, file, *, language: str | None = None, task: str = "transcribe", timestamps: bool = True,
@@ -313,163 +318,177 @@ def stream_transcribe(models, file, *, language: str | None = None, task: str = 
     soon as the timestamps after it show it final (its window's figures,
     avg_logprob and compression_ratio, None until the window ends); with
     guards, a window's once it ends and passes them."""
-    job = Listening.of(models, [file], language, task, timestamps, guards, prompt, settings, given, options)
-    for _, segment in job.events():
+    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options)
+    for _, segment in listen([listening.track(file)]):
         yield segment
+
+
+def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
+    """Files decoded window by window in one batch, each segment yielded as
+    it is decided: a file's next window joins as soon as its last ends, so
+    that no file waits for another's."""
+    if not tracks:
+        return
+    first = tracks[0].listening
+    batch = batch_for(first.models, first.settings, len(tracks))
+    joining, owners = [track for track in tracks if not track.done], {}  # id(a window's request) -> its track
+    while joining or batch.rows:
+        if joining:
+            requests = [track.listening.window(track) for track in joining]
+            owners.update({id(request): track for request, track in zip(requests, joining)})
+            encoding = batch.encoding(requests)
+            open_windows(first.models, encoding.finish()[0], joining)
+            batch.join(requests, encoding)
+        joining = []
+        for request, token, reason in batch.round():
+            track = owners[id(request)]
+            for segment in track.listening.token(track, token):
+                yield track, segment
+            if reason:
+                for segment in track.listening.ended(track, reason):
+                    yield track, segment
+                del owners[id(request)]
+                if not track.done:
+                    joining.append(track)
+
+
+def open_windows(models, cache, tracks: list[Track]) -> None:
+    """Before their windows join a batch, encoded together into `cache`
+    (row i track i's): each track's language, detected from its first window
+    where none was given; each window's no-speech probability, read after its
+    start of transcript; and its opening, rules and most tokens."""
+    whisper, target = tracks[0].listening.whisper, models.target
+    prefixes = [track.listening.prefix for track in tracks]
+    logits = whisper.after_start(target, cache, prefixes)
+    if whisper.multilingual and any(track.language is None for track in tracks):
+        # on the start of transcript alone (every row: cheaper than picking some)
+        alone = whisper.after_start(target, cache, [()] * len(tracks)) if any(prefixes) else logits
+        for track, token in zip(tracks, whisper.detect(alone)):
+            track.language = track.language or token
+    for track, probability in zip(tracks, whisper.no_speech_probs(logits)):
+        track.window.no_speech_prob = probability
+        track.listening.opened(track)
 
 
 @dataclass
 class Listening:
-    """Files decoded window by window in one batch: each file's next window
-    joins as soon as its last ends (its language detected from its first,
-    where none is given), so that no file waits for another's."""
+    """One call's way of listening (its language, task, guards, prompt and
+    settings), and what it does with each file's `Track` window by window:
+    each window's request, its tokens, its end."""
 
     whisper: Whisper
-    models: object
+    models: object = field(repr=False)
     settings: Settings
-    batch: object
-    tracks: list[Track]
+    language: int | None  # the language token given (a multilingual model's); None: detected
     task: str
+    timestamps: bool
     guards: Guards
     prefix: tuple[int, ...]  # <|startofprev|> and a prompt's tokens, before the start of transcript
     max_tokens: int | None  # as asked; None: what each window's opening leaves
-    windows: dict = field(default_factory=dict)  # id(a window's request) -> its track
 
     @classmethod
-    def of(cls, models, files: list, language: str | None, task: str, timestamps: bool, guards: Guards,
-           prompt: str | None, settings: Settings | None, given, options: dict) -> "Listening":
+    def of(cls, models, language: str | None, task: str, timestamps: bool, guards: Guards, prompt: str | None,
+           settings: Settings | None, given, options: dict) -> "Listening":
         whisper = Whisper.of(models)
         if task not in TASKS:
-            raise OptionError(f"task must be transcribe or translate, not {task!r}")
+            raise OptionError(f"task must be transcribe or translate, not {task!r}", "task")
         if task == "translate" and not whisper.multilingual:
-            raise OptionError("this model is English-only: it transcribes, and does not translate")
+            raise OptionError("this model is English-only: it transcribes, and does not translate", "task")
         fixed = whisper.language_token(language) if language is not None and whisper.multilingual else None
         if language is not None and not whisper.multilingual:
             whisper.language_token(language)  # English-only: refuses any language
         settings = replace(settings or Settings(), **options)
         given = set(given) | set(options)
         _, settings, _ = with_presets(models, settings, given=given, search=False)
+        if settings.num_beams > 1 or settings.n > 1:
+            raise OptionError("beam search and n are not for audio yet: decode greedily, or sample", "num_beams")
         prefix = whisper.prompt(models.tokenizer, prompt)
-        tracks = []
-        for file in files:
-            samples = file if isinstance(file, np.ndarray) else audio.read(file)
-            duration = len(samples) / audio.SAMPLE_RATE
-            long = len(samples) > audio.WINDOW_SAMPLES
-            frames = len(samples) // audio.HOP if long else audio.WINDOW_FRAMES  # a short file: padded to 30 s
-            features = audio.log_mel(samples, models.target.args.num_mel_bins, frames)
-            tracks.append(Track(features, frames, duration, timestamps or long, fixed))
-        if (settings.num_beams > 1 or settings.n > 1) and any(track.timestamps for track in tracks):
-            raise OptionError("beam search and n decode files of up to 30 s without timestamps so far")
         # The decoder's positions hold the opening and the output: by default a window's output takes what its
         # opening leaves (transformers' max_length of 448 does the same); asked for more, it is refused.
         positions = models.target.args.max_positions
-        opened = max(len(whisper.opening(next(iter(whisper.languages.values()), None), task, track.timestamps,
-                                         prefix).start) for track in tracks) if tracks else 0
+        opened = len(whisper.opening(next(iter(whisper.languages.values()), None), task, timestamps, prefix).start)
         if "max_tokens" in given and settings.max_tokens + opened > positions:
             raise OptionError(f"max_tokens is {settings.max_tokens:,}: with the {opened} tokens the decoder opens "
                               f"with, this model's {positions} positions leave {positions - opened} for the output",
                               "max_tokens")
         if not guards.temperatures:
             guards = replace(guards, temperatures=(settings.temp,))
-        if settings.num_beams == 1 and settings.n == 1:
-            settings = replace(settings, logprobs=0)  # each token's, for the guards and the segments' figures
-        settings = settings.check_models(models)
-        batch = batch_for(models, settings, max(1, len(tracks)))
-        return cls(whisper, models, settings, batch, tracks, task, guards, prefix,
+        # each token's log-probability, for the guards and the segments' figures
+        settings = replace(settings, logprobs=0).check_models(models)
+        return cls(whisper, models, settings, fixed, task, timestamps, guards, prefix,
                    settings.max_tokens if "max_tokens" in given else None)
 
-    def events(self) -> Iterator[tuple[Track, dict]]:
-        """Each segment as it is decided, with its track, until every file is done."""
-        self.start([track for track in self.tracks if not track.done])
-        while self.batch.rows:
-            ended = []
-            for request, token, reason in self.batch.round():
-                track = self.windows[id(request)]
-                if token is not None:
-                    track.window.tokens.append(token)
-                    if not self.guards.any:
-                        yield from self.closed(track)
-                if reason:
-                    track.window.finish = reason
-                    ended.append(track)
-            for track in ended:
-                yield from self.ended(track)
-            self.start([track for track in ended if not track.done])
+    def track(self, file) -> Track:
+        """A file (a path, its bytes, or its samples) read, and its features
+        made: a file of up to 30 s padded to the window, as transformers pads
+        it; a longer one at its whole length, decoded with timestamps (the
+        windows move by them)."""
+        samples = file if isinstance(file, np.ndarray) else audio.read(file)
+        long = len(samples) > audio.WINDOW_SAMPLES
+        frames = len(samples) // audio.HOP if long else audio.WINDOW_FRAMES
+        features = audio.log_mel(samples, self.models.target.args.num_mel_bins, frames)
+        return Track(self, features, frames, len(samples) / audio.SAMPLE_RATE, self.timestamps or long, self.language)
 
-    def start(self, tracks: list[Track]) -> None:
-        """These tracks' next windows join the batch: encoded together, each
-        opening with its language (detected from its first window where none
-        was given), the no-speech probability read after its start of
-        transcript."""
-        if not tracks:
-            return
-        windows = []
-        for track in tracks:
-            temperature = self.guards.temperatures[track.attempt]
-            request = Request(track.window_features(), replace(self.settings, temp=temperature), ruled_logprobs=True)
-            track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature)
-            self.windows[id(request)] = track
-            windows.append(track.window)
-        requests = [window.request for window in windows]
-        encoding = self.batch.encoding(requests)
-        cache, target = encoding.finish()[0], self.models.target
-        logits = self.whisper.after_start(target, cache, self.prefix, len(tracks))
-        if self.whisper.multilingual and any(track.language is None for track in tracks):
-            # on the start of transcript alone (every row: cheaper than picking some)
-            alone = self.whisper.after_start(target, cache, (), len(tracks)) if self.prefix else logits
-            for track, token in zip(tracks, self.whisper.detect(alone)):
-                track.language = track.language or token
-        no_speech = self.whisper.no_speech_probs(logits)
-        for track, window, probability in zip(tracks, windows, no_speech):
-            request = window.request
-            window.no_speech_prob = probability
-            request.opening = self.whisper.opening(track.language, self.task, track.timestamps, self.prefix)
-            request.rules = self.whisper.rules(request.opening, track.timestamps)
-            most = self.models.target.args.max_positions - len(request.opening.start)
-            request.settings = replace(request.settings, max_tokens=self.max_tokens or most)
-        self.batch.join(requests, encoding)
+    def window(self, track: Track) -> Request:
+        """The request of the track's next window (its opening set once it is encoded: open_windows)."""
+        temperature = self.guards.temperatures[track.attempt]
+        request = Request(track.window_features(), replace(self.settings, temp=temperature), ruled_logprobs=True)
+        track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature)
+        return request
 
-    def closed(self, track: Track) -> Iterator[tuple[Track, dict]]:
-        """The window's segments the last timestamps showed final: each one
-        once the pair of timestamps after the next is out (a window's last
-        pair is part of its segment, an earlier one is not)."""
+    def opened(self, track: Track) -> None:
+        """The window's opening (its language known), its rules and its most tokens."""
+        request = track.window.request
+        request.opening = self.whisper.opening(track.language, self.task, track.timestamps, self.prefix)
+        request.rules = self.whisper.rules(request.opening, track.timestamps)
+        most = self.models.target.args.max_positions - len(request.opening.start)
+        request.settings = replace(request.settings, max_tokens=self.max_tokens or most)
+
+    def token(self, track: Track, token: int | None) -> list[dict]:
+        """A token of the track's window: the segments it shows final (with
+        no guard set, each once the pair of timestamps after the next is out:
+        a window's last pair is part of its segment, an earlier one is not)."""
+        if token is None:
+            return []
         tokens, first = track.window.tokens, self.whisper.first_timestamp
-        if first is None or len(tokens) < 2 or tokens[-1] < first or tokens[-2] < first:
-            return
-        final = self.whisper.window_segments(tokens, self.offset(track), track.window.frames)[0][:-1]
-        for segment in final[track.sent :]:
-            yield track, self.finished(track, segment)
+        tokens.append(token)
+        if self.guards.any or first is None or len(tokens) < 2 or tokens[-1] < first or tokens[-2] < first:
+            return []
+        final = self.whisper.window_segments(tokens, self.offset(track.window), track.window.frames)[0][:-1]
+        new = [self.finished(segment, track.window) for segment in final[track.sent :]]
         track.sent = max(track.sent, len(final))
+        return new
 
-    def ended(self, track: Track) -> Iterator[tuple[Track, dict]]:
-        """A window is done: its segments, and the file moves on (or the window
-        is decoded again hotter, or passed over as silence)."""
+    def ended(self, track: Track, finish: str) -> list[dict]:
+        """The track's window is done: the segments it decided that were not
+        given out yet, and the file moves on (or the window is decoded again
+        hotter, or passed over as silence)."""
         window = track.window
+        window.finish = finish
         window.close(self.whisper.vocabulary, self.whisper.end)
         track.stats = track.stats + window.request.stats
-        self.windows.pop(id(window.request))
         if self.guards.retry(window) and track.attempt + 1 < len(self.guards.temperatures):
             track.attempt += 1  # (the seek stays: the same window again)
-            return
+            return []
         track.attempt, track.window, track.finish = 0, None, window.finish
         if self.guards.silent(window):
             track.seek += window.frames
-            return
-        segments, advance = self.whisper.window_segments(window.tokens, self.offset(track, window), window.frames)
-        for segment in segments[track.sent :]:
-            yield track, self.finished(track, segment, window)
-        track.segments += [self.finished(track, segment, window) for segment in segments]
+            return []
+        segments, advance = self.whisper.window_segments(window.tokens, self.offset(window), window.frames)
+        segments = [self.finished(segment, window) for segment in segments]
+        track.segments += segments
         track.seek += advance
-        track.sent = 0
+        new, track.sent = segments[track.sent :], 0
+        return new
 
-    def offset(self, track: Track, window: Window | None = None) -> float:
-        """Where the track's window starts, in seconds (as transformers computes it: in float64, from frames)."""
-        return (window or track.window).seek * TIMESTAMP_SECONDS / FRAMES_PER_STEP
+    @staticmethod
+    def offset(window: Window) -> float:
+        """Where a window starts, in seconds (as transformers computes it: in float64, from frames)."""
+        return window.seek * TIMESTAMP_SECONDS / FRAMES_PER_STEP
 
-    def finished(self, track: Track, segment: dict, window: Window | None = None) -> dict:
+    def finished(self, segment: dict, window: Window) -> dict:
         """A segment as the transcription gives it: OpenAI's verbose_json fields (the window's figures None until it
         ends)."""
-        window = window or track.window
         text = [token for token in segment["tokens"] if token < self.whisper.end]
         return {"seek": window.seek, "start": round(segment["start"], 2), "end": round(segment["end"], 2),
                 "text": self.text(text), "tokens": segment["tokens"], "temperature": window.temperature,
