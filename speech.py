@@ -323,6 +323,17 @@ def stream_transcribe(models, file, *, language: str | None = None, task: str = 
         yield segment
 
 
+def warm_up(models, settings: Settings) -> None:
+    """A second of silence transcribed on each decoding path the settings can
+    take (the target alone, and drafting if they draft), so that first-call
+    costs (compiling kernels, growing the allocator's pools) stay out of the
+    first request's time."""
+    silence = np.zeros(audio.SAMPLE_RATE, np.float32)
+    paths = (False, True) if replace(settings, speculative=True).drafts(models) else (False,)
+    for speculative in paths:
+        transcribe(models, [silence], settings=replace(settings, speculative=speculative), max_tokens=4)
+
+
 def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
     """Files decoded window by window in one batch, each segment yielded as
     it is decided: a file's next window joins as soon as its last ends, so

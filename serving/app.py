@@ -95,6 +95,7 @@ class Limits:
     max_prompt_tokens: int = 4096  # a prompt's tokens
     max_tokens: int = 4096  # max_tokens
     max_request_tokens: int | None = None  # over its prompts: prompt tokens + max_tokens (the cache its rows hold)
+    max_audio_bytes: int = 25 * 2**20  # an audio file's (OpenAI's limit)
 
 
 class Completions:
@@ -117,6 +118,9 @@ class Completions:
         """The request's plan: its options, over its task's, over the server's (with the model's generation
         defaults), resolved against the models."""
         self.check_model(body.model)
+        if self.models.target.args.num_mel_bins:
+            raise ApiError(400, f"{self.name} transcribes audio: POST /v1/audio/transcriptions or "
+                                "/v1/audio/translations", param="model")
         try:
             # a task's beam search: as use_beam_search asks for one, its n beams returned
             prefix, defaults, _ = with_presets(self.models, self.engine.defaults, task=body.task, generation=False,
@@ -358,16 +362,20 @@ OTHER_BODY_BYTES = 4096  # a body sent to a path no route takes: it is refused w
 
 def create_app(models: Models, engine: Engine, names: list[str], access: Access = Access(), limits: Limits = Limits(),
                max_body_bytes: int = 1 << 20, read_timeout: float = 30.0) -> FastAPI:
-    """The routes: completions and chat, models, health and metrics, behind the guard."""
+    """The routes: completions and chat, audio, models, health and metrics, behind the guard."""
+    from serving.transcriptions import FORM_BYTES, Transcriptions  # (it imports this module's helpers)
+
     app = FastAPI(title="T5 speculative decoding", docs_url=None, redoc_url=None)
     app.state.metrics = engine.metrics
     completions = Completions(models, engine, names, limits)
+    transcriptions = Transcriptions(models, engine, completions.check_model)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected_error)
     # Each route's body limit: the text routes take max_body_bytes; a path no route takes, what an error needs.
     body_limits = {path: max_body_bytes for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")}
+    body_limits |= {f"/v1/audio/{task}s": limits.max_audio_bytes + FORM_BYTES for task in ("transcription", "translation")}
     app.add_middleware(Guard, engine=engine, access=access, max_body_bytes=min(max_body_bytes, OTHER_BODY_BYTES),
                        read_timeout=read_timeout, body_limits=body_limits)
 
@@ -378,6 +386,14 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     @app.post("/v1/chat/completions")
     async def chat_completion(request: Request, body: ChatCompletion):
         return await completions.answer(request, body, shapes.CHAT)
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcription(request: Request):
+        return await transcriptions.answer(request, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def translation(request: Request):
+        return await transcriptions.answer(request, "translate")
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):

@@ -60,8 +60,31 @@ class Job:
         if finish is not None and self.replay:  # it ended before it had decided its text again
             return False
         if token is not None or finish is not None:
-            self.stream.add(token, finish)
+            self.add(token, finish)
         return True
+
+    def add(self, token: int | None, finish: str | None) -> None:
+        """A decided token (or the end) into what the job answers: its text."""
+        self.stream.add(token, finish)
+
+    @property
+    def stats(self):
+        return self.request.stats
+
+    def follow(self) -> Request | None:
+        """Once its request has ended: the next request the job decodes (an audio file's next window), or None."""
+        return None
+
+    @staticmethod
+    def encoded(models, cache, jobs: list["Job"]) -> None:
+        """What jobs of this kind do once their requests are encoded together into `cache`, before they join."""
+
+    def again(self) -> Request:
+        """Its request anew, to decode again from its start (Engine.isolate), with the tokens its text has to replay."""
+        old = self.request
+        self.replay = list(self.stream.tokens)
+        return Request(old.source, old.settings, opening=old.opening, rules=old.rules, key=old.key,
+                       ruled_logprobs=old.ruled_logprobs)
 
     def cancel(self) -> None:
         """Its caller is gone: the row leaves at the next round (a job whose text has ended stays as it is)."""
@@ -113,8 +136,11 @@ class Engine:
     round fails that batch's jobs only. `draining` turns new jobs away while
     the ones taken finish."""
 
-    def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int, name: str = "model"):
+    def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int, name: str = "model",
+                 warm: Callable | None = None):
         self.models, self.defaults, self.max_batch, self.max_queue = models, defaults, max_batch, max_queue
+        # what warms the kernels and traces up before any request (a text: a few tokens of each decoding path)
+        self.warm = warm or (lambda: warm_up(models, models.tokenizer.encode("warm up"), defaults))
         self.ready = False  # warmed up
         self.waiting: list[Job] = []
         self.lock = threading.Condition()
@@ -147,11 +173,11 @@ class Engine:
         """A job's end, counted once: "stop", "length", "abort" (the client left) or "error"."""
         if not job.counted:
             job.counted = True
-            self.metrics.ended(job.times, job.request.stats, reason)
+            self.metrics.ended(job.times, job.stats, reason)
 
     def run(self, stopping: Callable[[], bool]) -> None:
         """Serve until stopping() says so, between rounds; what is left then fails."""
-        warm_up(self.models, self.models.tokenizer.encode("warm up"), self.defaults)  # kernels and traces, before any request
+        self.warm()
         self.ready = True
         while not stopping():
             self.step()
@@ -222,6 +248,7 @@ class Engine:
                 continue
             try:
                 if joining.encoding.advance(left):
+                    type(joining.jobs[0]).encoded(self.models, joining.encoding.caches[0], joining.jobs)
                     self.batch_of(joining.kind, joining.jobs[0]).join([job.request for job in joining.jobs],
                                                                       joining.encoding)
                     self.jobs.update({id(job.request): job for job in joining.jobs})
@@ -269,7 +296,7 @@ class Engine:
         """A round of one batch: each event's token to its job's text, and
         each job that moved publishes once. A round that fails leaves its
         rows' jobs to `isolate`."""
-        tokens, touched, started = 0, {}, time.perf_counter()
+        tokens, touched, started, following = 0, {}, time.perf_counter(), []
         try:
             for request, token, finish in batch.round():
                 job = touched[id(request)] = self.jobs[id(request)]
@@ -287,7 +314,10 @@ class Engine:
                     self.metrics.first_token.observe(job.times.first_token - job.times.arrived)
                 if finish:
                     self.jobs.pop(id(request))
-                    self.record_end(job, job.stream.finish_reason or finish)
+                    if job.follow() is not None:
+                        following.append(job)
+                    else:
+                        self.record_end(job, job.stream.finish_reason or finish)
                 elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
                     job.cancelled = True
         except Exception as e:
@@ -300,6 +330,9 @@ class Engine:
                     self.record_end(job, "error")
                 else:
                     self.isolate(job)
+        following = [job for job in following if job.error is None]
+        if following:  # their next requests are encoded together, to join this batch
+            self.joining.append(Joining(kind, following, batch.encoding([job.request for job in following])))
         for job in touched.values():
             if job.error is None:
                 job.publish()
@@ -311,8 +344,6 @@ class Engine:
         its own, on its own random stream, its text's tokens decided again
         (and checked) before any new one goes out: if it fails alone, it was
         the cause; the others go on as they would have."""
-        old = job.request
-        job.replay = list(job.stream.tokens)
-        job.request = Request(old.source, old.settings, opening=old.opening, rules=old.rules, key=old.key)
+        job.request = job.again()
         kind = ("alone", id(job.request))
         self.joining.append(Joining(kind, [job], self.batch_of(kind, job).encoding([job.request])))

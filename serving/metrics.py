@@ -47,6 +47,7 @@ class Metrics:
         self.waiting.set_function(waiting)
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens encoded.")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens decoded.")
+        self.audio_seconds = make(Counter, "audio_seconds", "Seconds of audio taken to transcribe or translate.")
         self.finished = make(Counter, "request_success", "Prompts ended, by finish reason (abort: the client left).",
                              ("finished_reason",))
         self.errors = make(Counter, "request_errors", "Error responses, by HTTP status.", ("status",))

@@ -234,8 +234,8 @@ def test_greedy_whisper_decodes_as_transformers_with_and_without_a_draft(pair, f
 
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|fr|>", "<|translate|>", "<|transcribe|>",
             "<|nospeech|>", "<|notimestamps|>"] + [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
-SUPPRESSED, FIRST_SUPPRESSED = [5, 6, 7, 2244], [220, 2537]
-END_OF_TEXT = 1100  # the spoken fixture's (its tokenizer's 1,100 tokens, then SPECIALS)  # the fixture's greedy first token, and a later one
+SUPPRESSED, FIRST_SUPPRESSED = [5, 6, 7, 2244], [220, 2537]  # the fixture's greedy first token, and a later one
+END_OF_TEXT = 1100  # the spoken fixture's (its tokenizer's 1,100 tokens, then SPECIALS)
 
 
 @pytest.fixture(scope="module")
@@ -730,7 +730,8 @@ def test_the_windows_figures_are_transformers_and_a_silent_window_is_skipped_by_
     windows = {segment["seek"]: segment for segment in plain.segments}
     opening = [ids[token] for token in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>")]
     for seek, segment in windows.items():
-        window = np.pad(features[seek : seek + audio.WINDOW_FRAMES], [(0, max(0, seek + audio.WINDOW_FRAMES - len(features))), (0, 0)])
+        window = features[seek : seek + audio.WINDOW_FRAMES]
+        window = np.pad(window, [(0, audio.WINDOW_FRAMES - len(window)), (0, 0)])
         logits = target(torch.tensor(window.T[None]), decoder_input_ids=torch.tensor([opening])).logits[0, 0]
         expected = float(torch.softmax(logits, -1)[ids["<|nospeech|>"]])
         assert segment["no_speech_prob"] == pytest.approx(expected, rel=1e-4)
@@ -740,7 +741,8 @@ def test_the_windows_figures_are_transformers_and_a_silent_window_is_skipped_by_
     for theirs, mine in zip(out["segments"][0], plain.segments):
         result = theirs["result"]
         tokens = result["sequences"][len(opening):]
-        assert mine["avg_logprob"] == pytest.approx(float(Whisper._retrieve_avg_logprobs(result["scores"], tokens, 0.0)), abs=1e-4)
+        expected = float(Whisper._retrieve_avg_logprobs(result["scores"], tokens, 0.0))
+        assert mine["avg_logprob"] == pytest.approx(expected, abs=1e-4)
         assert mine["compression_ratio"] == pytest.approx(Whisper._retrieve_compression_ratio(tokens, 2609))
     probabilities = sorted({segment["no_speech_prob"] for segment in plain.segments})
     assert len(probabilities) >= 3
@@ -769,3 +771,131 @@ def test_a_window_failing_a_threshold_is_decoded_again_at_the_next_temperature(s
     calm = speech.Guards(temperatures=(0.0, 0.5, 1.0), compression_ratio_threshold=1e9)
     (kept,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=30, guards=calm)
     assert ours(kept) == ours(greedy) and {segment["temperature"] for segment in kept.segments} == {0.0}
+
+
+# ---------------------------------------------------------------- the server's audio endpoints
+
+@pytest.fixture(scope="module")
+def audio_server(spoken_pair):
+    from serving.process import ServerProcess
+
+    root, _, _, _ = spoken_pair
+    running = ServerProcess("--model", str(root / "mlx"), "--served-model-name", "whisper", "--max-batch", "4",
+                            "--max-audio-mb", "4")
+    yield running
+    assert running.stop() == 0
+
+
+def audio_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_server_transcribes_and_translates_through_openais_client_as_transcribe_does(spoken_pair, long_file,
+                                                                                          audio_server):
+    """OpenAI's client: verbose_json's segments are transcribe's (a long file
+    window by window), json's text its text, srt its rendering; translations
+    decode with <|translate|>; the metrics count the audio's seconds."""
+    import speech
+
+    root, _, _, path = spoken_pair
+    models = spoken_models(root)
+    client, before = audio_client(audio_server), audio_server.metrics()
+    with open(long_file, "rb") as file:
+        verbose = client.audio.transcriptions.create(model="whisper", file=file, language="en",
+                                                     response_format="verbose_json", extra_body={"max_tokens": 40})
+    (expected,) = speech.transcribe(models, [long_file], language="en", max_tokens=40)
+    assert [(s.start, s.end, s.tokens, s.text) for s in verbose.segments] == \
+        [(s["start"], s["end"], s["tokens"], s["text"]) for s in expected.segments]
+    assert verbose.text == expected.text and verbose.language == "en" and verbose.duration == pytest.approx(75.0)
+    with open(path, "rb") as file:
+        plain = client.audio.transcriptions.create(model="whisper", file=file, language="en",
+                                                   extra_body={"max_tokens": 20})
+    (short,) = speech.transcribe(models, [path], language="en", max_tokens=20)
+    assert plain.text == short.text
+    with open(path, "rb") as file:
+        srt = client.audio.transcriptions.create(model="whisper", file=file, language="en", response_format="srt",
+                                                 extra_body={"max_tokens": 20})
+    (timed,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=20)
+    assert srt == speech.render(timed, "srt")
+    with open(path, "rb") as file:
+        translated = client.audio.translations.create(model="whisper", file=file, extra_body={"max_tokens": 20})
+    (expected,) = speech.transcribe(models, [path], task="translate", max_tokens=20)
+    assert translated.text == expected.text
+    after = audio_server.metrics()
+    assert after["t5:audio_seconds_total"] - before.get("t5:audio_seconds_total", 0) == pytest.approx(75 + 3 * 5.0)
+
+
+def test_requests_transcribed_at_once_each_get_what_they_get_alone(spoken_pair, long_file, audio_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import speech
+
+    root, _, _, path = spoken_pair
+    client = audio_client(audio_server)
+    files = [long_file, path, long_file, path]
+
+    def ask(file):
+        with open(file, "rb") as opened:
+            return client.audio.transcriptions.create(model="whisper", file=opened, language="en",
+                                                      response_format="verbose_json", extra_body={"max_tokens": 30})
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, files))
+    models = spoken_models(root)
+    for file, answer in zip(files, answers):
+        (alone,) = speech.transcribe(models, [file], language="en", timestamps=True, max_tokens=30)
+        assert [(s.start, s.end, s.tokens) for s in answer.segments] == ours(alone)
+
+
+def test_the_servers_audio_stream_is_vllms_chunks_of_the_text_as_segments_are_decided(spoken_pair, long_file,
+                                                                                     audio_server):
+    import json
+
+    import httpx
+
+    import speech
+
+    root, _, _, _ = spoken_pair
+    with open(long_file, "rb") as file:
+        with httpx.stream("POST", audio_server.url + "/v1/audio/transcriptions", timeout=120,
+                          files={"file": ("long.wav", file, "audio/wav")},
+                          data={"model": "whisper", "language": "en", "stream": "true", "max_tokens": "40",
+                                "stream_include_usage": "true"}) as response:
+            assert response.status_code == 200
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    text = "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks if chunk["choices"])
+    (expected,) = speech.transcribe(spoken_models(root), [long_file], language="en", max_tokens=40)
+    assert text.strip() == expected.text and len([chunk for chunk in chunks if chunk["choices"]]) >= 3
+    assert chunks[0]["object"] == "transcription.chunk"
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks if chunk["choices"]][-1] == expected.finish_reason
+    assert chunks[-1]["usage"]["completion_tokens"] == expected.stats.generated
+
+
+def test_what_the_audio_endpoints_refuse_is_a_400_or_413_that_says_why(spoken_pair, tmp_path, audio_server):
+    import httpx
+    import openai
+
+    root, _, _, path = spoken_pair
+    client = audio_client(audio_server)
+    (tmp_path / "notes.txt").write_text("not audio at all, just some words " * 10)
+    cases = [((tmp_path / "notes.txt"), {}, "not an audio file this can read"),
+             (path, {"language": "de"}, "unknown language 'de'"),
+             (path, {"timestamp_granularities": ["word"]}, "word timestamps are not available yet"),
+             (path, {"extra_body": {"max_tokens": 446}}, "max_tokens is 446")]
+    for file, options, message in cases:
+        with open(file, "rb") as opened, pytest.raises(openai.BadRequestError, match=message):
+            client.audio.transcriptions.create(model="whisper", file=opened, **options)
+    with pytest.raises(openai.NotFoundError):
+        with open(path, "rb") as opened:
+            client.audio.transcriptions.create(model="whisper-9", file=opened)
+    response = httpx.post(audio_server.url + "/v1/audio/transcriptions", data={"model": "whisper"})
+    assert response.status_code == 400 and "an audio file is required" in response.json()["error"]["message"]
+    big = httpx.post(audio_server.url + "/v1/audio/transcriptions", data={"model": "whisper"},
+                     files={"file": ("big.wav", b"\0" * (5 * 2**20), "audio/wav")})
+    assert big.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="transcribes audio: POST /v1/audio/transcriptions"):
+        client.completions.create(model="whisper", prompt="hello", max_tokens=5)
