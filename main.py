@@ -28,7 +28,7 @@ from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
 from audio import read as read_audio
-from speech import TASKS, render, transcribe
+from speech import TASKS, Guards, render, stream_transcribe, transcribe
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
                    "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
     p.add_argument("--audio", nargs="+", metavar="FILE",
-                   help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; up to 30 s each) with a "
-                        "converted Whisper --model, drafted by --draft-model if given; --task transcribe or translate")
+                   help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; of any length: 30 s windows) "
+                        "with a converted Whisper --model, drafted by --draft-model if given; --task transcribe or "
+                        "translate")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
     p.add_argument("--timestamps", action="store_true", help="--audio: segments with their start and end")
     p.add_argument("--output-format", choices=("txt", "srt", "vtt", "json"),
@@ -132,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "(srt and vtt with timestamps; json: OpenAI's verbose_json)")
     p.add_argument("--output-dir", help="--audio: write each file's transcription beside the others here, "
                    "named after the file (talk.mp3 -> talk.srt)")
+    p.add_argument("--initial-prompt", metavar="TEXT", help="--audio: text every window follows, as if said before "
+                   "(names, spellings, a style)")
+    guards = p.add_argument_group("--audio: openai-whisper's guards (none by default, as in transformers)")
+    guards.add_argument("--no-speech-threshold", type=float, metavar="P",
+                        help="skip a window whose <|nospeech|> probability is over P (and, with --logprob-threshold, "
+                             "whose average log-probability is under it)")
+    guards.add_argument("--logprob-threshold", type=float, metavar="L",
+                        help="decode a window again, hotter, when its average log-probability is under L")
+    guards.add_argument("--compression-ratio-threshold", type=float, metavar="R",
+                        help="decode a window again, hotter, when its tokens compress by more than R (repetition)")
+    guards.add_argument("--temperature-increment-on-fallback", type=float, metavar="STEP",
+                        help="the temperatures a window is decoded at again: from --temp up to 1 by STEP")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
@@ -377,8 +390,16 @@ def listen(args) -> int:
     models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)
     form = {"txt": "text", "json": "verbose_json"}.get(args.output_format, args.output_format)
     timestamps = args.timestamps or form in ("srt", "vtt")
-    transcriptions = transcribe(models, samples, language=args.language, task=args.task or "transcribe",
-                                timestamps=timestamps, settings=settings, given=given)
+    options = dict(language=args.language, task=args.task or "transcribe", timestamps=timestamps, settings=settings,
+                   given=given, prompt=args.initial_prompt,
+                   guards=Guards.of(settings.temp, args.temperature_increment_on_fallback,
+                                    args.compression_ratio_threshold, args.logprob_threshold, args.no_speech_threshold))
+    if len(samples) == 1 and not (args.json or form or args.output_dir):  # at a terminal: each segment as decided
+        for segment in stream_transcribe(models, samples[0], **options):
+            shown = f"[{segment['start']:6.2f} -> {segment['end']:6.2f}] " if args.timestamps else ""
+            print(shown + segment["text"], flush=True)
+        return 0
+    transcriptions = transcribe(models, samples, **options)
     for file, transcription in zip(args.audio, transcriptions):
         if args.json:
             print(json.dumps({"file": file} | json.loads(render(transcription, "verbose_json"))))

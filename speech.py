@@ -203,6 +203,17 @@ class Guards:
     logprob_threshold: float | None = None  # below it the window is too unsure
     no_speech_threshold: float | None = None  # above it (and unsure, when logprob_threshold is set): silence
 
+    @classmethod
+    def of(cls, temperature: float, step: float | None, compression_ratio_threshold: float | None = None,
+           logprob_threshold: float | None = None, no_speech_threshold: float | None = None) -> "Guards":
+        """openai-whisper's options: with a step (its temperature_increment_on_fallback), the temperatures from
+        `temperature` up to 1 by it."""
+        if step is not None and not 0 < step <= 1:
+            raise OptionError(f"the temperature's increment on fallback is a step in (0, 1], not {step}",
+                              "temperature_increment_on_fallback")
+        temperatures = () if step is None else tuple(float(t) for t in np.arange(temperature, 1 + 1e-6, step))
+        return cls(temperatures, compression_ratio_threshold, logprob_threshold, no_speech_threshold)
+
     def retry(self, window: "Window") -> bool:
         """The window fails a threshold (and is not silence): decode it again at the next temperature."""
         ratio, unsure = self.compression_ratio_threshold, self.logprob_threshold

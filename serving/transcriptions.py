@@ -18,7 +18,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -74,12 +73,8 @@ class AudioForm(BaseModel):
         return {name: value for name, value in chosen.items() if value is not None}
 
     def guards(self) -> Guards:
-        """openai-whisper's: with an increment, temperatures from the request's up to 1 in its steps."""
-        temperatures = ()
-        if self.temperature_increment_on_fallback is not None:
-            temperatures = tuple(float(t) for t in np.arange(self.temperature, 1.0 + 1e-6,
-                                                              self.temperature_increment_on_fallback))
-        return Guards(temperatures, self.compression_ratio_threshold, self.logprob_threshold, self.no_speech_threshold)
+        return Guards.of(self.temperature, self.temperature_increment_on_fallback, self.compression_ratio_threshold,
+                         self.logprob_threshold, self.no_speech_threshold)
 
 
 @dataclass(eq=False)
@@ -186,9 +181,9 @@ class Transcriptions:
         """The request's Listening and its file's Track (read, and its features made): off the event loop."""
         try:
             options = body.options()
-            listening = Listening.of(self.models, body.language, task, body.response_format in ("srt", "vtt",
-                                     "verbose_json"), body.guards(), body.prompt, self.engine.defaults, set(options),
-                                     options)
+            timestamps = body.response_format in ("srt", "vtt", "verbose_json")
+            listening = Listening.of(self.models, body.language, task, timestamps, body.guards(), body.prompt,
+                                     self.engine.defaults, set(options), options)
             return listening, listening.track(data)
         except audio.AudioError as e:
             raise ApiError(400, f"file: {e}", param="file")

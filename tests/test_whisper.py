@@ -899,3 +899,48 @@ def test_what_the_audio_endpoints_refuse_is_a_400_or_413_that_says_why(spoken_pa
     assert big.status_code == 413
     with pytest.raises(openai.BadRequestError, match="transcribes audio: POST /v1/audio/transcriptions"):
         client.completions.create(model="whisper", prompt="hello", max_tokens=5)
+
+
+def test_a_prompt_opens_every_window_as_transformers_prompt_ids_do(spoken_pair, long_file, tmp_path):
+    """<|startofprev|> and the prompt's tokens before each window's start of
+    transcript (its no-speech probability read after that start), as
+    transformers' generate(prompt_ids=...) decodes a long file."""
+    import json
+
+    import speech
+
+    root, target, ids, _ = spoken_pair
+    shutil.copytree(root / "mlx", tmp_path / "mlx")
+    previous = ids["<|nospeech|>"]  # the fixture has no <|startofprev|>: a special token stands in for it
+    config = json.loads((tmp_path / "mlx" / "generation_config.json").read_text())
+    (tmp_path / "mlx" / "generation_config.json").write_text(json.dumps(config | {"prev_sot_token_id": previous}))
+    models = spoken_models(tmp_path)
+    prompt = "def area(self): return the width"
+    (ours_,) = speech.transcribe(models, [long_file], language="en", max_tokens=40, prompt=prompt)
+    (plain,) = speech.transcribe(models, [long_file], language="en", max_tokens=40)
+    prompt_ids = torch.tensor([previous, *models.tokenizer.encode(" " + prompt, add_special_tokens=False)])
+    theirs = generated(target, whole_features(long_file), language="en", task="transcribe", return_timestamps=True,
+                       max_new_tokens=40, prompt_ids=prompt_ids)
+    assert ours(ours_) == theirs != ours(plain)
+    assert ours_.segments[0]["no_speech_prob"] != plain.segments[0]["no_speech_prob"]
+
+
+def test_the_command_line_prints_a_files_segments_as_they_are_decided_with_the_guards_it_is_given(
+        spoken_pair, long_file, capsys):
+    import main
+    import speech
+
+    root, _, _, _ = spoken_pair
+    models = spoken_models(root)
+    (plain,) = speech.transcribe(models, [long_file], language="en", max_tokens=40)
+    command = ["--model", str(root / "mlx"), "--audio", str(long_file), "--language", "en", "--max-tokens", "40",
+               "--timestamps"]
+    assert main.main(command) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[{s['start']:6.2f} -> {s['end']:6.2f}] {s['text']}" for s in plain.segments]
+    threshold = sorted(segment["no_speech_prob"] for segment in plain.segments)[-1] - 1e-9
+    assert main.main(command + ["--no-speech-threshold", str(threshold), "--logprob-threshold", "0"]) == 0
+    fewer = capsys.readouterr().out.splitlines()
+    assert 0 < len(fewer) < len(lines)
+    assert main.main(command + ["--temperature-increment-on-fallback", "2"]) == 2
+    assert "a step in (0, 1], not 2.0" in capsys.readouterr().err
