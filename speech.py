@@ -1,24 +1,25 @@
-"""Speech to text with Whisper: its decoder's openings, the tokens it suppresses, the spoken language, and `transcribe`.
+"""Speech to text with Whisper: `transcribe`, `stream_transcribe`, and the windows a file is decoded in.
 
-    transcriptions = transcribe(models, ["talk.mp3", "call.wav"], language="en", max_tokens=200)
+    transcriptions = transcribe(models, ["talk.mp3", "call.wav"], language="en")
+    for segment in stream_transcribe(models, "lecture.mp3"):
+        print(segment["start"], segment["end"], segment["text"])
 
-`Whisper` reads a converted model's generation_config.json (as
-transformers' Whisper `generate` reads it): the start of transcript, the
-language and task tokens, the no-timestamps token, the tokens suppressed
-everywhere and those suppressed first. A file's features (audio.py) are the
-request's source; its decoder opens with the start of transcript, its
-language, its task and no-timestamps, and its rules suppress what the
-config suppresses. Where no language is given, a multilingual model's is
-detected from the file's first 30 s, on the encoder output its decoding then
-reuses. Files decode together, in one batch, drafted or not as the settings
-say (the draft follows the same rules).
+A file's features (audio.py) are decoded 30 s at a time, as transformers'
+Whisper `generate` decodes them: each window a request whose decoder opens
+as speech_tokens.Whisper says (start of transcript, language, task), with
+its rules; a window's segments run between its pairs of timestamps, and the
+next window starts at its last pair. Where no language is given, a
+multilingual model's is detected from the file's first window, on the
+encoder output its decoding then reuses. Files decode together, in one
+batch, drafted or not as the settings say (the draft follows the same
+rules); `Guards` decide when a window is decoded again or skipped.
 """
 
 import json
 import math
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import audio
 import cpu  # noqa: F401  (before mlx.core)
@@ -27,168 +28,10 @@ import numpy as np
 
 from batches import batch_for
 from errors import OptionError
-from options import Opening, Settings, Stats
+from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from rules import BadWords, Rule, Timestamps
-
-TASKS = ("transcribe", "translate")
-TIMESTAMP_SECONDS = 0.02  # a timestamp token's step
-FRAMES_PER_STEP = 2  # feature frames (10 ms) a timestamp step spans: the encoder's stride
-
-
-@dataclass(frozen=True)
-class AtStart(Rule):
-    """transformers' SuppressTokensAtBeginLogitsProcessor: tokens banned as a
-    row's first output token only (Whisper's space and end of text), on the
-    device with the other fixed bans."""
-
-    tokens: tuple[int, ...]
-
-    first_only = True
-
-    def banned(self, before: Sequence[int]) -> tuple[int, ...]:
-        return self.tokens
-
-
-@dataclass(frozen=True)
-class Whisper:
-    """A Whisper model's special tokens and suppressions, from its generation config."""
-
-    start: int  # <|startoftranscript|>
-    end: int  # <|endoftext|>
-    languages: dict = field(default_factory=dict)  # "<|en|>" -> id; empty for an English-only model
-    tasks: dict = field(default_factory=dict)  # "transcribe" -> id
-    no_timestamps: int | None = None  # and the timestamps after it, <|0.00|> to <|30.00|>
-    suppress: tuple[int, ...] = ()
-    begin_suppress: tuple[int, ...] = ()
-    vocabulary: int = 0
-    max_initial: int | None = None  # the latest first timestamp, in steps of 0.02 s
-    previous: int | None = None  # <|startofprev|>, which a prompt opens with
-    positions: int = 448  # the decoder's
-
-    @classmethod
-    def of(cls, models) -> "Whisper":
-        args, generation = models.target.args, models.generation
-        if not args.num_mel_bins:
-            raise OptionError("this model reads text, not audio: pass a Whisper model for --audio")
-        multilingual = generation.get("is_multilingual", bool(generation.get("lang_to_id")))
-        return cls(start=generation.get("decoder_start_token_id", args.decoder_start_token_id),
-                   end=args.eos_token_id, languages=(generation.get("lang_to_id") or {}) if multilingual else {},
-                   tasks=generation.get("task_to_id") or {}, no_timestamps=generation.get("no_timestamps_token_id"),
-                   suppress=tuple(generation.get("suppress_tokens") or ()),
-                   begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()), vocabulary=args.vocab_size,
-                   max_initial=generation.get("max_initial_timestamp_index"),
-                   previous=generation.get("prev_sot_token_id"), positions=args.max_positions)
-
-    @property
-    def first_timestamp(self) -> int | None:
-        return None if self.no_timestamps is None else self.no_timestamps + 1
-
-    @property
-    def multilingual(self) -> bool:
-        return bool(self.languages)  # (Whisper.of reads the config's is_multilingual into languages)
-
-    def language_token(self, language: str) -> int:
-        """"en", "<|en|>" or a name transformers takes ("english") -> its token; OptionError naming the codes."""
-        code = LANGUAGE_NAMES.get(language.lower(), language.lower()).strip("<|>")
-        token = self.languages.get(f"<|{code}|>")
-        if token is None:
-            codes = ", ".join(sorted(code.strip("<|>") for code in self.languages))
-            raise OptionError(f"unknown language {language!r} (this model's: {codes})" if self.languages else
-                              "this model is English-only: it takes no language")
-        return token
-
-    def opening(self, language: int | None, task: str, timestamps: bool = False, prefix: tuple[int, ...] = ()) -> Opening:
-        """The prompt's prefix (Whisper.prompt), the start of transcript, the
-        language and the task (a multilingual model's), then no-timestamps
-        unless they are asked for: transformers' decoder prompt."""
-        start = [*prefix, self.start]
-        if self.multilingual:
-            start += [language, self.tasks[task]]
-        if self.no_timestamps is not None and not timestamps:
-            start.append(self.no_timestamps)
-        return Opening(tuple(start))
-
-    def rules(self, opening: Opening, timestamps: bool = False) -> tuple:
-        """The rules of a row that opens so: the tokens suppressed, those
-        suppressed first, and the timestamps' (when asked for), whose check
-        of the logits comes after every ban, as transformers orders them."""
-        rules = []
-        if self.suppress:
-            rules.append(BadWords(tuple((token,) for token in self.suppress)))
-        if self.begin_suppress:
-            rules.append(AtStart(self.begin_suppress))
-        if timestamps:
-            rules.append(Timestamps(self.first_timestamp, self.no_timestamps, self.end, len(opening.start),
-                                    self.vocabulary, self.max_initial))
-        return tuple(rules)
-
-    def window_segments(self, tokens: list[int], offset: float, frames: int) -> tuple[list[dict], int]:
-        """A window's output (its end of text left out) in segments ({start,
-        end, tokens}, in seconds from `offset`, the window's start), and the
-        frames the file moves on by, as transformers' long-form decoding
-        splits them: a pair of timestamps closes a segment and opens the
-        next; text after the last pair is dropped and the next window starts
-        at that pair (a window ending in a lone timestamp, or with no pair,
-        is used whole). Without a pair, one segment of the whole, to its last
-        timestamp or the window's end."""
-        first = self.first_timestamp if self.first_timestamp is not None else self.vocabulary + 1
-        stamp = [token >= first for token in tokens]
-        lone_ending = stamp[-2:] == [False, True]
-        cuts = [i + 1 for i in range(len(tokens) - 1) if stamp[i] and stamp[i + 1]]
-        if not cuts:
-            stamps = [token for token in tokens if token >= first]
-            # (in transformers' floats: 58 frames are 28 steps there, not 29)
-            last = float(stamps[-1] - first) if stamps and stamps[-1] != first else int(frames * 0.01 / TIMESTAMP_SECONDS)
-            return [{"start": offset, "end": offset + last * TIMESTAMP_SECONDS, "tokens": tokens}], frames
-        if lone_ending:
-            cuts.append(len(tokens))
-        else:
-            cuts[-1] += 1  # the last pair's second timestamp stays with its segment
-        segments, begin = [], 0
-        for n, cut in enumerate(cuts):
-            piece = tokens[begin:cut]
-            closing = piece[-2] if n == len(cuts) - 1 and not lone_ending else piece[-1]
-            segments.append({"start": offset + (piece[0] - first) * TIMESTAMP_SECONDS,
-                             "end": offset + (closing - first) * TIMESTAMP_SECONDS, "tokens": piece})
-            begin = cut
-        # The next window starts at the last pair (a window that would not move on is used whole).
-        advance = frames if lone_ending else (tokens[begin - 2] - first) * FRAMES_PER_STEP
-        return segments, advance if advance > 0 else frames
-
-    def prompt(self, tokenizer, text: str | None) -> tuple[int, ...]:
-        """<|startofprev|> and a prompt's tokens (its last 223, as openai-whisper keeps them), which every window's
-        opening starts with, as transformers' prompt_ids; () for no prompt."""
-        if not text:
-            return ()
-        if self.previous is None:
-            raise OptionError("this model's generation config has no prev_sot_token_id: it takes no prompt", "prompt")
-        ids = tokenizer.encode(" " + text.strip(), add_special_tokens=False)
-        return (self.previous, *ids[-(self.positions // 2 - 1):])
-
-    def after_start(self, target, cache, prefixes: list[tuple[int, ...]]) -> mx.array:
-        """(rows, V): the target's logits after each row's prefix and the start
-        of transcript (padded on the right where they differ); the cache left
-        as it was."""
-        rows = [[*prefix, self.start] for prefix in prefixes]
-        width = max(len(row) for row in rows)
-        logits = target.decode(mx.array([row + [self.start] * (width - len(row)) for row in rows]), cache)
-        cache.trim(width)
-        return logits[mx.arange(len(rows)), mx.array([len(row) - 1 for row in rows])]
-
-    def detect(self, logits: mx.array) -> list[int]:
-        """Each row's likeliest language token in its logits after the start of
-        transcript alone, as transformers' detect_language decides it."""
-        ids = mx.array(sorted(self.languages.values()))
-        return [int(token) for token in ids[mx.argmax(logits[:, ids], axis=-1)].tolist()]
-
-    def no_speech_probs(self, logits: mx.array) -> list[float]:
-        """Each row's probability of <|nospeech|> (the token before <|notimestamps|>) in its logits after the start
-        of transcript, before any rule, as transformers' WhisperNoSpeechDetection reads it."""
-        if self.no_timestamps is None:
-            return [0.0] * logits.shape[0]
-        return mx.softmax(logits.astype(mx.float32), axis=-1)[:, self.no_timestamps - 1].tolist()
+from speech_tokens import FRAMES_PER_STEP, TASKS, TIMESTAMP_SECONDS, Whisper
 
 
 @dataclass(frozen=True)
@@ -526,28 +369,6 @@ class Listening:
         tokens = [token for segment in track.segments for token in segment["tokens"]]
         return Transcription(self.text([token for token in tokens if token < self.whisper.end]), tokens, language,
                              track.duration, track.finish, track.stats, track.segments, self.task)
-
-
-# The language names transformers' generate takes, for the codes of Whisper's first 99 languages.
-LANGUAGE_NAMES = {
-    "english": "en", "chinese": "zh", "german": "de", "spanish": "es", "russian": "ru", "korean": "ko",
-    "french": "fr", "japanese": "ja", "portuguese": "pt", "turkish": "tr", "polish": "pl", "catalan": "ca",
-    "dutch": "nl", "arabic": "ar", "swedish": "sv", "italian": "it", "indonesian": "id", "hindi": "hi",
-    "finnish": "fi", "vietnamese": "vi", "hebrew": "he", "ukrainian": "uk", "greek": "el", "malay": "ms",
-    "czech": "cs", "romanian": "ro", "danish": "da", "hungarian": "hu", "tamil": "ta", "norwegian": "no",
-    "thai": "th", "urdu": "ur", "croatian": "hr", "bulgarian": "bg", "lithuanian": "lt", "latin": "la",
-    "maori": "mi", "malayalam": "ml", "welsh": "cy", "slovak": "sk", "telugu": "te", "persian": "fa",
-    "latvian": "lv", "bengali": "bn", "serbian": "sr", "azerbaijani": "az", "slovenian": "sl", "kannada": "kn",
-    "estonian": "et", "macedonian": "mk", "breton": "br", "basque": "eu", "icelandic": "is", "armenian": "hy",
-    "nepali": "ne", "mongolian": "mn", "bosnian": "bs", "kazakh": "kk", "albanian": "sq", "swahili": "sw",
-    "galician": "gl", "marathi": "mr", "punjabi": "pa", "sinhala": "si", "khmer": "km", "shona": "sn",
-    "yoruba": "yo", "somali": "so", "afrikaans": "af", "occitan": "oc", "georgian": "ka", "belarusian": "be",
-    "tajik": "tg", "sindhi": "sd", "gujarati": "gu", "amharic": "am", "yiddish": "yi", "lao": "lo",
-    "uzbek": "uz", "faroese": "fo", "haitian creole": "ht", "pashto": "ps", "turkmen": "tk", "nynorsk": "nn",
-    "maltese": "mt", "sanskrit": "sa", "luxembourgish": "lb", "myanmar": "my", "tibetan": "bo", "tagalog": "tl",
-    "malagasy": "mg", "assamese": "as", "tatar": "tt", "hawaiian": "haw", "lingala": "ln", "hausa": "ha",
-    "bashkir": "ba", "javanese": "jw", "sundanese": "su", "cantonese": "yue",
-}
 
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's response_format

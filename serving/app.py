@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from errors import OptionError
@@ -24,8 +24,10 @@ from options import Stats
 from plans import Plan, PromptForm, resolve, with_presets
 from serving import shapes
 from serving.engine import Engine, Job, QueueFull
+from serving.streams import Events, cancel_when_gone, interleaved, pieces
 from serving.guard import Access, ApiError, Guard
 from serving.metrics import Times
+from serving.transcriptions import FORM_BYTES, Transcriptions
 from serving.schema import CHARACTERS_PER_TOKEN, ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
 from text import TextStream, token_text
 
@@ -62,30 +64,6 @@ class Call:
         log.info("%s prompt %d completion %d tokens, %.2f s, acceptance %.2f%s", self.id, stats.prompt_tokens,
                  self.usage["completion_tokens"], time.perf_counter() - self.started, stats.acceptance_rate,
                  "; the client left before the end: not sent" if client_left else "")
-
-
-async def pieces(job: Job):
-    """(text, finish_reason, tokens settled) as the engine sends them, a
-    piece a round; the job is cancelled if this ends early."""
-    try:
-        while True:
-            item = await job.out.get()
-            if item is None:
-                if job.error:
-                    raise ApiError(job.status, job.error, "server_error" if job.status >= 500 else "invalid_request_error")
-                return
-            yield item
-    finally:
-        job.cancel()
-
-
-async def cancel_when_gone(jobs: list[Job], receive) -> None:
-    """Waits for the client to leave (after its body, the next ASGI message is
-    the disconnect), then cancels its jobs: their rows leave at the next round."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    for job in jobs:
-        job.cancel()
 
 
 @dataclass(frozen=True)
@@ -305,66 +283,12 @@ class Completions:
 BEAM_DEFAULTS = {"temp": 0.0, "num_draft": 1, "prompt_lookup": False}
 
 
-class Events(StreamingResponse):
-    """A streamed answer's server-sent events. However the response ends,
-    its jobs are cancelled: also when the client left before the first
-    event, and Starlette never started the generator whose own `finally`
-    would have cancelled them."""
-
-    def __init__(self, events, jobs: list[Job]):
-        super().__init__(events, media_type="text/event-stream")
-        self.jobs = jobs
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for job in self.jobs:
-                job.cancel()
-
-
-async def interleaved(jobs: list[Job]):
-    """(choice index, text, finish reason, tokens settled) from every job as
-    each comes; (None, error body, None, None) for a job that failed."""
-    if len(jobs) == 1:  # no tasks to interleave
-        try:
-            async for piece, finish, settled in pieces(jobs[0]):
-                yield 0, piece, finish, settled
-        except ApiError as e:
-            yield None, shapes.error_body(e.message, e.type), None, None
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def drain(index: int, job: Job):
-        try:
-            async for piece, finish, settled in pieces(job):
-                await merged.put((index, piece, finish, settled))
-        except ApiError as e:
-            await merged.put((None, shapes.error_body(e.message, e.type), None, None))
-
-    tasks = [asyncio.create_task(drain(i, job)) for i, job in enumerate(jobs)]
-    finished = asyncio.gather(*tasks)
-    try:
-        while not (finished.done() and merged.empty()):
-            getter = asyncio.ensure_future(merged.get())
-            await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-            else:
-                getter.cancel()
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 OTHER_BODY_BYTES = 4096  # a body sent to a path no route takes: it is refused whole, so none needs to be read
 
 
 def create_app(models: Models, engine: Engine, names: list[str], access: Access = Access(), limits: Limits = Limits(),
                max_body_bytes: int = 1 << 20, read_timeout: float = 30.0) -> FastAPI:
     """The routes: completions and chat, audio, models, health and metrics, behind the guard."""
-    from serving.transcriptions import FORM_BYTES, Transcriptions  # (it imports this module's helpers)
-
     app = FastAPI(title="T5 speculative decoding", docs_url=None, redoc_url=None)
     app.state.metrics = engine.metrics
     completions = Completions(models, engine, names, limits)

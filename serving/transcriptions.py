@@ -26,10 +26,10 @@ from starlette.datastructures import UploadFile
 import audio
 from errors import OptionError
 from options import AUTO, KNOBS
-from serving.app import Events, cancel_when_gone, pieces
 from serving.engine import Engine, Job, QueueFull
 from serving.guard import ApiError
 from serving.metrics import Times
+from serving.streams import Events, cancel_when_gone, pieces
 from speech import FORMATS, Guards, Listening, Track, open_windows, render
 from text import TextStream
 

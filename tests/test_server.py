@@ -549,7 +549,7 @@ def test_a_stream_whose_client_left_before_its_first_event_still_cancels_its_job
     generator's own cleanup never runs: the response itself cancels the jobs."""
     import asyncio
 
-    from serving.app import Events
+    from serving.streams import Events
 
     class Job:
         cancelled = False
