@@ -30,14 +30,17 @@ class AudioError(T5Error):
     """A file that is not audio this can read: a one-line error (a 400 on the server)."""
 
 
-def read(source: str | Path | bytes) -> np.ndarray:
-    """A file's path, or its bytes, as float32 samples in [-1, 1], mono, 16 kHz."""
+def read(source: str | Path | bytes, max_seconds: float | None = None) -> np.ndarray:
+    """A file's path, or its bytes, as float32 samples in [-1, 1], mono, 16
+    kHz; a file longer than `max_seconds` is refused as soon as that shows
+    (its decoding stops there)."""
     data = source if isinstance(source, bytes) else _read_bytes(Path(source))
+    most = None if max_seconds is None else int(max_seconds * SAMPLE_RATE)
     try:
         if not data:
             raise AudioError("the audio file is empty")
-        samples = _plain_wav(data)
-        return samples if samples is not None else _decoded(data)
+        samples = _plain_wav(data, most)
+        return samples if samples is not None else _decoded(data, most)
     except AudioError as e:
         raise e if isinstance(source, bytes) else AudioError(f"{source}: {e}") from None
 
@@ -49,7 +52,11 @@ def _read_bytes(path: Path) -> bytes:
         raise AudioError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _plain_wav(data: bytes) -> np.ndarray | None:
+def too_long(most: int) -> AudioError:
+    return AudioError(f"the audio is longer than the {most / SAMPLE_RATE:,.0f} s this accepts")
+
+
+def _plain_wav(data: bytes, most: int | None = None) -> np.ndarray | None:
     """16 kHz PCM WAV through the standard library; None for anything else."""
     if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         return None
@@ -58,6 +65,8 @@ def _plain_wav(data: bytes) -> np.ndarray | None:
             if file.getframerate() != SAMPLE_RATE or file.getsampwidth() not in (1, 2, 4):
                 return None
             width, channels = file.getsampwidth(), file.getnchannels()
+            if most is not None and file.getnframes() > most:
+                raise too_long(most)
             raw = file.readframes(file.getnframes())
     except (wave.Error, EOFError):
         return None  # a WAV of floats, or extensible: PyAV reads it
@@ -73,7 +82,7 @@ def _plain_wav(data: bytes) -> np.ndarray | None:
     return samples.mean(axis=1) if channels > 1 else samples[:, 0]
 
 
-def _decoded(data: bytes) -> np.ndarray:
+def _decoded(data: bytes, most: int | None = None) -> np.ndarray:
     """Any format FFmpeg reads, through PyAV: its first audio stream, mixed to mono and resampled to 16 kHz."""
     try:
         import av
@@ -85,9 +94,13 @@ def _decoded(data: bytes) -> np.ndarray:
             if not container.streams.audio:
                 raise AudioError("the file has no audio stream")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            pieces = []
+            pieces, count = [], 0
             for frame in container.decode(container.streams.audio[0]):
-                pieces += [piece.to_ndarray().reshape(-1) for piece in resampler.resample(frame)]
+                new = [piece.to_ndarray().reshape(-1) for piece in resampler.resample(frame)]
+                pieces += new
+                count += sum(len(piece) for piece in new)
+                if most is not None and count > most:
+                    raise too_long(most)
             pieces += [piece.to_ndarray().reshape(-1) for piece in resampler.resample(None)]  # what it holds back
     except AudioError:
         raise
@@ -124,23 +137,32 @@ def mel_filters(bins: int) -> np.ndarray:
 _FILTERS: dict[int, np.ndarray] = {}
 
 
+CHUNK_FRAMES = 4096  # log_mel's frames a pass: its spectra's memory stays a few tens of MB, however long the file
+
+
 def log_mel(samples: np.ndarray, bins: int, frames: int | None = None) -> np.ndarray:
     """(frames, bins) float32 features of 16 kHz samples, as transformers'
     WhisperFeatureExtractor makes them: by default the samples padded with
     silence to a whole number of 30 s windows (at least one), each window's
-    3,000 frames; `frames` gives another count (the samples padded or cut)."""
+    3,000 frames; `frames` gives another count (the samples padded with
+    silence to it, or cut to it, as transformers cuts them; a count the
+    samples hold, len // HOP, reads them whole, as long-form does)."""
     if frames is None:
         frames = max(1, math.ceil(len(samples) / WINDOW_SAMPLES)) * WINDOW_FRAMES
-    samples = np.asarray(samples, np.float32)[: frames * HOP]
-    samples = np.pad(samples, (0, frames * HOP - len(samples)))
+    samples = np.asarray(samples, np.float32)
+    if len(samples) >= (frames + 1) * HOP:
+        samples = samples[: frames * HOP]
+    samples = np.pad(samples, (0, max(0, frames * HOP - len(samples))))
     padded = np.pad(samples, WINDOW // 2, mode="reflect")  # centred windows
-    count = 1 + (len(padded) - WINDOW) // HOP
-    windows = np.lib.stride_tricks.as_strided(padded, (count, WINDOW), (padded.strides[0] * HOP, padded.strides[0]))
-    hann = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(WINDOW) / WINDOW)).astype(np.float32)  # periodic
-    power = np.abs(np.fft.rfft(windows * hann, axis=-1)) ** 2
     if bins not in _FILTERS:
         _FILTERS[bins] = mel_filters(bins)
-    mel = np.maximum(power @ _FILTERS[bins], 1e-10)
-    logs = np.log10(mel)[:frames]  # the last window starts past the samples: transformers drops it
+    hann = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(WINDOW) / WINDOW)).astype(np.float32)  # periodic
+    logs = np.empty((frames, bins), np.float32)  # the first `frames` (transformers drops the last, past the samples)
+    for first in range(0, frames, CHUNK_FRAMES):
+        count = min(CHUNK_FRAMES, frames - first)
+        part = padded[first * HOP : first * HOP + (count - 1) * HOP + WINDOW]
+        windows = np.lib.stride_tricks.as_strided(part, (count, WINDOW), (part.strides[0] * HOP, part.strides[0]))
+        power = np.abs(np.fft.rfft(windows * hann, axis=-1)) ** 2
+        logs[first : first + count] = np.log10(np.maximum(power @ _FILTERS[bins], 1e-10))
     logs = np.maximum(logs, logs.max() - 8.0)
-    return ((logs + 4.0) / 4.0).astype(np.float32)
+    return (logs + 4.0) / 4.0

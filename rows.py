@@ -105,7 +105,8 @@ class Encoding:
                 pad = [model.args.pad_token_id]
                 inputs = mx.array([list(source) + pad * (length - n) for source, n in zip(sources, self.lengths)])
             else:
-                inputs = mx.stack([mx.pad(source, [(0, length - n), (0, 0)]) for source, n in zip(sources, self.lengths)])
+                inputs = mx.stack([mx.pad(mx.array(source), [(0, length - n), (0, 0)])  # (numpy's too: made here)
+                                   for source, n in zip(sources, self.lengths)])
             if id(model.encoder) not in encoded:
                 encoded[id(model.encoder)] = yield from model.encoding(inputs, mask)
             cache = model.make_cache(encoded[id(model.encoder)], mask)

@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"in {TIME_BUDGET} s, whichever is less)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     p.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio file accepted (OpenAI's limit)")
+    p.add_argument("--max-audio-seconds", type=float, default=3600.0,
+                   help="longest audio file accepted (its features, 3 MB a minute at 128 mel bins, are held while it "
+                        "decodes)")
     p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request's headers, and then its body, may take")
     p.add_argument("--max-connections", type=int, default=256, help="open connections; beyond, 503")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
@@ -249,8 +252,8 @@ def check_options(args) -> Settings:
         raise OptionError("--max-request-tokens must be at least 1")
     if args.read_timeout <= 0:
         raise OptionError("--read-timeout must be more than 0")
-    if args.max_audio_mb <= 0:
-        raise OptionError("--max-audio-mb must be more than 0")
+    if args.max_audio_mb <= 0 or args.max_audio_seconds <= 0:
+        raise OptionError("--max-audio-mb and --max-audio-seconds must be more than 0")
     if args.api_key is not None and not args.api_key.strip():
         raise OptionError("--api-key is empty: give a key, or leave the option out")
     if args.prompt_lookup and args.draft_model:
@@ -321,11 +324,11 @@ def main(argv=None) -> int:
     audio_bytes = int(args.max_audio_mb * 2**20)
     if models.target.args.num_mel_bins:  # Whisper: a request is one file, a window of it at a time in a row
         warm, held = (lambda: speech.warm_up(models, defaults)), f"audio files up to {args.max_audio_mb:g} MB"
-        limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, None, audio_bytes)
+        limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, None, audio_bytes, args.max_audio_seconds)
     else:
         budget, why = request_tokens(args, models, defaults)
         warm, held = None, f"requests up to {budget:,} cache tokens: {why}"
-        limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, budget, audio_bytes)
+        limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, budget, audio_bytes, args.max_audio_seconds)
     engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0], warm)
     app = create_app(models, engine, names, Access(args.api_key, hosts), limits, args.max_body_bytes, args.read_timeout)
     log.info("serving %s on http://%s:%d (batches of %d, queue %d, %s)", names[0], args.host, args.port,

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import audio
-import cpu  # noqa: F401  (before mlx.core)
-import mlx.core as mx
 import numpy as np
 
 from batches import batch_for
@@ -31,7 +29,7 @@ from errors import OptionError
 from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from speech_tokens import FRAMES_PER_STEP, TASKS, TIMESTAMP_SECONDS, Whisper
+from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, TASKS, TIMESTAMP_SECONDS, Whisper
 
 
 @dataclass(frozen=True)
@@ -128,10 +126,11 @@ class Track:
     def done(self) -> bool:
         return self.seek >= self.frames
 
-    def window_features(self) -> mx.array:
-        """The 3,000 frames from seek, the file's last window padded with zeros, as transformers pads it."""
+    def window_features(self) -> np.ndarray:
+        """The 3,000 frames from seek, the file's last window padded with zeros, as transformers pads it (numpy's:
+        its MLX array is made where it is encoded, on the thread that owns MLX)."""
         part = self.features[self.seek : self.seek + audio.WINDOW_FRAMES]
-        return mx.array(np.pad(part, [(0, audio.WINDOW_FRAMES - len(part)), (0, 0)]))
+        return np.pad(part, [(0, audio.WINDOW_FRAMES - len(part)), (0, 0)])
 
 
 @dataclass
@@ -189,32 +188,40 @@ def warm_up(models, settings: Settings) -> None:
 
 
 def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
-    """Files decoded window by window in one batch, each segment yielded as
-    it is decided: a file's next window joins as soon as its last ends, so
-    that no file waits for another's."""
+    """Files decoded window by window in one batch (one a decoding kind, as a
+    fallback's temperature may change it), each segment yielded as it is
+    decided: a file's next window joins as soon as its last ends, so that no
+    file waits for another's."""
     if not tracks:
         return
-    first = tracks[0].listening
-    batch = batch_for(first.models, first.settings, len(tracks))
+    models = tracks[0].listening.models
+    batches = {}  # a decoding kind (a window's temperature may change it) -> its batch
     joining, owners = [track for track in tracks if not track.done], {}  # id(a window's request) -> its track
-    while joining or batch.rows:
-        if joining:
-            requests = [track.listening.window(track) for track in joining]
-            owners.update({id(request): track for request, track in zip(requests, joining)})
-            encoding = batch.encoding(requests)
-            open_windows(first.models, encoding.finish()[0], joining)
-            batch.join(requests, encoding)
+    while joining or any(batch.rows for batch in batches.values()):
+        kinds = {}
+        for track in joining:
+            request = track.listening.window(track)
+            owners[id(request)] = track
+            kinds.setdefault(request.settings.kind(models), []).append(track)
+        for kind, starting in kinds.items():
+            if kind not in batches:
+                batches[kind] = batch_for(models, starting[0].window.request.settings, len(tracks))
+            requests = [track.window.request for track in starting]
+            encoding = batches[kind].encoding(requests)
+            open_windows(models, encoding.finish()[0], starting)
+            batches[kind].join(requests, encoding)
         joining = []
-        for request, token, reason in batch.round():
-            track = owners[id(request)]
-            for segment in track.listening.token(track, token):
-                yield track, segment
-            if reason:
-                for segment in track.listening.ended(track, reason):
+        for batch in [batch for batch in batches.values() if batch.rows]:
+            for request, token, reason in batch.round():
+                track = owners[id(request)]
+                for segment in track.listening.token(track, token):
                     yield track, segment
-                del owners[id(request)]
-                if not track.done:
-                    joining.append(track)
+                if reason:
+                    for segment in track.listening.ended(track, reason):
+                        yield track, segment
+                    del owners[id(request)]
+                    if not track.done:
+                        joining.append(track)
 
 
 def open_windows(models, cache, tracks: list[Track]) -> None:
@@ -283,21 +290,27 @@ class Listening:
         return cls(whisper, models, settings, fixed, task, timestamps, guards, prefix,
                    settings.max_tokens if "max_tokens" in given else None)
 
-    def track(self, file) -> Track:
+    def track(self, file, max_seconds: float | None = None) -> Track:
         """A file (a path, its bytes, or its samples) read, and its features
         made: a file of up to 30 s padded to the window, as transformers pads
         it; a longer one at its whole length, decoded with timestamps (the
         windows move by them)."""
-        samples = file if isinstance(file, np.ndarray) else audio.read(file)
-        long = len(samples) > audio.WINDOW_SAMPLES
+        samples = file if isinstance(file, np.ndarray) else audio.read(file, max_seconds)
+        long = len(samples) // audio.HOP > audio.WINDOW_FRAMES  # (transformers' long-form: over 3,000 frames)
+        if long and self.whisper.first_timestamp is None:
+            raise OptionError("this model's generation config has no no_timestamps_token_id: it decodes files of up "
+                              "to 30 s, and this one is longer")
         frames = len(samples) // audio.HOP if long else audio.WINDOW_FRAMES
         features = audio.log_mel(samples, self.models.target.args.num_mel_bins, frames)
         return Track(self, features, frames, len(samples) / audio.SAMPLE_RATE, self.timestamps or long, self.language)
 
     def window(self, track: Track) -> Request:
         """The request of the track's next window (its opening set once it is encoded: open_windows)."""
-        temperature = self.guards.temperatures[track.attempt]
-        request = Request(track.window_features(), replace(self.settings, temp=temperature), ruled_logprobs=True)
+        temperature, seed = self.guards.temperatures[track.attempt], self.settings.seed
+        if seed is not None:  # each window and each attempt its own random stream, reproducibly
+            seed = (seed * 1_000_003 + track.seek * 31 + track.attempt) % 2**31
+        request = Request(track.window_features(), replace(self.settings, temp=temperature, seed=seed),
+                          ruled_logprobs=True)
         track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature)
         return request
 
@@ -331,19 +344,21 @@ class Listening:
         window = track.window
         window.finish = finish
         window.close(self.whisper.vocabulary, self.whisper.end)
+        retry = self.guards.retry(window) and track.attempt + 1 < len(self.guards.temperatures)
+        silent = not retry and self.guards.silent(window)
+        segments, advance = [], window.frames
+        if not retry and not silent:
+            segments, advance = self.whisper.window_segments(window.tokens, self.offset(window), window.frames)
+            segments = [self.finished(segment, window) for segment in segments]
+        # (all that can fail is done: the track changes now, at once)
         track.stats = track.stats + window.request.stats
-        if self.guards.retry(window) and track.attempt + 1 < len(self.guards.temperatures):
+        if retry:
             track.attempt += 1  # (the seek stays: the same window again)
             return []
-        track.attempt, track.window, track.finish = 0, None, window.finish
-        if self.guards.silent(window):
-            track.seek += window.frames
-            return []
-        segments, advance = self.whisper.window_segments(window.tokens, self.offset(window), window.frames)
-        segments = [self.finished(segment, window) for segment in segments]
+        new = segments[track.sent :]
         track.segments += segments
+        track.attempt, track.window, track.finish, track.sent = 0, None, window.finish, 0
         track.seek += advance
-        new, track.sent = segments[track.sent :], 0
         return new
 
     @staticmethod
@@ -376,20 +391,23 @@ FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's response_fo
 
 def render(transcription: Transcription, form: str) -> str:
     """A transcription as OpenAI's audio endpoints answer in each response_format: json ({"text"}), text, srt,
-    verbose_json (text, language, duration, segments) or vtt."""
+    verbose_json (text, the language's name, duration, segments) or vtt (subtitles: segments with no text left
+    out)."""
     if form == "text":
         return transcription.text + "\n"
     if form == "json":
         return json.dumps({"text": transcription.text})
     if form == "verbose_json":
-        return json.dumps({"task": transcription.task, "language": transcription.language,
+        names = {code: name for name, code in LANGUAGE_NAMES.items()}
+        return json.dumps({"task": transcription.task, "language": names.get(transcription.language,
+                                                                             transcription.language),
                            "duration": round(transcription.duration, 3), "text": transcription.text,
                            "segments": [{"id": i} | segment for i, segment in enumerate(transcription.segments)]})
     if form not in ("srt", "vtt"):
         raise OptionError(f"the format is one of {', '.join(FORMATS)}, not {form!r}", "response_format")
     mark = "," if form == "srt" else "."
     cues = []
-    for i, segment in enumerate(transcription.segments, 1):
+    for i, segment in enumerate([segment for segment in transcription.segments if segment["text"].strip()], 1):
         span = f"{clock(segment['start'], mark)} --> {clock(segment['end'], mark)}"
         cues.append(f"{i}\n{span}\n{segment['text'].strip()}\n" if form == "srt" else f"{span}\n{segment['text'].strip()}\n")
     return ("" if form == "srt" else "WEBVTT\n\n") + "\n".join(cues)

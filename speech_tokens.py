@@ -13,6 +13,7 @@ from typing import Sequence
 
 import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
+import numpy as np
 
 from errors import OptionError
 from options import Opening
@@ -73,10 +74,13 @@ class Whisper:
     def multilingual(self) -> bool:
         return bool(self.languages)  # (Whisper.of reads the config's is_multilingual into languages)
 
-    def language_token(self, language: str) -> int:
-        """"en", "<|en|>" or a name transformers takes ("english") -> its token; OptionError naming the codes."""
+    def language_token(self, language: str) -> int | None:
+        """"en", "<|en|>" or a name transformers takes ("english") -> its token (None: English, to an English-only
+        model); OptionError naming the codes."""
         code = LANGUAGE_NAMES.get(language.lower(), language.lower()).strip("<|>")
         token = self.languages.get(f"<|{code}|>")
+        if token is None and not self.languages and code == "en":
+            return None  # an English-only model: English is what it hears (OpenAI's clients often say so)
         if token is None:
             codes = ", ".join(sorted(code.strip("<|>") for code in self.languages))
             raise OptionError(f"unknown language {language!r} (this model's: {codes})" if self.languages else
@@ -123,8 +127,9 @@ class Whisper:
         cuts = [i + 1 for i in range(len(tokens) - 1) if stamp[i] and stamp[i + 1]]
         if not cuts:
             stamps = [token for token in tokens if token >= first]
-            # (in transformers' floats: 58 frames are 28 steps there, not 29)
-            last = float(stamps[-1] - first) if stamps and stamps[-1] != first else int(frames * 0.01 / TIMESTAMP_SECONDS)
+            # in float32, as transformers computes it from its frame count (58 frames are 29 steps, not float64's 28)
+            steps = int(np.float32(frames) * np.float32(0.01) / np.float32(TIMESTAMP_SECONDS))
+            last = float(stamps[-1] - first) if stamps and stamps[-1] != first else steps
             return [{"start": offset, "end": offset + last * TIMESTAMP_SECONDS, "tokens": tokens}], frames
         if lone_ending:
             cuts.append(len(tokens))
@@ -144,7 +149,7 @@ class Whisper:
     def prompt(self, tokenizer, text: str | None) -> tuple[int, ...]:
         """<|startofprev|> and a prompt's tokens (its last 223, as openai-whisper keeps them), which every window's
         opening starts with, as transformers' prompt_ids; () for no prompt."""
-        if not text:
+        if not text or not text.strip():
             return ()
         if self.previous is None:
             raise OptionError("this model's generation config has no prev_sot_token_id: it takes no prompt", "prompt")

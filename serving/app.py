@@ -74,6 +74,7 @@ class Limits:
     max_tokens: int = 4096  # max_tokens
     max_request_tokens: int | None = None  # over its prompts: prompt tokens + max_tokens (the cache its rows hold)
     max_audio_bytes: int = 25 * 2**20  # an audio file's (OpenAI's limit)
+    max_audio_seconds: float = 3600.0  # and its length: its features are held while it decodes
 
 
 class Completions:
@@ -284,6 +285,7 @@ BEAM_DEFAULTS = {"temp": 0.0, "num_draft": 1, "prompt_lookup": False}
 
 
 OTHER_BODY_BYTES = 4096  # a body sent to a path no route takes: it is refused whole, so none needs to be read
+UPLOAD_BYTES_PER_SECOND = 125_000  # the slowest upload an audio route waits for: 1 Mbit/s
 
 
 def create_app(models: Models, engine: Engine, names: list[str], access: Access = Access(), limits: Limits = Limits(),
@@ -292,16 +294,19 @@ def create_app(models: Models, engine: Engine, names: list[str], access: Access 
     app = FastAPI(title="T5 speculative decoding", docs_url=None, redoc_url=None)
     app.state.metrics = engine.metrics
     completions = Completions(models, engine, names, limits)
-    transcriptions = Transcriptions(models, engine, completions.check_model)
+    transcriptions = Transcriptions(models, engine, completions.check_model, limits.max_audio_seconds)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected_error)
     # Each route's body limit: the text routes take max_body_bytes; a path no route takes, what an error needs.
     body_limits = {path: max_body_bytes for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")}
-    body_limits |= {f"/v1/audio/{task}s": limits.max_audio_bytes + FORM_BYTES for task in ("transcription", "translation")}
+    audio_paths = [f"/v1/audio/{task}s" for task in ("transcription", "translation")]
+    body_limits |= {path: limits.max_audio_bytes + FORM_BYTES for path in audio_paths}
+    # An upload's body may take longer than the read timeout: as long again as it takes at 1 Mbit/s.
+    body_seconds = {path: read_timeout + limits.max_audio_bytes / UPLOAD_BYTES_PER_SECOND for path in audio_paths}
     app.add_middleware(Guard, engine=engine, access=access, max_body_bytes=min(max_body_bytes, OTHER_BODY_BYTES),
-                       read_timeout=read_timeout, body_limits=body_limits)
+                       read_timeout=read_timeout, body_limits=body_limits, body_seconds=body_seconds)
 
     @app.post("/v1/completions")
     async def completion(request: Request, body: Completion):

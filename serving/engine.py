@@ -71,6 +71,10 @@ class Job:
     def stats(self):
         return self.request.stats
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.source)
+
     def follow(self) -> Request | None:
         """Once its request has ended: the next request the job decodes (an audio file's next window), or None."""
         return None
@@ -209,7 +213,7 @@ class Engine:
         for job in taken:
             job.times.admitted = now
             self.metrics.queue_time.observe(now - job.times.arrived)
-            self.metrics.prompt_tokens.inc(len(job.request.source))
+            self.metrics.prompt_tokens.inc(job.prompt_tokens)
         together = {}  # a kind's prompts of about one length encode together: a short one never waits for a long one
         for job in taken:
             length = len(job.request.source)
@@ -314,10 +318,7 @@ class Engine:
                     self.metrics.first_token.observe(job.times.first_token - job.times.arrived)
                 if finish:
                     self.jobs.pop(id(request))
-                    if job.follow() is not None:
-                        following.append(job)
-                    else:
-                        self.record_end(job, job.stream.finish_reason or finish)
+                    following += self.going_on(job, finish)
                 elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
                     job.cancelled = True
         except Exception as e:
@@ -330,14 +331,36 @@ class Engine:
                     self.record_end(job, "error")
                 else:
                     self.isolate(job)
-        following = [job for job in following if job.error is None]
-        if following:  # their next requests are encoded together, to join this batch
-            self.joining.append(Joining(kind, following, batch.encoding([job.request for job in following])))
+        together = {}  # their next requests encoded together, to join their kind's batch (a temperature may change it)
+        for job in following:
+            if job.error is None:
+                together.setdefault(job.request.settings.kind(self.models), []).append(job)
+        for next_kind, jobs in together.items():
+            encoding = self.batch_of(next_kind, jobs[0]).encoding([job.request for job in jobs])
+            self.joining.append(Joining(next_kind, jobs, encoding))
         for job in touched.values():
             if job.error is None:
                 job.publish()
         self.metrics.parts["decoding"].inc(time.perf_counter() - started)
         self.metrics.generation_tokens.inc(tokens)
+
+    def going_on(self, job: Job, finish: str) -> list[Job]:
+        """A job whose request ended: [job] when it goes on with another (an
+        audio file's next window), else [] and its end counted. A job whose
+        client left goes no further; one whose next request cannot be made
+        fails alone."""
+        try:
+            if not job.cancelled and job.follow() is not None:
+                return [job]
+        except Exception as e:
+            log.exception("a job's next request failed")
+            job.fail(f"decoding failed: {e}", 400 if isinstance(e, T5Error) else 500)
+            self.record_end(job, "error")
+            return []
+        if job.stream.finish_reason is None and job.cancelled:  # its client left mid-way: nobody waits for the rest
+            job.end()
+        self.record_end(job, job.stream.finish_reason or ("abort" if job.cancelled else finish))
+        return []
 
     def isolate(self, job: Job) -> None:
         """A job whose batch failed decodes again from its start in a batch of

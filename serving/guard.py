@@ -97,9 +97,10 @@ class Guard:
     streamed chunk through a task."""
 
     def __init__(self, app, engine: Engine, access: Access, max_body_bytes: int, read_timeout: float,
-                 body_limits: dict | None = None):
+                 body_limits: dict | None = None, body_seconds: dict | None = None):
         self.app, self.engine, self.access = app, engine, access
         self.max_body_bytes, self.read_timeout, self.body_limits = max_body_bytes, read_timeout, body_limits or {}
+        self.body_seconds = body_seconds or {}  # a route's own time for its body (an upload), by path
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -115,7 +116,8 @@ class Guard:
             limit = self.body_limits.get(scope["path"], self.max_body_bytes)
             if int(headers.get(b"content-length", b"0") or 0) > limit:
                 raise self.too_big(limit)
-            body = await self.body(receive, limit) if scope["method"] == "POST" else None
+            seconds = self.body_seconds.get(scope["path"], self.read_timeout)
+            body = await self.body(receive, limit, seconds) if scope["method"] == "POST" else None
         except ApiError as e:
             return await e.response(self.engine.metrics)(scope, receive, send)
         except ClientGone:
@@ -137,13 +139,13 @@ class Guard:
     def too_big(limit: int) -> ApiError:
         return ApiError(413, f"the body is over {limit:,} bytes")
 
-    async def body(self, receive, limit: int) -> bytes:
-        deadline, parts, size = time.monotonic() + self.read_timeout, [], 0
+    async def body(self, receive, limit: int, seconds: float) -> bytes:
+        deadline, parts, size = time.monotonic() + seconds, [], 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
             except asyncio.TimeoutError:
-                raise ApiError(408, f"the body did not arrive within {self.read_timeout:g} s", code="timeout",
+                raise ApiError(408, f"the body did not arrive within {seconds:g} s", code="timeout",
                                headers={"Connection": "close"})
             if message["type"] == "http.disconnect":
                 raise ClientGone()

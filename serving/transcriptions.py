@@ -101,6 +101,10 @@ class AudioJob(Job):
     def stats(self):
         return self.track.stats
 
+    @property
+    def prompt_tokens(self) -> int:
+        return 0  # audio, counted in seconds (audio_seconds)
+
     def follow(self):
         if self.track.done:
             return None
@@ -120,10 +124,19 @@ class AudioJob(Job):
 
 
 class Transcriptions:
-    """What both audio endpoints do with a request: its job, then its answer."""
+    """What both audio endpoints do with a request: its job, then its answer.
+    Reading a file and making its features takes memory and a core for a
+    while: PREPARING requests at a time do it, and none while the queue is
+    full."""
 
-    def __init__(self, models, engine: Engine, check_model):
-        self.models, self.engine, self.check_model = models, engine, check_model
+    PREPARING = 2
+
+    def __init__(self, models, engine: Engine, check_model, max_seconds: float):
+        self.models, self.engine, self.check_model, self.max_seconds = models, engine, check_model, max_seconds
+        self.preparing = asyncio.Semaphore(self.PREPARING)
+
+    def queue_full(self) -> ApiError:
+        return ApiError(429, "the queue is full: try again shortly", "rate_limit_error", headers={"Retry-After": "1"})
 
     async def answer(self, request: Request, task: str):
         arrived = request.state.arrived
@@ -132,14 +145,17 @@ class Transcriptions:
         if "word" in body.timestamp_granularities:
             raise ApiError(400, "word timestamps are not available yet: ask for segment timestamps",
                            param="timestamp_granularities[]")
-        listening, track = await asyncio.to_thread(self.prepared, body, data, task)
+        async with self.preparing:
+            if len(self.engine.waiting) >= self.engine.max_queue:  # before the work, not after
+                raise self.queue_full()
+            listening, track = await asyncio.to_thread(self.prepared, body, data, task)
         loop = asyncio.get_running_loop()
         job = AudioJob(listening.window(track), TextStream(self.models.tokenizer), loop, asyncio.Queue(),
                        times=Times(arrived), listening=listening, track=track)
         try:
             self.engine.submit([job])
         except QueueFull:
-            raise ApiError(429, "the queue is full: try again shortly", "rate_limit_error", headers={"Retry-After": "1"})
+            raise self.queue_full()
         self.engine.metrics.audio_seconds.inc(track.duration)
         name = body.model
         if body.stream:
@@ -163,19 +179,22 @@ class Transcriptions:
             form = await request.form(max_files=1, max_fields=64, max_part_size=FORM_BYTES)
         except Exception as e:  # not a multipart (or urlencoded) form, or one past its limits
             raise ApiError(400, f"the body is not a form this endpoint reads (multipart/form-data): {e}")
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise ApiError(400, "file: an audio file is required (a multipart/form-data upload)", param="file")
-        fields = {key: value for key, value in form.multi_items() if key != "file" and isinstance(value, str)}
-        if "timestamp_granularities[]" in fields:
-            fields["timestamp_granularities[]"] = form.getlist("timestamp_granularities[]")
         try:
-            body = AudioForm.model_validate(fields)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            raise ApiError(400, f"{where}: {first.get('msg', 'invalid')}".removeprefix(": "), param=where or None)
-        return body, await upload.read()
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise ApiError(400, "file: an audio file is required (a multipart/form-data upload)", param="file")
+            fields = {key: value for key, value in form.multi_items() if key != "file" and isinstance(value, str)}
+            if "timestamp_granularities[]" in fields:
+                fields["timestamp_granularities[]"] = form.getlist("timestamp_granularities[]")
+            try:
+                body = AudioForm.model_validate(fields)
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(part) for part in first.get("loc", ()))
+                raise ApiError(400, f"{where}: {first.get('msg', 'invalid')}".removeprefix(": "), param=where or None)
+            return body, await upload.read()
+        finally:
+            await form.close()  # the upload's spooled file
 
     def prepared(self, body: AudioForm, data: bytes, task: str) -> tuple[Listening, Track]:
         """The request's Listening and its file's Track (read, and its features made): off the event loop."""
@@ -184,7 +203,7 @@ class Transcriptions:
             timestamps = body.response_format in ("srt", "vtt", "verbose_json")
             listening = Listening.of(self.models, body.language, task, timestamps, body.guards(), body.prompt,
                                      self.engine.defaults, set(options), options)
-            return listening, listening.track(data)
+            return listening, listening.track(data, self.max_seconds)
         except audio.AudioError as e:
             raise ApiError(400, f"file: {e}", param="file")
         except OptionError as e:
