@@ -27,6 +27,7 @@ import cpu  # before mlx.core
 import mlx.core as mx
 
 SCORES_PER_BLOCK = 1 << 21
+CROSS_WEIGHTS: list | None = None  # while captured (cross_weights), each cross-attention's weights, layer by layer
 ROWS_PER_BLOCK = 32  # at least
 OWN_SOFTMAX_FROM = 4096  # scores per query (heads x keys) from which cross-attention takes our softmax
 
@@ -49,11 +50,31 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str,
     assert kind in ("self", "cross", "prompt"), kind
     if kind == "prompt":
         return attend_in_blocks(queries, keys, values, bias, lanes)
+    if kind == "cross" and CROSS_WEIGHTS is not None:
+        transposed = keys.swapaxes(-1, -2)
+        weights = mx.softmax(queries @ transposed if bias is None else mx.addmm(bias, queries, transposed), axis=-1,
+                             precise=True)
+        CROSS_WEIGHTS.append(weights)
+        return weights @ values
     if not cpu.in_use():
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
     H, S = queries.shape[1], keys.shape[2]
     own = kind == "cross" and H * S >= OWN_SOFTMAX_FROM
     return softmax_attention(queries, keys, values, bias, own)
+
+
+class cross_weights:
+    """A context in which every cross-attention keeps its weights (B, H, L, S), in the order the layers run:
+    `with cross_weights() as captured: model.decode_step(...)` (uncompiled: a compiled step keeps nothing)."""
+
+    def __enter__(self) -> list:
+        global CROSS_WEIGHTS
+        CROSS_WEIGHTS = []
+        return CROSS_WEIGHTS
+
+    def __exit__(self, *exc) -> None:
+        global CROSS_WEIGHTS
+        CROSS_WEIGHTS = None
 
 
 def attend_in_blocks(queries, keys, values, bias_of, lanes: tuple) -> mx.array:

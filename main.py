@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "translate")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
     p.add_argument("--timestamps", action="store_true", help="--audio: segments with their start and end")
+    p.add_argument("--word-timestamps", action="store_true",
+                   help="--audio: each word's start and end too (the model's alignment heads; in --json, OpenAI's words)")
     p.add_argument("--output-format", choices=("txt", "srt", "vtt", "json"),
                    help="--audio: print (or write, with --output-dir) each file's transcription in this format "
                         "(srt and vtt with timestamps; json: OpenAI's verbose_json)")
@@ -391,13 +393,15 @@ def listen(args) -> int:
     form = {"txt": "text", "json": "verbose_json"}.get(args.output_format, args.output_format)
     timestamps = args.timestamps or form in ("srt", "vtt")
     options = dict(language=args.language, task=args.task or "transcribe", timestamps=timestamps, settings=settings,
-                   given=given, prompt=args.initial_prompt,
+                   given=given, prompt=args.initial_prompt, words=args.word_timestamps,
                    guards=Guards.of(settings.temp, args.temperature_increment_on_fallback,
                                     args.compression_ratio_threshold, args.logprob_threshold, args.no_speech_threshold))
     if len(samples) == 1 and not (args.json or form or args.output_dir):  # at a terminal: each segment as decided
         for segment in stream_transcribe(models, samples[0], **options):
             shown = f"[{segment['start']:6.2f} -> {segment['end']:6.2f}] " if args.timestamps else ""
             print(shown + segment["text"], flush=True)
+            for word in segment.get("words", []):
+                print(f"    [{word['start']:6.2f} -> {word['end']:6.2f}] {word['word']}")
         return 0
     transcriptions = transcribe(models, samples, **options)
     for file, transcription in zip(args.audio, transcriptions):

@@ -29,7 +29,10 @@ from errors import OptionError
 from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, TASKS, TIMESTAMP_SECONDS, Whisper
+from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, TASKS, TIMESTAMP_SECONDS, Whisper, token_times
+
+# openai-whisper's: marks that join the word after them, and those that join the word before.
+PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、"
 
 
 @dataclass(frozen=True)
@@ -149,15 +152,16 @@ class Transcription:
 
 
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
-               guards: Guards = Guards(), prompt: str | None = None, settings: Settings | None = None, given=(),
-               **options) -> list[Transcription]:
+               words: bool = False, guards: Guards = Guards(), prompt: str | None = None, settings: Settings | None = None,
+               given=(), **options) -> list[Transcription]:
     """Each file's Transcription (a path, a file's bytes, or its samples as
     audio.read gives them), decoded together in one batch at these settings
     (options as Settings' fields, over the model's generation defaults). A
     file over 30 s is decoded window by window, each moving on from the last
     one's last timestamp, as transformers' long-form generate does; with
-    `timestamps`, a short file too. `max_tokens` counts a window's tokens."""
-    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options)
+    `timestamps`, a short file too; with `words`, each segment's words and
+    tokens timed (word_times). `max_tokens` counts a window's tokens."""
+    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words)
     tracks = [listening.track(file) for file in files]
     for _ in listen(tracks):
         pass
@@ -165,13 +169,13 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
 
 
 def stream_transcribe(models, file, *, language: str | None = None, task: str = "transcribe", timestamps: bool = True,
-                      guards: Guards = Guards(), prompt: str | None = None, settings: Settings | None = None, given=(),
-                      **options) -> Iterator[dict]:
+                      words: bool = False, guards: Guards = Guards(), prompt: str | None = None,
+                      settings: Settings | None = None, given=(), **options) -> Iterator[dict]:
     """One file's segments as they are decided: with no guard set, each as
     soon as the timestamps after it show it final (its window's figures,
     avg_logprob and compression_ratio, None until the window ends); with
-    guards, a window's once it ends and passes them."""
-    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options)
+    guards, or with words, a window's once it ends (and passes them)."""
+    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words)
     for _, segment in listen([listening.track(file)]):
         yield segment
 
@@ -217,11 +221,25 @@ def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
                 for segment in track.listening.token(track, token):
                     yield track, segment
                 if reason:
-                    for segment in track.listening.ended(track, reason):
+                    cross = row_cross(batch, request) if track.listening.words else None
+                    for segment in track.listening.ended(track, reason, cross):
                         yield track, segment
                     del owners[id(request)]
                     if not track.done:
                         joining.append(track)
+
+
+def marks(text: str, kind: str) -> bool:
+    """text is punctuation of this kind, and nothing else."""
+    return bool(text) and all(character in kind for character in text)
+
+
+def row_cross(batch, request) -> tuple:
+    """A request's row's cross-attention keys and values (each layer's) and bias in its batch's target cache: what
+    word_times reads, taken as the row ends, before it leaves."""
+    row, cache = [row.request for row in batch.rows].index(request), batch.caches[0]
+    keys_values = [(keys[row : row + 1], values[row : row + 1]) for keys, values in cache.cross_keys_values]
+    return keys_values, None if cache.cross_bias is None else cache.cross_bias[row : row + 1]
 
 
 def open_windows(models, cache, tracks: list[Track]) -> None:
@@ -257,11 +275,14 @@ class Listening:
     guards: Guards
     prefix: tuple[int, ...]  # <|startofprev|> and a prompt's tokens, before the start of transcript
     max_tokens: int | None  # as asked; None: what each window's opening leaves
+    words: bool = False  # each segment's words and tokens timed (word_times)
 
     @classmethod
     def of(cls, models, language: str | None, task: str, timestamps: bool, guards: Guards, prompt: str | None,
-           settings: Settings | None, given, options: dict) -> "Listening":
+           settings: Settings | None, given, options: dict, words: bool = False) -> "Listening":
         whisper = Whisper.of(models)
+        if words and not whisper.alignment_heads:
+            raise OptionError("this model's generation config names no alignment_heads: it times no words", "words")
         if task not in TASKS:
             raise OptionError(f"task must be transcribe or translate, not {task!r}", "task")
         if task == "translate" and not whisper.multilingual:
@@ -288,7 +309,7 @@ class Listening:
         # each token's log-probability, for the guards and the segments' figures
         settings = replace(settings, logprobs=0).check_models(models)
         return cls(whisper, models, settings, fixed, task, timestamps, guards, prefix,
-                   settings.max_tokens if "max_tokens" in given else None)
+                   settings.max_tokens if "max_tokens" in given else None, words)
 
     def track(self, file, max_seconds: float | None = None) -> Track:
         """A file (a path, its bytes, or its samples) read, and its features
@@ -330,17 +351,18 @@ class Listening:
             return []
         tokens, first = track.window.tokens, self.whisper.first_timestamp
         tokens.append(token)
-        if self.guards.any or first is None or len(tokens) < 2 or tokens[-1] < first or tokens[-2] < first:
+        if self.guards.any or self.words or first is None or len(tokens) < 2 or tokens[-1] < first or tokens[-2] < first:
             return []
         final = self.whisper.window_segments(tokens, self.offset(track.window), track.window.frames)[0][:-1]
         new = [self.finished(segment, track.window) for segment in final[track.sent :]]
         track.sent = max(track.sent, len(final))
         return new
 
-    def ended(self, track: Track, finish: str) -> list[dict]:
+    def ended(self, track: Track, finish: str, cross: tuple | None = None) -> list[dict]:
         """The track's window is done: the segments it decided that were not
         given out yet, and the file moves on (or the window is decoded again
-        hotter, or passed over as silence)."""
+        hotter, or passed over as silence). With words, `cross` is its row's
+        cross-attention (row_cross)."""
         window = track.window
         window.finish = finish
         window.close(self.whisper.vocabulary, self.whisper.end)
@@ -350,6 +372,8 @@ class Listening:
         if not retry and not silent:
             segments, advance = self.whisper.window_segments(window.tokens, self.offset(window), window.frames)
             segments = [self.finished(segment, window) for segment in segments]
+            if self.words:
+                self.timed(segments, window, track.frames - window.seek, cross)
         # (all that can fail is done: the track changes now, at once)
         track.stats = track.stats + window.request.stats
         if retry:
@@ -360,6 +384,42 @@ class Listening:
         track.attempt, track.window, track.finish, track.sent = 0, None, window.finish, 0
         track.seek += advance
         return new
+
+    def timed(self, segments: list[dict], window: Window, frames: int, cross: tuple) -> None:
+        """Each segment's tokens' times and its words (transformers' token timestamps, word_times)."""
+        opening = list(window.request.opening.start)
+        ended = [self.whisper.end] if window.request.end_logprob is not None else []
+        times = token_times(self.models.target, *cross, opening + window.tokens + ended, len(opening),
+                            list(self.whisper.alignment_heads), frames)
+        times = [round(self.offset(window) + time, 2) for time in times]
+        times += times[-1:]  # (a window's last token ends where it starts)
+        position = 0
+        for segment in segments:
+            count = len(segment["tokens"])
+            segment["token_times"] = times[position : position + count]
+            segment["words"] = self.worded(segment["tokens"], times[position : position + count + 1])
+            position += count
+
+    def worded(self, tokens: list[int], times: list[float]) -> list[dict]:
+        """A segment's text tokens in words ({word, start, end}): a word starts
+        at a token whose text starts with a space, punctuation joins the word
+        before it; a word runs from its first token's time to the time of the
+        token after its last."""
+        words = []
+        for i, token in enumerate(tokens):
+            if token >= self.whisper.end:
+                continue
+            piece, end = self.models.tokenizer.decode([token]), times[i + 1]
+            closing = marks(piece.strip(), PUNCTUATION_AFTER)
+            if words and (not piece.startswith(" ") or closing):
+                words[-1]["word"] += piece.strip() if closing else piece
+                words[-1]["end"] = end
+            elif words and marks(words[-1]["word"], PUNCTUATION_BEFORE):  # an opening mark joins the word it opens
+                words[-1]["word"] += piece.strip()
+                words[-1]["end"] = end
+            else:
+                words.append({"word": piece.strip(), "start": times[i], "end": end})
+        return [word for word in words if word["word"]]
 
     @staticmethod
     def offset(window: Window) -> float:
@@ -391,18 +451,21 @@ FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's response_fo
 
 def render(transcription: Transcription, form: str) -> str:
     """A transcription as OpenAI's audio endpoints answer in each response_format: json ({"text"}), text, srt,
-    verbose_json (text, the language's name, duration, segments) or vtt (subtitles: segments with no text left
-    out)."""
+    verbose_json (text, the language's name, duration, segments; the words, where timed) or vtt (subtitles:
+    segments with no text left out)."""
     if form == "text":
         return transcription.text + "\n"
     if form == "json":
         return json.dumps({"text": transcription.text})
     if form == "verbose_json":
         names = {code: name for name, code in LANGUAGE_NAMES.items()}
-        return json.dumps({"task": transcription.task, "language": names.get(transcription.language,
-                                                                             transcription.language),
-                           "duration": round(transcription.duration, 3), "text": transcription.text,
-                           "segments": [{"id": i} | segment for i, segment in enumerate(transcription.segments)]})
+        verbose = {"task": transcription.task, "language": names.get(transcription.language, transcription.language),
+                   "duration": round(transcription.duration, 3), "text": transcription.text,
+                   "segments": [{"id": i} | {key: value for key, value in segment.items() if key != "words"}
+                                for i, segment in enumerate(transcription.segments)]}
+        if any("words" in segment for segment in transcription.segments):  # OpenAI's: the words, apart
+            verbose["words"] = [word for segment in transcription.segments for word in segment["words"]]
+        return json.dumps(verbose)
     if form not in ("srt", "vtt"):
         raise OptionError(f"the format is one of {', '.join(FORMATS)}, not {form!r}", "response_format")
     mark = "," if form == "srt" else "."

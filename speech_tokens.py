@@ -51,6 +51,7 @@ class Whisper:
     max_initial: int | None = None  # the latest first timestamp, in steps of 0.02 s
     previous: int | None = None  # <|startofprev|>, which a prompt opens with
     positions: int = 448  # the decoder's
+    alignment_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose cross-attention follows the audio
 
     @classmethod
     def of(cls, models) -> "Whisper":
@@ -64,7 +65,8 @@ class Whisper:
                    suppress=tuple(generation.get("suppress_tokens") or ()),
                    begin_suppress=tuple(generation.get("begin_suppress_tokens") or ()), vocabulary=args.vocab_size,
                    max_initial=generation.get("max_initial_timestamp_index"),
-                   previous=generation.get("prev_sot_token_id"), positions=args.max_positions)
+                   previous=generation.get("prev_sot_token_id"), positions=args.max_positions,
+                   alignment_heads=tuple(tuple(pair) for pair in generation.get("alignment_heads") or ()))
 
     @property
     def first_timestamp(self) -> int | None:
@@ -200,3 +202,82 @@ LANGUAGE_NAMES = {
     "malagasy": "mg", "assamese": "as", "tatar": "tt", "hawaiian": "haw", "lingala": "ln", "hausa": "ha",
     "bashkir": "ba", "javanese": "jw", "sundanese": "su", "cantonese": "yue",
 }
+
+
+MEDIAN_FILTER_WIDTH = 7  # transformers' WhisperConfig default, and every public checkpoint's
+
+
+def token_times(target, cross_keys_values: list, cross_bias, tokens: list[int], opened: int,
+                heads: list[tuple[int, int]], frames: int) -> list[float]:
+    """Each output token's time in its window, in seconds, as transformers'
+    return_token_timestamps finds it: the alignment heads' cross-attention
+    weights, from one pass of the decoder over the window's opening and
+    output (its end of text included) but the last token (as generate has
+    them, a step a token), normalised over the tokens, median-filtered over
+    time and averaged over the heads, then dynamic time warping from tokens
+    to the audio's frames (`frames` of the window hold audio: the rest is
+    cut). `tokens` is the opening and the output; `cross_keys_values` and
+    `cross_bias`, one row's. The last token, with no row of its own, takes
+    the time of the one before; with one output token, every time is 0."""
+    from attention import cross_weights
+    from cache import DecoderCache
+
+    inputs = tokens[:-1]
+    if len(inputs) <= opened:
+        return [0.0] * (len(tokens) - opened)
+    cache = DecoderCache(cross_keys_values, cross_bias)
+    keys, values = cache.reserve(len(inputs))
+    with cross_weights() as captured:
+        target.decode_step(mx.array([inputs]), mx.array([0]), keys, values, cache.cross_keys_values, cache.cross_bias)
+        weights = mx.stack([captured[layer][0, head] for layer, head in heads])  # (heads, inputs, positions)
+    length = min(audio_positions(target), frames // 2)
+    weights = np.array(weights[:, opened:, :length].astype(mx.float32))
+    weights = (weights - weights.mean(axis=-2, keepdims=True)) / weights.std(axis=-2, keepdims=True)
+    matrix = median_filtered(weights, MEDIAN_FILTER_WIDTH).mean(axis=0)
+    text, time = warped(-matrix.astype(np.float64))
+    jumps = np.pad(np.diff(text), (1, 0), constant_values=1).astype(bool)
+    times = [float(t) for t in time[jumps] * TIMESTAMP_SECONDS]
+    return times + times[-1:]
+
+
+def audio_positions(target) -> int:
+    """The encoder's positions a 30 s window takes (1,500: its frames over the stem's stride)."""
+    return target.args.encoder_positions or target.args.max_positions
+
+
+def median_filtered(x: np.ndarray, width: int) -> np.ndarray:
+    """A median over `width` steps along the last axis, its edges reflected (transformers' _median_filter)."""
+    pad = width // 2
+    if x.shape[-1] <= pad:
+        return x
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], mode="reflect")
+    windows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1)
+    return np.sort(windows, axis=-1)[..., pad]
+
+
+def warped(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dynamic time warping of (tokens, times) costs: the cheapest monotonic
+    path from the first pair to the last, as (token indices, time indices),
+    with transformers' float32 costs and its tie-breaking. Each anti-diagonal
+    of the cost table depends only on the two before it: it is computed at
+    once."""
+    rows, columns = cost_of.shape
+    cost = np.full((rows + 1, columns + 1), np.inf, np.float32)
+    trace = np.full((rows + 1, columns + 1), -1, np.int8)
+    cost[0, 0] = 0
+    for diagonal in range(2, rows + columns + 1):
+        i = np.arange(max(1, diagonal - columns), min(rows, diagonal - 1) + 1)
+        j = diagonal - i
+        c0, c1, c2 = cost[i - 1, j - 1], cost[i - 1, j], cost[i, j - 1]
+        step = np.where((c0 < c1) & (c0 < c2), 0, np.where((c1 < c0) & (c1 < c2), 1, 2))
+        chosen = np.where(step == 0, c0, np.where(step == 1, c1, c2))
+        cost[i, j] = cost_of[i - 1, j - 1] + chosen.astype(np.float64)
+        trace[i, j] = step
+    trace[0, :], trace[:, 0] = 2, 1
+    i, j, text, time = rows, columns, [], []
+    while i > 0 or j > 0:
+        text.append(i - 1)
+        time.append(j - 1)
+        move = trace[i, j]
+        i, j = (i - 1, j - 1) if move == 0 else (i - 1, j) if move == 1 else (i, j - 1)
+    return np.array(text[::-1]), np.array(time[::-1])

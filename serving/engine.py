@@ -75,6 +75,9 @@ class Job:
     def prompt_tokens(self) -> int:
         return len(self.request.source)
 
+    def ending(self, batch, request: Request) -> None:
+        """Its request's last event has come, and its row is still in the batch (it leaves after the round)."""
+
     def follow(self) -> Request | None:
         """Once its request has ended: the next request the job decodes (an audio file's next window), or None."""
         return None
@@ -307,6 +310,8 @@ class Engine:
                 if job.error is not None:  # its replay went another way: its row leaves at the next round
                     continue
                 replaying = bool(job.replay)
+                if finish:
+                    job.ending(batch, request)
                 if not job.accept(token, finish):
                     job.cancelled = True
                     job.fail("decoding failed, and decoding again decided another token: the answer cannot go on")

@@ -30,7 +30,7 @@ from serving.engine import Engine, Job, QueueFull
 from serving.guard import ApiError
 from serving.metrics import Times
 from serving.streams import Events, cancel_when_gone, pieces
-from speech import FORMATS, Guards, Listening, Track, open_windows, render
+from speech import FORMATS, Guards, Listening, Track, open_windows, render, row_cross
 from text import TextStream
 
 FORM_BYTES = 2**16  # a form's fields beside its file (the file's own limit: Limits.max_audio_bytes)
@@ -85,11 +85,17 @@ class AudioJob(Job):
 
     listening: Listening | None = None
     track: Track | None = None
+    cross: tuple | None = None  # its window's row's cross-attention, as it ends (word times read it)
+
+    def ending(self, batch, request) -> None:
+        if self.listening.words:
+            self.cross = row_cross(batch, request)
 
     def add(self, token: int | None, finish: str | None) -> None:
         said = self.listening.token(self.track, token)
         if finish is not None:
-            said += self.listening.ended(self.track, finish)
+            said += self.listening.ended(self.track, finish, self.cross)
+            self.cross = None
         for segment in said:
             for token in segment["tokens"]:
                 if token < self.listening.whisper.end:  # its text: no timestamps
@@ -142,9 +148,6 @@ class Transcriptions:
         arrived = request.state.arrived
         body, data = await self.form(request)
         self.check_model(body.model)
-        if "word" in body.timestamp_granularities:
-            raise ApiError(400, "word timestamps are not available yet: ask for segment timestamps",
-                           param="timestamp_granularities[]")
         async with self.preparing:
             if len(self.engine.waiting) >= self.engine.max_queue:  # before the work, not after
                 raise self.queue_full()
@@ -201,8 +204,12 @@ class Transcriptions:
         try:
             options = body.options()
             timestamps = body.response_format in ("srt", "vtt", "verbose_json")
+            words = "word" in body.timestamp_granularities
+            if words and body.response_format != "verbose_json":
+                raise OptionError("word timestamps come in verbose_json: ask for that response_format",
+                                  "timestamp_granularities[]")
             listening = Listening.of(self.models, body.language, task, timestamps, body.guards(), body.prompt,
-                                     self.engine.defaults, set(options), options)
+                                     self.engine.defaults, set(options), options, words)
             return listening, listening.track(data, self.max_seconds)
         except audio.AudioError as e:
             raise ApiError(400, f"file: {e}", param="file")

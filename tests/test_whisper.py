@@ -785,12 +785,27 @@ def test_a_window_failing_a_threshold_is_decoded_again_at_the_next_temperature(s
 
 # ---------------------------------------------------------------- the server's audio endpoints
 
+ALIGNMENT_HEADS = [[1, 0], [2, 1], [2, 3]]  # the spoken fixture's, for word times
+
+
+def with_alignment_heads(root, folder):
+    """A copy of the spoken fixture whose generation config names alignment heads (the model is the same)."""
+    import json
+
+    if not (folder / "mlx").exists():
+        shutil.copytree(root / "mlx", folder / "mlx")
+        config = json.loads((folder / "mlx" / "generation_config.json").read_text())
+        (folder / "mlx" / "generation_config.json").write_text(json.dumps(config | {"alignment_heads": ALIGNMENT_HEADS}))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def audio_server(spoken_pair):
     from serving.process import ServerProcess
 
     root, _, _, _ = spoken_pair
-    running = ServerProcess("--model", str(root / "mlx"), "--served-model-name", "whisper", "--max-batch", "4",
+    timed = with_alignment_heads(root, root / "timed")
+    running = ServerProcess("--model", str(timed / "mlx"), "--served-model-name", "whisper", "--max-batch", "4",
                             "--max-audio-mb", "4")
     yield running
     assert running.stop() == 0
@@ -894,7 +909,7 @@ def test_what_the_audio_endpoints_refuse_is_a_400_or_413_that_says_why(spoken_pa
     (tmp_path / "notes.txt").write_text("not audio at all, just some words " * 10)
     cases = [((tmp_path / "notes.txt"), {}, "not an audio file this can read"),
              (path, {"language": "de"}, "unknown language 'de'"),
-             (path, {"timestamp_granularities": ["word"]}, "word timestamps are not available yet"),
+             (path, {"timestamp_granularities": ["word"]}, "word timestamps come in verbose_json"),
              (path, {"extra_body": {"max_tokens": 446}}, "max_tokens is 446")]
     for file, options, message in cases:
         with open(file, "rb") as opened, pytest.raises(openai.BadRequestError, match=message):
@@ -1032,3 +1047,71 @@ def test_a_client_that_leaves_mid_file_stops_its_windows_and_the_server_goes_on(
         answer = audio_client(audio_server).audio.transcriptions.create(model="whisper", file=file, language="en",
                                                                         extra_body={"max_tokens": 10})
     assert answer.text
+
+
+@torch.no_grad()
+def test_word_times_are_transformers_token_timestamps_within_a_step(spoken_pair, long_file, tmp_path):
+    """With words: each token's time (the alignment heads' cross-attention,
+    normalised, median-filtered, averaged, then dynamic time warping) within
+    0.02 s of transformers' return_token_timestamps, window by window of a
+    long file; words run from their first token's time to the next token's."""
+    import copy
+
+    import speech
+
+    root, target, _, _ = spoken_pair
+    heads = ALIGNMENT_HEADS
+    with_alignment_heads(root, tmp_path)
+    features, kept = whole_features(long_file), target.generation_config
+    target.generation_config = copy.deepcopy(kept)
+    target.generation_config.alignment_heads = heads
+    try:
+        out = target.generate(torch.tensor(features.T[None]), attention_mask=torch.ones(1, len(features), dtype=torch.long),
+                              return_segments=True, return_timestamps=True, return_token_timestamps=True,
+                              logits_processor=[Margins()], language="en", task="transcribe", max_new_tokens=40)
+    finally:
+        target.generation_config = kept
+    theirs = out["segments"][0]
+    (heard,) = speech.transcribe(spoken_models(tmp_path), [long_file], language="en", max_tokens=40, words=True)
+    assert [(s["start"], s["end"], s["tokens"]) for s in heard.segments] == \
+        [(round(float(s["start"]), 2), round(float(s["end"]), 2), s["tokens"].tolist()) for s in theirs]
+    for mine, their in zip(heard.segments, theirs):
+        assert len(mine["token_times"]) == len(their["token_timestamps"])
+        assert np.abs(np.array(mine["token_times"]) - their["token_timestamps"].numpy()).max() <= 0.02 + 1e-6
+    words = [word for segment in heard.segments for word in segment["words"]]
+    assert len(words) >= 5 and all(word["start"] <= word["end"] for word in words)
+    with pytest.raises(speech.OptionError, match="names no alignment_heads"):
+        speech.transcribe(spoken_models(root), [long_file], words=True)
+
+
+def test_the_server_gives_openais_words_as_transcribe_times_them(spoken_pair, long_file, audio_server):
+    import speech
+
+    root, _, _, _ = spoken_pair
+    with open(long_file, "rb") as file:
+        verbose = audio_client(audio_server).audio.transcriptions.create(
+            model="whisper", file=file, language="en", response_format="verbose_json",
+            timestamp_granularities=["word", "segment"], extra_body={"max_tokens": 30})
+    timed = with_alignment_heads(root, root / "timed")
+    (expected,) = speech.transcribe(spoken_models(timed), [long_file], language="en", max_tokens=30, words=True)
+    words = [word for segment in expected.segments for word in segment["words"]]
+    assert [(word.word, word.start, word.end) for word in verbose.words] == \
+        [(word["word"], word["start"], word["end"]) for word in words]
+    assert len(words) >= 5 and [s.text for s in verbose.segments] == [s["text"] for s in expected.segments]
+
+
+def test_the_command_line_prints_each_words_times_under_its_segment(spoken_pair, long_file, capsys):
+    import main
+    import speech
+
+    root, _, _, _ = spoken_pair
+    timed = with_alignment_heads(root, root / "timed")
+    (expected,) = speech.transcribe(spoken_models(timed), [long_file], language="en", max_tokens=30, words=True)
+    assert main.main(["--model", str(timed / "mlx"), "--audio", str(long_file), "--language", "en", "--max-tokens",
+                      "30", "--timestamps", "--word-timestamps"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected_lines = []
+    for segment in expected.segments:
+        expected_lines.append(f"[{segment['start']:6.2f} -> {segment['end']:6.2f}] {segment['text']}")
+        expected_lines += [f"    [{w['start']:6.2f} -> {w['end']:6.2f}] {w['word']}" for w in segment["words"]]
+    assert lines == expected_lines and any(line.startswith("    [") for line in lines)
