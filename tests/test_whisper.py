@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import decode_batch
+from support import chi_square_passes, decode_batch
 from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 import audio
@@ -1115,3 +1115,84 @@ def test_the_command_line_prints_each_words_times_under_its_segment(spoken_pair,
         expected_lines.append(f"[{segment['start']:6.2f} -> {segment['end']:6.2f}] {segment['text']}")
         expected_lines += [f"    [{w['start']:6.2f} -> {w['end']:6.2f}] {w['word']}" for w in segment["words"]]
     assert lines == expected_lines and any(line.startswith("    [") for line in lines)
+
+
+@pytest.fixture(scope="module")
+def spoken_draft(spoken_pair):
+    """The spoken fixture's distil-style draft: its target's encoder and its first and last decoder layers."""
+    root, _, _, _ = spoken_pair
+    state = load_file(str(root / "hf" / "model.safetensors"))
+    draft_state = {name.replace("model.decoder.layers.2.", "model.decoder.layers.1."): tensor
+                   for name, tensor in state.items() if not name.startswith("model.decoder.layers.1.")}
+    (root / "hf_draft").mkdir()
+    for file in (root / "hf").iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, root / "hf_draft" / file.name)
+    config = WhisperConfig.from_pretrained(root / "hf")
+    config.decoder_layers = 2
+    config.save_pretrained(root / "hf_draft")
+    save_file(draft_state, str(root / "hf_draft" / "model.safetensors"), metadata={"format": "pt"})
+    convert.convert(str(root / "hf_draft"), root / "mlx_draft", "float32", force=False)
+    return root / "mlx_draft"
+
+
+@torch.no_grad()
+def processed_distribution(model, features: np.ndarray, ids: list[int], opened: int) -> np.ndarray:
+    """transformers' next-token distribution at temperature 1 after ids, through its Whisper processors in
+    generate's order (those suppressed at the start, then the config's suppressed tokens)."""
+    from transformers.generation.logits_process import SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
+
+    generation = model.generation_config
+    logits = model(torch.tensor(features.T[None]), decoder_input_ids=torch.tensor([ids])).logits[:, -1]
+    for processor in (SuppressTokensAtBeginLogitsProcessor(generation.begin_suppress_tokens, opened),
+                      SuppressTokensLogitsProcessor(generation.suppress_tokens)):
+        logits = processor(torch.tensor([ids]), logits)
+    return torch.softmax(logits[0].double(), -1).numpy()
+
+
+def test_sampled_drafting_on_whisper_follows_the_targets_distribution_with_its_rules(spoken_pair, spoken_draft):
+    """Speculative sampling at temperature 1 and delta 0, a distil-style draft
+    following the same rules: the first token's distribution (the tokens
+    suppressed first and everywhere never drawn), and the second's after the
+    likeliest first, pass a chi-square test against transformers' with its
+    processors; drafts are both accepted and rejected."""
+    from options import Stats
+    from speech_tokens import Whisper
+
+    root, target, ids, path = spoken_pair
+    models = Models(load_model(root / "mlx"), load_model(spoken_draft), tokenizer=load_tokenizer(root / "mlx"),
+                    generation=read_generation_config(root / "mlx"))
+    whisper = Whisper.of(models)
+    opening = whisper.opening(ids["<|en|>"], "transcribe")
+    features = audio.log_mel(audio.read(path), 80)
+    source = mx.array(features)  # one array: the requests encode it once
+    settings = Settings(max_tokens=2, temp=1.0, num_draft=3, delta=0.0)
+    requests = [Request(source, Settings(**{**settings.__dict__, "seed": i}), opening=opening,
+                        rules=whisper.rules(opening)) for i in range(2000)]
+    tokens, _ = decode_batch(models, requests, 500)
+    totals = sum((request.stats for request in requests), Stats())
+    assert 0.05 < totals.acceptance_rate < 0.95
+
+    def grouped(counts: dict, expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens, likeliest first, in 7 groups of about a seventh of the probability each; the impossible apart."""
+        order = np.argsort(-expected)
+        group = np.minimum((np.cumsum(expected[order]) - expected[order] / 2) * 7, 6).astype(int)
+        of = dict(zip(order.tolist(), group.tolist()))
+        observed = np.bincount([of[token] for token, n in counts.items() for _ in range(n)], minlength=7)
+        return observed, np.bincount(group, weights=expected[order], minlength=7)
+
+    opened = len(opening.start)
+    first_expected = processed_distribution(target, features, list(opening.start), opened)
+    firsts = {}
+    for out in tokens:
+        firsts[out[0]] = firsts.get(out[0], 0) + 1
+    assert not set(firsts) & set(FIRST_SUPPRESSED + SUPPRESSED)
+    assert chi_square_passes(*grouped(firsts, first_expected))
+    first = max(firsts, key=firsts.get)
+    second_expected = processed_distribution(target, features, list(opening.start) + [first], opened)
+    seconds = {}
+    for out in tokens:
+        if out[0] == first and len(out) > 1:
+            seconds[out[1]] = seconds.get(out[1], 0) + 1
+    assert not set(seconds) & set(SUPPRESSED)
+    assert chi_square_passes(*grouped(seconds, second_expected))
