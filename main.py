@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "named after the file (talk.mp3 -> talk.srt)")
     p.add_argument("--initial-prompt", metavar="TEXT", help="--audio: text every window follows, as if said before "
                    "(names, spellings, a style)")
+    p.add_argument("--condition-on-previous-text", action="store_true",
+                   help="--audio: each window follows the text decoded before it (steadier style; a mistake can repeat)")
     guards = p.add_argument_group("--audio: openai-whisper's guards (none by default, as in transformers)")
     guards.add_argument("--no-speech-threshold", type=float, metavar="P",
                         help="skip a window whose <|nospeech|> probability is over P (and, with --logprob-threshold, "
@@ -394,6 +396,7 @@ def listen(args) -> int:
     timestamps = args.timestamps or form in ("srt", "vtt")
     options = dict(language=args.language, task=args.task or "transcribe", timestamps=timestamps, settings=settings,
                    given=given, prompt=args.initial_prompt, words=args.word_timestamps,
+                   condition=args.condition_on_previous_text,
                    guards=Guards.of(settings.temp, args.temperature_increment_on_fallback,
                                     args.compression_ratio_threshold, args.logprob_threshold, args.no_speech_threshold))
     if len(samples) == 1 and not (args.json or form or args.output_dir):  # at a terminal: each segment as decided

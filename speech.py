@@ -29,10 +29,7 @@ from errors import OptionError
 from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, TASKS, TIMESTAMP_SECONDS, Whisper, token_times
-
-# openai-whisper's: marks that join the word after them, and those that join the word before.
-PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、"
+from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, TASKS, TIMESTAMP_SECONDS, Whisper, token_times, words_of
 
 
 @dataclass(frozen=True)
@@ -88,6 +85,7 @@ class Window:
     seek: int
     frames: int  # the file's frames it holds, up to 3,000 (the rest is padding)
     temperature: float
+    prefix: tuple[int, ...] = ()  # what its opening starts with (Listening.prefix_of)
     no_speech_prob: float = 0.0  # the probability of <|nospeech|> after its start of transcript
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
@@ -119,6 +117,7 @@ class Track:
     language: int | None = None  # its language token (a multilingual model's)
     seek: int = 0
     attempt: int = 0  # the temperature tried now (Guards.temperatures)
+    conditioned: bool = True  # its next window may open with the text before it (Listening.prefix_of)
     window: Window | None = None
     segments: list[dict] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
@@ -152,16 +151,18 @@ class Transcription:
 
 
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
-               words: bool = False, guards: Guards = Guards(), prompt: str | None = None, settings: Settings | None = None,
-               given=(), **options) -> list[Transcription]:
+               words: bool = False, condition: bool = False, guards: Guards = Guards(), prompt: str | None = None,
+               settings: Settings | None = None, given=(), **options) -> list[Transcription]:
     """Each file's Transcription (a path, a file's bytes, or its samples as
     audio.read gives them), decoded together in one batch at these settings
     (options as Settings' fields, over the model's generation defaults). A
     file over 30 s is decoded window by window, each moving on from the last
     one's last timestamp, as transformers' long-form generate does; with
     `timestamps`, a short file too; with `words`, each segment's words and
-    tokens timed (word_times). `max_tokens` counts a window's tokens."""
-    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words)
+    tokens timed (word_times); with `condition`, each window opens with the
+    text before it. `max_tokens` counts a window's tokens."""
+    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words,
+                             condition)
     tracks = [listening.track(file) for file in files]
     for _ in listen(tracks):
         pass
@@ -169,13 +170,14 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
 
 
 def stream_transcribe(models, file, *, language: str | None = None, task: str = "transcribe", timestamps: bool = True,
-                      words: bool = False, guards: Guards = Guards(), prompt: str | None = None,
-                      settings: Settings | None = None, given=(), **options) -> Iterator[dict]:
+                      words: bool = False, condition: bool = False, guards: Guards = Guards(),
+                      prompt: str | None = None, settings: Settings | None = None, given=(), **options) -> Iterator[dict]:
     """One file's segments as they are decided: with no guard set, each as
     soon as the timestamps after it show it final (its window's figures,
     avg_logprob and compression_ratio, None until the window ends); with
     guards, or with words, a window's once it ends (and passes them)."""
-    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words)
+    listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words,
+                             condition)
     for _, segment in listen([listening.track(file)]):
         yield segment
 
@@ -229,11 +231,6 @@ def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
                         joining.append(track)
 
 
-def marks(text: str, kind: str) -> bool:
-    """text is punctuation of this kind, and nothing else."""
-    return bool(text) and all(character in kind for character in text)
-
-
 def row_cross(batch, request) -> tuple:
     """A request's row's cross-attention keys and values (each layer's) and bias in its batch's target cache: what
     word_times reads, taken as the row ends, before it leaves."""
@@ -248,7 +245,7 @@ def open_windows(models, cache, tracks: list[Track]) -> None:
     where none was given; each window's no-speech probability, read after its
     start of transcript; and its opening, rules and most tokens."""
     whisper, target = tracks[0].listening.whisper, models.target
-    prefixes = [track.listening.prefix for track in tracks]
+    prefixes = [track.window.prefix for track in tracks]
     logits = whisper.after_start(target, cache, prefixes)
     if whisper.multilingual and any(track.language is None for track in tracks):
         # on the start of transcript alone (every row: cheaper than picking some)
@@ -276,10 +273,12 @@ class Listening:
     prefix: tuple[int, ...]  # <|startofprev|> and a prompt's tokens, before the start of transcript
     max_tokens: int | None  # as asked; None: what each window's opening leaves
     words: bool = False  # each segment's words and tokens timed (word_times)
+    condition: bool = False  # each window opens with the text before it (transformers' condition_on_prev_tokens)
 
     @classmethod
     def of(cls, models, language: str | None, task: str, timestamps: bool, guards: Guards, prompt: str | None,
-           settings: Settings | None, given, options: dict, words: bool = False) -> "Listening":
+           settings: Settings | None, given, options: dict, words: bool = False,
+           condition: bool = False) -> "Listening":
         whisper = Whisper.of(models)
         if words and not whisper.alignment_heads:
             raise OptionError("this model's generation config names no alignment_heads: it times no words", "words")
@@ -308,8 +307,11 @@ class Listening:
             guards = replace(guards, temperatures=(settings.temp,))
         # each token's log-probability, for the guards and the segments' figures
         settings = replace(settings, logprobs=0).check_models(models)
+        if condition and whisper.previous is None and len(whisper.suppress) < 2:
+            raise OptionError("this model's generation config has no prev_sot_token_id: it cannot condition on the "
+                              "text before a window", "condition_on_previous_text")
         return cls(whisper, models, settings, fixed, task, timestamps, guards, prefix,
-                   settings.max_tokens if "max_tokens" in given else None, words)
+                   settings.max_tokens if "max_tokens" in given else None, words, condition)
 
     def track(self, file, max_seconds: float | None = None) -> Track:
         """A file (a path, its bytes, or its samples) read, and its features
@@ -332,16 +334,35 @@ class Listening:
             seed = (seed * 1_000_003 + track.seek * 31 + track.attempt) % 2**31
         request = Request(track.window_features(), replace(self.settings, temp=temperature, seed=seed),
                           ruled_logprobs=True)
-        track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature)
+        track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature,
+                              self.prefix_of(track))
         return request
+
+    def prefix_of(self, track: Track) -> tuple[int, ...]:
+        """What a track's next window opens with before its start of transcript:
+        the prompt's prefix; or, conditioned on the text before (where the last
+        window was decoded below temperature 0.5), <|startofprev|> and the last
+        223 tokens of the prompt and the segments so far (a segment's closing
+        pair of timestamps one token shorter), as transformers' generate
+        conditions on them."""
+        if not self.condition or not track.conditioned or not (track.segments or self.prefix):
+            return self.prefix
+        before = list(self.prefix[1:])  # the prompt, as transformers' first "segment"
+        for segment in track.segments:
+            tokens = segment["tokens"]
+            first = self.whisper.first_timestamp
+            closing_pair = first is not None and len(tokens) > 2 and tokens[-2] >= first
+            before += tokens[:-1] if closing_pair else tokens
+        previous = self.whisper.previous if self.whisper.previous is not None else self.whisper.suppress[-2]
+        return (previous, *before[-(self.whisper.positions // 2 - 1):])
 
     def opened(self, track: Track) -> None:
         """The window's opening (its language known), its rules and its most tokens."""
         request = track.window.request
-        request.opening = self.whisper.opening(track.language, self.task, track.timestamps, self.prefix)
+        request.opening = self.whisper.opening(track.language, self.task, track.timestamps, track.window.prefix)
         request.rules = self.whisper.rules(request.opening, track.timestamps)
         most = self.models.target.args.max_positions - len(request.opening.start)
-        request.settings = replace(request.settings, max_tokens=self.max_tokens or most)
+        request.settings = replace(request.settings, max_tokens=min(self.max_tokens or most, most))
 
     def token(self, track: Track, token: int | None) -> list[dict]:
         """A token of the track's window: the segments it shows final (with
@@ -382,6 +403,7 @@ class Listening:
         new = segments[track.sent :]
         track.segments += segments
         track.attempt, track.window, track.finish, track.sent = 0, None, window.finish, 0
+        track.conditioned = window.temperature < 0.5  # (a hot window's text is no guide: openai-whisper's rule)
         track.seek += advance
         return new
 
@@ -397,29 +419,9 @@ class Listening:
         for segment in segments:
             count = len(segment["tokens"])
             segment["token_times"] = times[position : position + count]
-            segment["words"] = self.worded(segment["tokens"], times[position : position + count + 1])
+            segment["words"] = words_of(segment["tokens"], times[position : position + count + 1],
+                                        self.models.tokenizer, self.whisper.end)
             position += count
-
-    def worded(self, tokens: list[int], times: list[float]) -> list[dict]:
-        """A segment's text tokens in words ({word, start, end}): a word starts
-        at a token whose text starts with a space, punctuation joins the word
-        before it; a word runs from its first token's time to the time of the
-        token after its last."""
-        words = []
-        for i, token in enumerate(tokens):
-            if token >= self.whisper.end:
-                continue
-            piece, end = self.models.tokenizer.decode([token]), times[i + 1]
-            closing = marks(piece.strip(), PUNCTUATION_AFTER)
-            if words and (not piece.startswith(" ") or closing):
-                words[-1]["word"] += piece.strip() if closing else piece
-                words[-1]["end"] = end
-            elif words and marks(words[-1]["word"], PUNCTUATION_BEFORE):  # an opening mark joins the word it opens
-                words[-1]["word"] += piece.strip()
-                words[-1]["end"] = end
-            else:
-                words.append({"word": piece.strip(), "start": times[i], "end": end})
-        return [word for word in words if word["word"]]
 
     @staticmethod
     def offset(window: Window) -> float:

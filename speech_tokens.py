@@ -281,3 +281,35 @@ def warped(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         move = trace[i, j]
         i, j = (i - 1, j - 1) if move == 0 else (i - 1, j) if move == 1 else (i, j - 1)
     return np.array(text[::-1]), np.array(time[::-1])
+
+
+# openai-whisper's: marks that join the word after them, and those that join the word before.
+PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、"
+
+
+def words_of(tokens: list[int], times: list[float], tokenizer, end: int) -> list[dict]:
+    """A segment's text tokens (those before `end`, the end of text) in words
+    ({word, start, end}), each token k timed from times[k] to times[k + 1]: a
+    word starts at a token whose text starts with a space, punctuation joins
+    the word before it (an opening mark, the word after it); a word runs
+    from its first token's time to the time of the token after its last."""
+    words = []
+    for i, token in enumerate(tokens):
+        if token >= end:
+            continue
+        piece, finish = tokenizer.decode([token]), times[i + 1]
+        closing = marks(piece.strip(), PUNCTUATION_AFTER)
+        if words and (not piece.startswith(" ") or closing):
+            words[-1]["word"] += piece.strip() if closing else piece
+            words[-1]["end"] = finish
+        elif words and marks(words[-1]["word"], PUNCTUATION_BEFORE):  # an opening mark joins the word it opens
+            words[-1]["word"] += piece.strip()
+            words[-1]["end"] = finish
+        else:
+            words.append({"word": piece.strip(), "start": times[i], "end": finish})
+    return [word for word in words if word["word"]]
+
+
+def marks(text: str, kind: str) -> bool:
+    """text is punctuation of this kind, and nothing else."""
+    return bool(text) and all(character in kind for character in text)

@@ -39,8 +39,8 @@ FORM_BYTES = 2**16  # a form's fields beside its file (the file's own limit: Lim
 class AudioForm(BaseModel):
     """The form fields this server reads (they arrive as text, and are read
     as their types): OpenAI's, vLLM's `stream_include_usage`, and our
-    decoding knobs and long-form guards (openai-whisper's names). Other
-    fields are ignored."""
+    decoding knobs, long-form guards and conditioning (openai-whisper's
+    names). Other fields are ignored."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -60,6 +60,7 @@ class AudioForm(BaseModel):
     logprob_threshold: float | None = None
     no_speech_threshold: float | None = Field(None, ge=0.0, le=1.0)
     temperature_increment_on_fallback: float | None = Field(None, gt=0.0, le=1.0)
+    condition_on_previous_text: bool = False
 
     @field_validator("num_draft", "delta", "seed")
     @classmethod
@@ -209,7 +210,7 @@ class Transcriptions:
                 raise OptionError("word timestamps come in verbose_json: ask for that response_format",
                                   "timestamp_granularities[]")
             listening = Listening.of(self.models, body.language, task, timestamps, body.guards(), body.prompt,
-                                     self.engine.defaults, set(options), options, words)
+                                     self.engine.defaults, set(options), options, words, body.condition_on_previous_text)
             return listening, listening.track(data, self.max_seconds)
         except audio.AudioError as e:
             raise ApiError(400, f"file: {e}", param="file")

@@ -1196,3 +1196,23 @@ def test_sampled_drafting_on_whisper_follows_the_targets_distribution_with_its_r
             seconds[out[1]] = seconds.get(out[1], 0) + 1
     assert not set(seconds) & set(SUPPRESSED)
     assert chi_square_passes(*grouped(seconds, second_expected))
+
+
+def test_conditioned_on_the_text_before_each_window_opens_as_transformers_condition_on_prev_tokens(spoken_pair,
+                                                                                                  long_file):
+    """condition: each window after the first opens with <|startofprev|> (the
+    config's, or the second-last suppressed token, as transformers falls back
+    to) and the last 223 tokens of the segments before it (a closing pair of
+    timestamps one token shorter), as transformers' generate with
+    condition_on_prev_tokens; with a prompt, the prompt's tokens come first."""
+    import speech
+
+    root, target, _, _ = spoken_pair
+    models = spoken_models(root)
+    features = whole_features(long_file)
+    theirs = generated(target, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=40,
+                       condition_on_prev_tokens=True)
+    (conditioned,) = speech.transcribe(models, [long_file], language="en", max_tokens=40, condition=True)
+    (plain,) = speech.transcribe(models, [long_file], language="en", max_tokens=40)
+    assert ours(conditioned) == theirs != ours(plain)
+    assert conditioned.segments[0]["tokens"] == plain.segments[0]["tokens"]  # the first window: nothing before it
