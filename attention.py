@@ -27,7 +27,7 @@ import cpu  # before mlx.core
 import mlx.core as mx
 
 SCORES_PER_BLOCK = 1 << 21
-CROSS_WEIGHTS: list | None = None  # while captured (cross_weights), each cross-attention's weights, layer by layer
+CROSS_WEIGHTS: dict | None = None  # while captured (cross_weights): layer -> its cross-attention's weights
 ROWS_PER_BLOCK = 32  # at least
 OWN_SOFTMAX_FROM = 4096  # scores per query (heads x keys) from which cross-attention takes our softmax
 
@@ -54,7 +54,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str,
         transposed = keys.swapaxes(-1, -2)
         weights = mx.softmax(queries @ transposed if bias is None else mx.addmm(bias, queries, transposed), axis=-1,
                              precise=True)
-        CROSS_WEIGHTS.append(weights)
+        layer = CROSS_WEIGHTS["next"] = CROSS_WEIGHTS.get("next", -1) + 1
+        if layer in CROSS_WEIGHTS["layers"]:
+            CROSS_WEIGHTS[layer] = weights
         return weights @ values
     if not cpu.in_use():
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
@@ -64,12 +66,18 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str,
 
 
 class cross_weights:
-    """A context in which every cross-attention keeps its weights (B, H, L, S), in the order the layers run:
-    `with cross_weights() as captured: model.decode_step(...)` (uncompiled: a compiled step keeps nothing)."""
+    """A context in which the cross-attention of these decoder layers keeps
+    its weights (B, H, L, S), by layer: `with cross_weights({2, 5}) as
+    captured: model.decode_step(...)`, then captured[2] (uncompiled: a
+    compiled step keeps nothing). Only the engine's thread runs MLX: one
+    capture at a time."""
 
-    def __enter__(self) -> list:
+    def __init__(self, layers: set[int]):
+        self.layers = set(layers)
+
+    def __enter__(self) -> dict:
         global CROSS_WEIGHTS
-        CROSS_WEIGHTS = []
+        CROSS_WEIGHTS = {"layers": self.layers}
         return CROSS_WEIGHTS
 
     def __exit__(self, *exc) -> None:

@@ -29,7 +29,8 @@ from errors import OptionError
 from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, TASKS, TIMESTAMP_SECONDS, Whisper, token_times, words_of
+from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, SPACELESS, TASKS, TIMESTAMP_SECONDS, Whisper, token_times
+from speech_tokens import words_of
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Track:
     listening: "Listening" = field(repr=False)
     features: np.ndarray  # (frames, bins): the whole file's
     frames: int  # its frames to decode (a file of up to 30 s: the whole window, padding included)
+    audio_frames: int  # those that hold audio (transformers' attention mask: what word times read)
     duration: float
     timestamps: bool  # decoded with timestamps (over 30 s: always, as the windows move by them)
     language: int | None = None  # its language token (a multilingual model's)
@@ -148,6 +150,7 @@ class Transcription:
     stats: Stats
     segments: list[dict] = field(default_factory=list)  # Whisper.segments' fields, and the window's figures
     task: str = "transcribe"
+    words: list[dict] | None = None  # every segment's words, where they were timed
 
 
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
@@ -159,7 +162,7 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
     file over 30 s is decoded window by window, each moving on from the last
     one's last timestamp, as transformers' long-form generate does; with
     `timestamps`, a short file too; with `words`, each segment's words and
-    tokens timed (word_times); with `condition`, each window opens with the
+    tokens timed (token_times, words_of); with `condition`, each window opens with the
     text before it. `max_tokens` counts a window's tokens."""
     listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words,
                              condition)
@@ -233,7 +236,7 @@ def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
 
 def row_cross(batch, request) -> tuple:
     """A request's row's cross-attention keys and values (each layer's) and bias in its batch's target cache: what
-    word_times reads, taken as the row ends, before it leaves."""
+    token_times reads, taken as the row ends, before it leaves."""
     row, cache = [row.request for row in batch.rows].index(request), batch.caches[0]
     keys_values = [(keys[row : row + 1], values[row : row + 1]) for keys, values in cache.cross_keys_values]
     return keys_values, None if cache.cross_bias is None else cache.cross_bias[row : row + 1]
@@ -272,7 +275,7 @@ class Listening:
     guards: Guards
     prefix: tuple[int, ...]  # <|startofprev|> and a prompt's tokens, before the start of transcript
     max_tokens: int | None  # as asked; None: what each window's opening leaves
-    words: bool = False  # each segment's words and tokens timed (word_times)
+    words: bool = False  # each segment's words and tokens timed (token_times, words_of)
     condition: bool = False  # each window opens with the text before it (transformers' condition_on_prev_tokens)
 
     @classmethod
@@ -282,6 +285,11 @@ class Listening:
         whisper = Whisper.of(models)
         if words and not whisper.alignment_heads:
             raise OptionError("this model's generation config names no alignment_heads: it times no words", "words")
+        args = models.target.args
+        if any(not (0 <= layer < args.num_decoder_layers and 0 <= head < args.num_heads)
+               for layer, head in whisper.alignment_heads):
+            raise OptionError(f"this model's alignment_heads {list(whisper.alignment_heads)} name a decoder layer or "
+                              f"head it does not have ({args.num_decoder_layers} layers of {args.num_heads} heads)")
         if task not in TASKS:
             raise OptionError(f"task must be transcribe or translate, not {task!r}", "task")
         if task == "translate" and not whisper.multilingual:
@@ -325,7 +333,9 @@ class Listening:
                               "to 30 s, and this one is longer")
         frames = len(samples) // audio.HOP if long else audio.WINDOW_FRAMES
         features = audio.log_mel(samples, self.models.target.args.num_mel_bins, frames)
-        return Track(self, features, frames, len(samples) / audio.SAMPLE_RATE, self.timestamps or long, self.language)
+        audio_frames = frames if long else -(-len(samples) // audio.HOP)
+        return Track(self, features, frames, audio_frames, len(samples) / audio.SAMPLE_RATE, self.timestamps or long,
+                     self.language)
 
     def window(self, track: Track) -> Request:
         """The request of the track's next window (its opening set once it is encoded: open_windows)."""
@@ -393,8 +403,8 @@ class Listening:
         if not retry and not silent:
             segments, advance = self.whisper.window_segments(window.tokens, self.offset(window), window.frames)
             segments = [self.finished(segment, window) for segment in segments]
-            if self.words:
-                self.timed(segments, window, track.frames - window.seek, cross)
+            if self.words and cross is not None:
+                self.timed(segments, window, track.audio_frames - window.seek, cross, track)
         # (all that can fail is done: the track changes now, at once)
         track.stats = track.stats + window.request.stats
         if retry:
@@ -407,8 +417,12 @@ class Listening:
         track.seek += advance
         return new
 
-    def timed(self, segments: list[dict], window: Window, frames: int, cross: tuple) -> None:
-        """Each segment's tokens' times and its words (transformers' token timestamps, word_times)."""
+    def spaceless(self, track: Track) -> bool:
+        names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
+        return names.get(track.language) in SPACELESS
+
+    def timed(self, segments: list[dict], window: Window, frames: int, cross: tuple, track: Track) -> None:
+        """Each segment's tokens' times and its words (token_times, words_of: transformers' token timestamps)."""
         opening = list(window.request.opening.start)
         ended = [self.whisper.end] if window.request.end_logprob is not None else []
         times = token_times(self.models.target, *cross, opening + window.tokens + ended, len(opening),
@@ -420,7 +434,7 @@ class Listening:
             count = len(segment["tokens"])
             segment["token_times"] = times[position : position + count]
             segment["words"] = words_of(segment["tokens"], times[position : position + count + 1],
-                                        self.models.tokenizer, self.whisper.end)
+                                        self.models.tokenizer, self.whisper.end, self.spaceless(track))
             position += count
 
     @staticmethod
@@ -444,8 +458,9 @@ class Listening:
         names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
         language = names.get(track.language, None if self.whisper.multilingual else "en")
         tokens = [token for segment in track.segments for token in segment["tokens"]]
+        words = [word for segment in track.segments for word in segment["words"]] if self.words else None
         return Transcription(self.text([token for token in tokens if token < self.whisper.end]), tokens, language,
-                             track.duration, track.finish, track.stats, track.segments, self.task)
+                             track.duration, track.finish, track.stats, track.segments, self.task, words)
 
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's response_format
@@ -465,8 +480,8 @@ def render(transcription: Transcription, form: str) -> str:
                    "duration": round(transcription.duration, 3), "text": transcription.text,
                    "segments": [{"id": i} | {key: value for key, value in segment.items() if key != "words"}
                                 for i, segment in enumerate(transcription.segments)]}
-        if any("words" in segment for segment in transcription.segments):  # OpenAI's: the words, apart
-            verbose["words"] = [word for segment in transcription.segments for word in segment["words"]]
+        if transcription.words is not None:  # OpenAI's: the words, apart
+            verbose["words"] = transcription.words
         return json.dumps(verbose)
     if form not in ("srt", "vtt"):
         raise OptionError(f"the format is one of {', '.join(FORMATS)}, not {form!r}", "response_format")

@@ -182,6 +182,7 @@ class Whisper:
         return mx.softmax(logits.astype(mx.float32), axis=-1)[:, self.no_timestamps - 1].tolist()
 
 
+SPACELESS = ("zh", "ja", "th", "lo", "my", "yue")  # languages written without spaces between words: a word a character
 # The language names transformers' generate takes, for the codes of Whisper's first 99 languages.
 LANGUAGE_NAMES = {
     "english": "en", "chinese": "zh", "german": "de", "spanish": "es", "russian": "ru", "korean": "ko",
@@ -227,12 +228,13 @@ def token_times(target, cross_keys_values: list, cross_bias, tokens: list[int], 
         return [0.0] * (len(tokens) - opened)
     cache = DecoderCache(cross_keys_values, cross_bias)
     keys, values = cache.reserve(len(inputs))
-    with cross_weights() as captured:
+    with cross_weights({layer for layer, _ in heads}) as captured:  # (only the alignment heads' layers are kept)
         target.decode_step(mx.array([inputs]), mx.array([0]), keys, values, cache.cross_keys_values, cache.cross_bias)
         weights = mx.stack([captured[layer][0, head] for layer, head in heads])  # (heads, inputs, positions)
-    length = min(audio_positions(target), frames // 2)
+    length = max(1, min(audio_positions(target), frames // 2))
     weights = np.array(weights[:, opened:, :length].astype(mx.float32))
-    weights = (weights - weights.mean(axis=-2, keepdims=True)) / weights.std(axis=-2, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):  # one row: a deviation of 0, as transformers divides by it
+        weights = (weights - weights.mean(axis=-2, keepdims=True)) / weights.std(axis=-2, keepdims=True)
     matrix = median_filtered(weights, MEDIAN_FILTER_WIDTH).mean(axis=0)
     text, time = warped(-matrix.astype(np.float64))
     jumps = np.pad(np.diff(text), (1, 0), constant_values=1).astype(bool)
@@ -252,7 +254,7 @@ def median_filtered(x: np.ndarray, width: int) -> np.ndarray:
         return x
     padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], mode="reflect")
     windows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1)
-    return np.sort(windows, axis=-1)[..., pad]
+    return np.partition(windows, pad, axis=-1)[..., pad]
 
 
 def warped(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -287,26 +289,33 @@ def warped(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、"
 
 
-def words_of(tokens: list[int], times: list[float], tokenizer, end: int) -> list[dict]:
+def words_of(tokens: list[int], times: list[float], tokenizer, end: int, spaceless: bool = False) -> list[dict]:
     """A segment's text tokens (those before `end`, the end of text) in words
-    ({word, start, end}), each token k timed from times[k] to times[k + 1]: a
-    word starts at a token whose text starts with a space, punctuation joins
-    the word before it (an opening mark, the word after it); a word runs
-    from its first token's time to the time of the token after its last."""
-    words = []
+    ({word, start, end}), each token k timed from times[k] to times[k + 1]:
+    tokens that make a character only together (a character's bytes split)
+    go together; a word starts at a leading space (in a language written
+    without spaces, `spaceless`, at every character); a closing mark joins the
+    word before it, an opening mark the word after it (openai-whisper's
+    marks); a word runs from its first token's time to the time of the token
+    after its last."""
+    units, pending = [], []  # (text, first token's index, last's): whole characters
     for i, token in enumerate(tokens):
         if token >= end:
             continue
-        piece, finish = tokenizer.decode([token]), times[i + 1]
-        closing = marks(piece.strip(), PUNCTUATION_AFTER)
-        if words and (not piece.startswith(" ") or closing):
-            words[-1]["word"] += piece.strip() if closing else piece
-            words[-1]["end"] = finish
-        elif words and marks(words[-1]["word"], PUNCTUATION_BEFORE):  # an opening mark joins the word it opens
-            words[-1]["word"] += piece.strip()
-            words[-1]["end"] = finish
+        pending.append(i)
+        text = tokenizer.decode([tokens[k] for k in pending])
+        if "\ufffd" not in text:
+            units.append((text, pending[0], i))
+            pending = []
+    words = []
+    for text, first, last in units:
+        closing = not text.startswith(" ") and marks(text, PUNCTUATION_AFTER)
+        joins = not spaceless and not text.startswith(" ")
+        if words and (closing or joins or marks(words[-1]["word"], PUNCTUATION_BEFORE)):
+            words[-1]["word"] += text.strip()
+            words[-1]["end"] = times[last + 1]
         else:
-            words.append({"word": piece.strip(), "start": times[i], "end": finish})
+            words.append({"word": text.strip(), "start": times[first], "end": times[last + 1]})
     return [word for word in words if word["word"]]
 
 

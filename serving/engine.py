@@ -310,12 +310,21 @@ class Engine:
                 if job.error is not None:  # its replay went another way: its row leaves at the next round
                     continue
                 replaying = bool(job.replay)
-                if finish:
-                    job.ending(batch, request)
-                if not job.accept(token, finish):
+                try:  # the job's own work on its token (an audio file's segments, words): a failure is its alone
+                    if finish:
+                        job.ending(batch, request)
+                    accepted = job.accept(token, finish)
+                except Exception as e:
+                    log.exception("a job's work on its tokens failed")
+                    accepted, failure = False, (f"decoding failed: {e}", 400 if isinstance(e, T5Error) else 500)
+                else:
+                    failure = ("decoding failed, and decoding again decided another token: the answer cannot go on", 500)
+                if not accepted:
                     job.cancelled = True
-                    job.fail("decoding failed, and decoding again decided another token: the answer cannot go on")
+                    job.fail(*failure)
                     self.record_end(job, "error")
+                    if finish:  # its row leaves now: so does it
+                        self.jobs.pop(id(request), None)
                     continue
                 tokens += token is not None and not replaying
                 if token is not None and job.times.first_token is None:

@@ -89,7 +89,7 @@ class AudioJob(Job):
     cross: tuple | None = None  # its window's row's cross-attention, as it ends (word times read it)
 
     def ending(self, batch, request) -> None:
-        if self.listening.words:
+        if self.listening.words and not self.cancelled:  # (nobody waits for the words of a job whose client left)
             self.cross = row_cross(batch, request)
 
     def add(self, token: int | None, finish: str | None) -> None:
@@ -215,7 +215,8 @@ class Transcriptions:
         except audio.AudioError as e:
             raise ApiError(400, f"file: {e}", param="file")
         except OptionError as e:
-            raise ApiError(400, str(e), param=getattr(e, "param", None))
+            param = "timestamp_granularities[]" if e.param == "words" else e.param
+            raise ApiError(400, str(e), param=param)
 
     async def stream(self, job: AudioJob, name: str, include_usage: bool):
         """vLLM's `transcription.chunk` events: the text of each segment as it
