@@ -16,8 +16,6 @@ rules); `Guards` decide when a window is decoded again or skipped.
 """
 
 import json
-import math
-import zlib
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -29,8 +27,8 @@ from errors import OptionError
 from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, SPACELESS, TASKS, TIMESTAMP_SECONDS, Whisper, token_times
-from speech_tokens import words_of
+from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, SPACELESS, TASKS, TIMESTAMP_SECONDS, Whisper
+from speech_tokens import compression_ratio, token_times, words_of
 
 
 @dataclass(frozen=True)
@@ -96,14 +94,11 @@ class Window:
     def close(self, vocabulary: int, end: int) -> None:
         """Its figures, as transformers computes them: the mean log-probability
         of its tokens, the end of text's included (after the rules, at
-        temperature 1); its tokens' bytes (the end of text's included) over
-        their zlib-compressed bytes."""
+        temperature 1); their compression ratio (compression_ratio)."""
         request, ended = self.request, self.request.end_logprob is not None
         picked = [logprob for logprob, _ in request.logprobs] + [request.end_logprob] * ended
         self.avg_logprob = sum(picked) / len(picked) if picked else 0.0
-        width = int(math.log2(vocabulary) / 8) + 1
-        data = b"".join(token.to_bytes(width, "little") for token in self.tokens + [end] * ended)
-        self.compression_ratio = len(data) / len(zlib.compress(data))
+        self.compression_ratio = compression_ratio(self.tokens + [end] * ended, vocabulary)
 
 
 @dataclass(eq=False)
@@ -417,9 +412,10 @@ class Listening:
         track.seek += advance
         return new
 
-    def spaceless(self, track: Track) -> bool:
+    def code_of(self, track: Track) -> str | None:
+        """The track's language's code ("en"): its token's, or English for an English-only model."""
         names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
-        return names.get(track.language) in SPACELESS
+        return names.get(track.language, None if self.whisper.multilingual else "en")
 
     def timed(self, segments: list[dict], window: Window, frames: int, cross: tuple, track: Track) -> None:
         """Each segment's tokens' times and its words (token_times, words_of: transformers' token timestamps)."""
@@ -434,7 +430,7 @@ class Listening:
             count = len(segment["tokens"])
             segment["token_times"] = times[position : position + count]
             segment["words"] = words_of(segment["tokens"], times[position : position + count + 1],
-                                        self.models.tokenizer, self.whisper.end, self.spaceless(track))
+                                        self.models.tokenizer, self.whisper.end, self.code_of(track) in SPACELESS)
             position += count
 
     @staticmethod
@@ -455,12 +451,11 @@ class Listening:
         return self.models.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
     def transcription(self, track: Track) -> Transcription:
-        names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
-        language = names.get(track.language, None if self.whisper.multilingual else "en")
         tokens = [token for segment in track.segments for token in segment["tokens"]]
         words = [word for segment in track.segments for word in segment["words"]] if self.words else None
-        return Transcription(self.text([token for token in tokens if token < self.whisper.end]), tokens, language,
-                             track.duration, track.finish, track.stats, track.segments, self.task, words)
+        return Transcription(self.text([token for token in tokens if token < self.whisper.end]), tokens,
+                             self.code_of(track), track.duration, track.finish, track.stats, track.segments, self.task,
+                             words)
 
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's response_format

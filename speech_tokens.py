@@ -8,6 +8,8 @@ generation_config.json; the timestamps follow no-timestamps, a step of
 0.02 s each; <|nospeech|> comes before no-timestamps.
 """
 
+import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -203,6 +205,14 @@ LANGUAGE_NAMES = {
     "malagasy": "mg", "assamese": "as", "tatar": "tt", "hawaiian": "haw", "lingala": "ln", "hausa": "ha",
     "bashkir": "ba", "javanese": "jw", "sundanese": "su", "cantonese": "yue",
 }
+
+
+def compression_ratio(tokens: list[int], vocabulary: int) -> float:
+    """Tokens' bytes (each in the fewest bytes the vocabulary takes) over their zlib-compressed bytes: how
+    repetitive a window's output is, as transformers measures it."""
+    width = int(math.log2(vocabulary) / 8) + 1
+    data = b"".join(token.to_bytes(width, "little") for token in tokens)
+    return len(data) / len(zlib.compress(data))
 
 
 MEDIAN_FILTER_WIDTH = 7  # transformers' WhisperConfig default, and every public checkpoint's

@@ -504,9 +504,9 @@ def test_by_default_the_output_takes_the_positions_the_opening_leaves(spoken_pai
                     generation=read_generation_config(root / "mlx"))
     windows, real = [], speech.Listening.ended
 
-    def ended(self, track, finish):
+    def ended(self, track, finish, cross=None):
         windows.append((len(track.window.tokens), finish))
-        return real(self, track, finish)
+        return real(self, track, finish, cross)
 
     monkeypatch.setattr(speech.Listening, "ended", ended)
     for timestamps, most in ((False, 444), (True, 445)):
