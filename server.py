@@ -20,6 +20,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import signal
 import socket
 import sys
@@ -200,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request's headers, and then its body, may take")
     p.add_argument("--max-connections", type=int, default=256, help="open connections; beyond, 503")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--metrics-prefix", default="vllm:",
+                   help="GET /metrics' names start with this (vLLM's, so that its dashboards read them; t5: before)")
     library = Settings()
     for name, knob in SERVER_KNOBS.items():  # the requests' defaults
         default = "" if "default" in knob.help else f" (default: {getattr(library, name)})"
@@ -252,6 +255,8 @@ def check_options(args) -> Settings:
         raise OptionError("--max-request-tokens must be at least 1")
     if args.read_timeout <= 0:
         raise OptionError("--read-timeout must be more than 0")
+    if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", args.metrics_prefix):
+        raise OptionError(f"--metrics-prefix {args.metrics_prefix!r} cannot start a Prometheus metric's name")
     if args.max_audio_mb <= 0 or args.max_audio_seconds <= 0:
         raise OptionError("--max-audio-mb and --max-audio-seconds must be more than 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -329,7 +334,7 @@ def main(argv=None) -> int:
         budget, why = request_tokens(args, models, defaults)
         warm, held = None, f"requests up to {budget:,} cache tokens: {why}"
         limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, budget, audio_bytes, args.max_audio_seconds)
-    engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0], warm)
+    engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0], warm, args.metrics_prefix)
     app = create_app(models, engine, names, Access(args.api_key, hosts), limits, args.max_body_bytes, args.read_timeout)
     log.info("serving %s on http://%s:%d (batches of %d, queue %d, %s)", names[0], args.host, args.port,
              args.max_batch, args.max_queue, held)

@@ -154,7 +154,7 @@ def short_among_long(server, prompts: list[str], repeats: int, num_draft: int) -
                 running = [pool.submit(stream_request, httpx.Client(timeout=600), url, {**long, "prompt": p})
                            for p in prompts[1:9]]
                 deadline = time.time() + 60
-                while server.metrics()["t5:num_requests_running"] < 8 and time.time() < deadline:
+                while server.metrics()["vllm:num_requests_running"] < 8 and time.time() < deadline:
                     time.sleep(0.01)
                 together.append(stream_request(client, url, short)["latency"])
                 for future in running:

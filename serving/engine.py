@@ -20,7 +20,7 @@ from model import ROWS_PER_CHUNK
 from rows import Encoding, Request
 from loading import Models
 from options import Settings
-from serving.metrics import Metrics, Times
+from serving.metrics import PREFIX, Metrics, Times
 from text import TextStream
 
 log = logging.getLogger("t5-server")
@@ -144,7 +144,7 @@ class Engine:
     the ones taken finish."""
 
     def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int, name: str = "model",
-                 warm: Callable | None = None):
+                 warm: Callable | None = None, metrics_prefix: str = PREFIX):
         self.models, self.defaults, self.max_batch, self.max_queue = models, defaults, max_batch, max_queue
         # what warms the kernels and traces up before any request (a text: a few tokens of each decoding path)
         self.warm = warm or (lambda: warm_up(models, models.tokenizer.encode("warm up"), defaults))
@@ -156,7 +156,7 @@ class Engine:
         self.joining: list[Joining] = []  # jobs whose prompts are being encoded, a piece a step while rows decode
         self.round_seconds = 0.0  # the last step's rounds, all batches': what a step's encoding may take too
         self.draining = False
-        self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting))
+        self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting), prefix=metrics_prefix)
 
     def submit(self, jobs: list[Job]) -> None:
         with self.lock:

@@ -112,7 +112,8 @@ class Guard:
             if refused:
                 raise refused
             if self.engine.draining and scope["method"] == "POST":
-                raise ApiError(503, "the server is shutting down", "server_error")
+                # (a load balancer's client tries another replica, or this one's successor, a second on)
+                raise ApiError(503, "the server is shutting down", "server_error", headers={"Retry-After": "1"})
             limit = self.body_limits.get(scope["path"], self.max_body_bytes)
             if int(headers.get(b"content-length", b"0") or 0) > limit:
                 raise self.too_big(limit)

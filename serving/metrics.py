@@ -1,9 +1,10 @@
 """GET /metrics: the server's Prometheus metrics, kept by prometheus_client.
 
-Where vLLM has a metric of the same meaning, it has vLLM's name after our
-prefix (`t5:` for `vllm:`), its `model_name` label, and, for histograms,
-vLLM's buckets widened down to the millisecond a small model's token takes:
-a dashboard made for vLLM reads these once the prefix is changed. Running
+Where vLLM has a metric of the same meaning, it has vLLM's name after the
+prefix (`vllm:` by default, server.py's --metrics-prefix), its `model_name`
+label, and, for histograms, vLLM's buckets widened down to the millisecond a
+small model's token takes: a dashboard made for vLLM reads these as they
+are. Running
 and waiting count prompts (a request of three prompts is three rows), as
 vLLM counts sequences. The process's own metrics (resident memory, CPU
 seconds, open files) come from prometheus_client's process collector, on
@@ -17,7 +18,7 @@ from prometheus_client.exposition import choose_encoder
 
 disable_created_metrics()  # no `_created` series beside each counter: vLLM leaves them out too
 
-PREFIX = "t5:"
+PREFIX = "vllm:"  # vLLM's: its dashboards read these unchanged
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0, 640.0)
@@ -32,13 +33,13 @@ class Metrics:
     answers with. prometheus_client's metrics are safe across threads: the
     engine's thread and the event loop's both write here."""
 
-    def __init__(self, model_name: str, running=lambda: 0, waiting=lambda: 0):
+    def __init__(self, model_name: str, running=lambda: 0, waiting=lambda: 0, prefix: str = PREFIX):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         label = {"model_name": model_name}
 
         def make(kind, name, help, labels=(), **options):
-            metric = kind(PREFIX + name, help, ["model_name", *labels], registry=self.registry, **options)
+            metric = kind(prefix + name, help, ["model_name", *labels], registry=self.registry, **options)
             return metric if labels else metric.labels(**label)
 
         self.running = make(Gauge, "num_requests_running", "Prompts decoding, or encoded to decode (rows of a batch).")

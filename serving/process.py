@@ -47,7 +47,7 @@ class ServerProcess:
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """GET /metrics, read by prometheus_client's own parser: each sample's
         value by its name, with its labels but model_name in braces
-        ('t5:request_success_total{finished_reason="stop"}')."""
+        ('vllm:request_success_total{finished_reason="stop"}')."""
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
 

@@ -305,7 +305,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_keeps_serving(strict_serv
     assert waiting[0].json()["choices"][0]["finish_reason"] == "length"
 
 
-RUNNING, WAITING, CANCELLED = "t5:num_requests_running", "t5:num_requests_waiting", "t5:rows_cancelled_total"
+RUNNING, WAITING, CANCELLED = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:rows_cancelled_total"
 
 
 def wait_for(server: Server, condition, seconds: float = 30) -> dict:
@@ -377,6 +377,7 @@ def test_sigterm_finishes_what_is_in_flight_refuses_the_rest_and_exits_0(v1_1_ch
         time.sleep(0.01)
     late = httpx.post(running.url + "/v1/completions", json={"model": "default", "prompt": "x"})
     assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
+    assert late.headers["retry-after"] == "1"
     for thread in threads:
         thread.join()
     assert running.stop() == 0 and "stopping: finishing 4 requests" in running.output()
@@ -500,15 +501,15 @@ def test_metrics_are_prometheus_text_with_vllms_names(server, prompts):
     def grew(name):
         return after[name] - before.get(name, 0)
 
-    assert grew('t5:request_success_total{finished_reason="length"}') >= 1
-    assert grew('t5:request_errors_total{status="400"}') == 1
-    assert grew("t5:prompt_tokens_total") > 0 and grew("t5:generation_tokens_total") >= 14
+    assert grew('vllm:request_success_total{finished_reason="length"}') >= 1
+    assert grew('vllm:request_errors_total{status="400"}') == 1
+    assert grew("vllm:prompt_tokens_total") > 0 and grew("vllm:generation_tokens_total") >= 14
     for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
                       "request_queue_time_seconds"):
-        assert grew(f"t5:{histogram}_count") >= 2, histogram
-    drafted, accepted = grew("t5:spec_decode_num_draft_tokens_total"), grew("t5:spec_decode_num_accepted_tokens_total")
-    assert drafted >= accepted > 0 and grew("t5:spec_decode_num_drafts_total") > 0
-    assert after["t5:num_requests_running"] == 0 and after["t5:num_requests_waiting"] == 0
+        assert grew(f"vllm:{histogram}_count") >= 2, histogram
+    drafted, accepted = grew("vllm:spec_decode_num_draft_tokens_total"), grew("vllm:spec_decode_num_accepted_tokens_total")
+    assert drafted >= accepted > 0 and grew("vllm:spec_decode_num_drafts_total") > 0
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
     assert after["process_resident_memory_bytes"] > 0
 
 
@@ -520,7 +521,7 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(strict_server):
     with pytest.raises(openai.APITimeoutError):  # a client's timeout, as pipelines set one
         strict_server.client(api_key="sesame", timeout=0.5).completions.create(
             **{**LONG, "max_tokens": 5000}, extra_body={"ignore_eos": True})
-    abort = 't5:request_success_total{finished_reason="abort"}'
+    abort = 'vllm:request_success_total{finished_reason="abort"}'
     wait_for(strict_server, lambda m: m[RUNNING] == 0 and m.get(abort, 0) == before.get(abort, 0) + 1, seconds=5)
     wait_for_log(strict_server, "the client left before the end", left + 1)
 

@@ -130,6 +130,7 @@ def test_connections_beyond_the_cap_get_a_503_in_openais_shape(limited):
         held.append(socket.create_connection(("127.0.0.1", limited.port)))
         refused = httpx.get(limited.url + "/health")  # the fifth
         assert refused.status_code == 503 and refused.headers["connection"] == "close"
+        assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "server_error" and "--max-connections" in refused.json()["error"]["message"]
     finally:
         for s in held:
@@ -163,3 +164,16 @@ def test_the_listening_socket_names_tcp_so_streamed_chunks_are_not_held_for_dela
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_the_metrics_carry_vllms_prefix_or_the_one_given():
+    """vLLM's `vllm:` by default, so that its dashboards read them unchanged; --metrics-prefix t5: gives the names
+    this server had before; a prefix no Prometheus name may start with is refused before anything loads."""
+    from serving.metrics import Metrics
+
+    assert b"vllm:num_requests_running" in Metrics("m").exposition(None)[0]
+    text = Metrics("m", prefix="t5:").exposition(None)[0]
+    assert b"t5:num_requests_running" in text and b"vllm:" not in text
+    done = subprocess.run([sys.executable, "server.py", "--model", "no/such-model", "--metrics-prefix", "9bad-"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--metrics-prefix '9bad-' cannot start a Prometheus metric's name" in done.stderr

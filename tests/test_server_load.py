@@ -72,7 +72,7 @@ def test_a_hundred_requests_with_a_quarter_abandoned_leave_no_row_and_no_memory_
     assert len(completed) == sum(not body["ignore_eos"] for body, _ in answered) >= 50  # all but those that left
     for body, answer in completed:
         assert answer == generate(models, body["prompt"], max_tokens=body["max_tokens"], **EXACT)
-    aborted = 't5:request_success_total{finished_reason="abort"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
     assert after[aborted] > before.get(aborted, 0)
     assert after[RSS] < 1.05 * before[RSS], (before[RSS], after[RSS])
 
@@ -83,7 +83,7 @@ def settle(server: ServerProcess, seconds: float = 3) -> dict:
     deadline = time.time() + seconds
     while time.time() < deadline:
         metrics = server.metrics()
-        if metrics["t5:num_requests_running"] == 0 and metrics["t5:num_requests_waiting"] == 0:
+        if metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0:
             return metrics
         time.sleep(0.05)
     raise AssertionError(f"rows still busy after the load: {metrics}")

@@ -119,7 +119,7 @@ def test_a_short_request_sent_just_after_a_long_prompt_is_answered_while_the_lon
 
     def running() -> float:
         metrics = httpx.get(server.url + "/metrics").text
-        return float(re.search(r"^t5:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M).group(1))
+        return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M).group(1))
 
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(timed, [3 + (i * 7919) % 2000 for i in range(4096)], 1)

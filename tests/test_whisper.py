@@ -849,7 +849,7 @@ def test_the_server_transcribes_and_translates_through_openais_client_as_transcr
     (expected,) = speech.transcribe(models, [path], task="translate", max_tokens=20)
     assert translated.text == expected.text
     after = audio_server.metrics()
-    assert after["t5:audio_seconds_total"] - before.get("t5:audio_seconds_total", 0) == pytest.approx(75.0048125 + 3 * 5.0)
+    assert after["vllm:audio_seconds_total"] - before.get("vllm:audio_seconds_total", 0) == pytest.approx(75.0048125 + 3 * 5.0)
 
 
 def test_requests_transcribed_at_once_each_get_what_they_get_alone(spoken_pair, long_file, audio_server):
@@ -1036,13 +1036,13 @@ def test_a_client_that_leaves_mid_file_stops_its_windows_and_the_server_goes_on(
             httpx.post(audio_server.url + "/v1/audio/transcriptions", timeout=httpx.Timeout(10, read=0.5),
                        files={"file": ("long.wav", file, "audio/wav")},
                        data={"model": "whisper", "language": "en", "response_format": "verbose_json"})
-    deadline, key = time.time() + 60, 't5:request_success_total{finished_reason="abort"}'
+    deadline, key = time.time() + 60, 'vllm:request_success_total{finished_reason="abort"}'
     while audio_server.metrics().get(key, 0) == before.get(key, 0) and time.time() < deadline:
         time.sleep(0.1)
     after = audio_server.metrics()
     assert after.get(key, 0) == before.get(key, 0) + 1
-    assert sum(v for k, v in after.items() if k.startswith("t5:request_success_total")) == \
-        sum(v for k, v in before.items() if k.startswith("t5:request_success_total")) + 1
+    assert sum(v for k, v in after.items() if k.startswith("vllm:request_success_total")) == \
+        sum(v for k, v in before.items() if k.startswith("vllm:request_success_total")) + 1
     with open(path, "rb") as file:
         answer = audio_client(audio_server).audio.transcriptions.create(model="whisper", file=file, language="en",
                                                                         extra_body={"max_tokens": 10})
