@@ -1,0 +1,380 @@
+"""Train the demo's speech pair: a small English Whisper and a draft that keeps its encoder.
+
+espeak-ng speaks sentences of the Python standard library's docstrings in many
+voices, speeds and pitches; windows of 30 s are built from those clips as
+training goes (one sentence, or several with pauses between them, the last one
+sometimes cut by the window's end as in long files), with light noise, and
+labelled as Whisper is: the start of transcript, then either no-timestamps and
+the text, or each sentence between its start and end timestamps. A sentence is
+held out when the first byte of its SHA-1 is below 26 (about 10%). The target
+and the draft are transformers' own Whisper classes; the draft's one decoder
+layer reads the target's encoder output (its gradient does not reach the
+encoder), learning the text and the target's distribution together, and is
+saved with the target's encoder, as distil-whisper is.
+
+    python demo/train_speech.py --minutes 5      # a GPU (what demo/speech was trained on)
+    python demo/train_speech.py --quick --out /tmp/speech   # a few steps on a CPU
+
+Writes, under --out (default demo/speech/hf): target/ and draft/ as Hugging Face
+checkpoints (tokenizer.json, preprocessor_config.json, generation_config.json
+beside the weights) and training.json (seeds, corpus, shapes, steps, the
+learning curve, held-out figures). `python demo/speech.py` converts them and
+makes the held-out clips.
+
+The corpus is the standard library of the Python that runs this; training.json
+records its version and the sentence counts.
+"""
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sysconfig
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+RATE = 16_000
+WINDOW = 30 * RATE
+STEP = 0.02  # seconds per timestamp token
+SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>", "<|startoflm|>",
+            "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"] + [f"<|{i * STEP:.2f}|>" for i in range(1501)]
+VOICES = ["en", "en-us", "en-gb-x-rp", "en-gb-scotland", "en-029", "en-gb-x-gbclan", "en-gb-x-gbcwmd"]
+VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5"]
+SENTENCE = re.compile(r"^[A-Z][a-z']*( [A-Za-z']+,?)* [a-z']+\.$")  # words and commas: what espeak-ng says as written
+
+
+def corpus_sentences() -> list[str]:
+    """Sentences of 5 to 20 words, of letters, apostrophes and commas, in the standard library's strings."""
+    found = set()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or "tests" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) > 40:
+                for sentence in re.split(r"(?<=\.)\s+", " ".join(node.value.split())):
+                    # Capitals in a row (acronyms) are spelled out by espeak-ng, not written so.
+                    if 5 <= len(sentence.split()) <= 20 and SENTENCE.match(sentence) and not re.search("[A-Z]{2}", sentence):
+                        found.add(sentence)
+    return sorted(found)
+
+
+def held_out(sentence: str) -> bool:
+    return hashlib.sha1(sentence.encode()).digest()[0] < 26
+
+
+def speak(text: str, voice: str, speed: int, pitch: int) -> np.ndarray:
+    """espeak-ng's speech of text as 16 kHz float32 samples, silence trimmed from both ends."""
+    wav = subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdout", text],
+                         capture_output=True, check=True).stdout
+    samples = np.frombuffer(wav[44:], "<i2").astype(np.float32) / 32768  # its header's sizes are unset on a pipe
+    # Band-limited resampling of 22,050 Hz to 16,000 Hz: the spectrum cut to the new rate's band.
+    spectrum = np.fft.rfft(samples)
+    length = round(len(samples) * RATE / 22_050)
+    samples = np.fft.irfft(spectrum[:length // 2 + 1], length) * (length / len(samples))
+    loud = np.flatnonzero(np.abs(samples) > 0.02 * np.abs(samples).max())
+    return samples[loud[0]:loud[-1] + 1].astype(np.float32)
+
+
+def voiced(job: tuple[int, str, int]) -> tuple[int, np.ndarray]:
+    index, text, seed = job
+    rng = random.Random(seed)
+    voice = rng.choice(VOICES) + rng.choice(VARIANTS)
+    return index, speak(text, voice, rng.randint(135, 205), rng.randint(25, 75))
+
+
+def synthesize(sentences: list[str], voicings: int, seed: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Each sentence spoken `voicings` times: one tensor of samples, and (sentence, offset, length) per clip."""
+    jobs = [(i * voicings + v, sentences[i], seed * 1_000_003 + i * voicings + v)
+            for i in range(len(sentences)) for v in range(voicings)]
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        clips = dict(pool.map(voiced, jobs, chunksize=32))
+    samples, index, offset = [], [], 0
+    for job in range(len(jobs)):
+        samples.append(clips[job])
+        index.append((job // voicings, offset, len(clips[job])))
+        offset += len(clips[job])
+    return torch.from_numpy(np.concatenate(samples)), index
+
+
+def make_tokenizer(sentences: list[str]) -> Tokenizer:
+    """Byte-level BPE as Whisper's, 1,024 pieces learned on the training sentences, then Whisper's special tokens in
+    its order (the end of text first, the timestamps last)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator([" " + s for s in sentences], trainer)
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
+    return tokenizer
+
+
+class Windows:
+    """Random 30 s windows of the clips and their labels, as Whisper is trained on them."""
+
+    def __init__(self, samples, clips, sentences, tokenizer, device, seed):
+        self.samples, self.clips, self.device = samples.to(device), clips, device
+        self.rng = random.Random(seed)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.text = [tokenizer.encode(" " + s).ids for s in sentences]
+        self.start, self.none = tokenizer.token_to_id("<|startoftranscript|>"), tokenizer.token_to_id("<|notimestamps|>")
+        self.end, self.first_time = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|0.00|>")
+        self.mel = torch.from_numpy(WhisperFeatureExtractor(feature_size=80).mel_filters).float().to(device)
+        self.hann = torch.hann_window(400, device=device)
+
+    def time(self, seconds: float) -> int:
+        return self.first_time + min(1500, round(seconds / STEP))
+
+    def window(self, audio: torch.Tensor) -> list[int]:
+        """Fills audio (WINDOW samples) with clips; returns the labelled tokens."""
+        rng, timestamps = self.rng, self.rng.random() < 0.6
+        at, tokens = rng.uniform(0, 1.0) * RATE, [self.start] + ([] if timestamps else [self.none])
+        count = 1 if rng.random() < 0.4 else 99
+        while count:
+            sentence, offset, length = self.clips[rng.randrange(len(self.clips))]
+            begin = int(at)
+            if begin + length > WINDOW:
+                # A sentence the window cuts, in a long file: its start timestamp ends the window's labels (the
+                # next window starts there); without timestamps the window holds only whole sentences.
+                if timestamps and tokens[-1] != self.start and begin < WINDOW - RATE and rng.random() < 0.5:
+                    audio[begin:] += self.samples[offset:offset + WINDOW - begin]
+                    tokens.append(self.time(begin / RATE))
+                break
+            audio[begin:begin + length] += self.samples[offset:offset + length]
+            if timestamps:
+                tokens += [self.time(begin / RATE), *self.text[sentence], self.time((begin + length) / RATE)]
+            else:
+                tokens += self.text[sentence]
+            at, count = begin + length + rng.uniform(0.15, 2.0) * RATE, count - 1
+        return tokens + [self.end]
+
+    def batch(self, size: int):
+        audio = torch.zeros(size, WINDOW, device=self.device)
+        labels = [self.window(audio[i]) for i in range(size)]
+        gain = torch.empty(size, 1, device=self.device).uniform_(0.2, 1.0, generator=self.generator)
+        noise = 10 ** torch.empty(size, 1, device=self.device).uniform_(-4.0, -2.3, generator=self.generator)
+        audio = audio * gain + noise * torch.randn(audio.shape, device=self.device, generator=self.generator)
+        return self.features(audio), labels
+
+    def features(self, audio: torch.Tensor) -> torch.Tensor:
+        """Log-mel features as transformers' WhisperFeatureExtractor computes them (its torch path)."""
+        stft = torch.stft(audio, 400, 160, window=self.hann, return_complex=True)
+        power = stft[..., :-1].abs() ** 2
+        logs = torch.clamp(self.mel.T @ power, min=1e-10).log10()
+        logs = torch.maximum(logs, logs.amax(dim=(1, 2), keepdim=True) - 8.0)
+        return (logs + 4.0) / 4.0
+
+
+def padded(labels: list[list[int]], end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder inputs (each sequence but its last token, padded with the end of text) and the targets (each but its
+    first, padded with -100, which the loss skips)."""
+    width = max(map(len, labels)) - 1
+    inputs = torch.full((len(labels), width), end, dtype=torch.long)
+    targets = torch.full((len(labels), width), -100, dtype=torch.long)
+    for row, tokens in enumerate(labels):
+        inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+        targets[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
+    return inputs.to(device), targets.to(device)
+
+
+def configs(tokenizer: Tokenizer) -> tuple[WhisperConfig, WhisperConfig]:
+    end, start = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|startoftranscript|>")
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), num_mel_bins=80, d_model=256, encoder_layers=4,
+                 encoder_attention_heads=4, encoder_ffn_dim=1024, decoder_attention_heads=4, decoder_ffn_dim=1024,
+                 max_source_positions=1500, max_target_positions=448, pad_token_id=end, bos_token_id=end,
+                 eos_token_id=end, decoder_start_token_id=start, begin_suppress_tokens=None, suppress_tokens=None,
+                 dropout=0.0)
+    return WhisperConfig(decoder_layers=6, **shape), WhisperConfig(decoder_layers=1, **shape)
+
+
+def generation_config(tokenizer: Tokenizer) -> GenerationConfig:
+    """An English-only model's rules (as whisper-tiny.en's): the start, no-timestamps, the end and a space are
+    suppressed at the start."""
+    ids = tokenizer.token_to_id
+    return GenerationConfig(
+        decoder_start_token_id=ids("<|startoftranscript|>"), eos_token_id=ids("<|endoftext|>"),
+        pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"), is_multilingual=False,
+        no_timestamps_token_id=ids("<|notimestamps|>"), prev_sot_token_id=ids("<|startofprev|>"),
+        suppress_tokens=[ids("<|translate|>"), ids("<|transcribe|>"), ids("<|startoflm|>"), ids("<|startofprev|>"),
+                         ids("<|nospeech|>"), ids("<|en|>")],
+        begin_suppress_tokens=[ids("Ġ"), ids("<|endoftext|>")], max_initial_timestamp_index=50, max_length=448)
+
+
+def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
+    """Word-level edit distance over the references' words, lower case, punctuation dropped."""
+    def words(text):
+        return re.sub(r"[^a-z' ]", " ", text.lower()).split()
+
+    errors = total = 0
+    for reference, hypothesis in zip(references, hypotheses):
+        r, h = words(reference), words(hypothesis)
+        row = list(range(len(h) + 1))
+        for i, word in enumerate(r, 1):
+            previous, row[0] = row[0], i
+            for j in range(1, len(h) + 1):
+                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != h[j - 1]))
+        errors, total = errors + row[-1], total + len(r)
+    return errors / total
+
+
+@torch.no_grad()
+def evaluate(target, draft, windows: Windows, sentences: list[str], clips, tokenizer, device) -> dict:
+    """The target's greedy text of held-out sentences alone in a window (no timestamps) against the sentences; and
+    how often the draft's argmax is the target's, fed the target's greedy tokens."""
+    target.eval(), draft.eval()
+    references, hypotheses, agreed, compared = [], [], 0, 0
+    for first in range(0, len(clips), 50):
+        chunk = clips[first:first + 50]
+        audio = torch.zeros(len(chunk), WINDOW, device=device)
+        for row, (sentence, offset, length) in enumerate(chunk):
+            audio[row, RATE // 2:RATE // 2 + length] = windows.samples[offset:offset + length]
+        features = windows.features(audio)
+        opening = torch.tensor([[windows.start, windows.none]] * len(chunk), device=device)
+        encoded = target.model.encoder(features).last_hidden_state
+        ids = opening
+        for _ in range(120):  # greedy, a forward pass per token: plain and exact
+            logits = target(encoder_outputs=(encoded,), decoder_input_ids=ids).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+            if (ids == windows.end).any(1).all():
+                break
+        drafted = draft.proj_out(draft.model.decoder(input_ids=ids, encoder_hidden_states=encoded).last_hidden_state)
+        truth = target(encoder_outputs=(encoded,), decoder_input_ids=ids).logits
+        for row, (sentence, _, _) in enumerate(chunk):
+            tokens = ids[row, 2:].tolist()
+            length = tokens.index(windows.end) if windows.end in tokens else len(tokens)
+            hypotheses.append(tokenizer.decode(tokens[:length]))
+            references.append(sentences[sentence])
+            span = slice(1, 2 + length)  # predictions of the text tokens and the end of text
+            agreed += int((drafted[row, span].argmax(-1) == truth[row, span].argmax(-1)).sum())
+            compared += 2 + length - 1
+    target.train(), draft.train()
+    examples = [{"sentence": r, "heard": h} for r, h in list(zip(references, hypotheses))[:5]]
+    return {"word_error_rate": word_error_rate(references, hypotheses), "draft_agreement": agreed / compared,
+            "clips": len(clips), "examples": examples}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "speech" / "hf")
+    parser.add_argument("--minutes", type=float, default=5.0, help="training time; the step count follows from it")
+    parser.add_argument("--steps", type=int, help="a fixed number of steps instead of --minutes")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--voicings", type=int, default=2, help="voices each training sentence is spoken in")
+    parser.add_argument("--shuffled", type=int, default=6000, help="sentences of training words in random order")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a few sentences and steps, to try it")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    began = time.time()
+
+    sentences = corpus_sentences()
+    train = [s for s in sentences if not held_out(s)]
+    test = [s for s in sentences if held_out(s)]
+    if args.quick:
+        train, test, args.steps, args.batch, args.voicings, args.shuffled = train[:60], test[:10], 4, 4, 1, 20
+    tokenizer = make_tokenizer(train)
+    # Sentences alone are few enough to learn by heart: a decoder that has can write one from its first words
+    # without listening. Words of the training sentences in random order make it listen.
+    words, rng = [w for s in train for w in s[:-1].replace(",", "").split()], random.Random(args.seed)
+    shuffled = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + "." for _ in range(args.shuffled)]
+    train = train + [s[0].upper() + s[1:] for s in shuffled]
+    samples, clips = synthesize(train, args.voicings, args.seed)
+    test_samples, test_clips = synthesize(test, 1, args.seed + 1)
+    spoken_seconds = len(samples) / RATE
+    print(f"{len(train)} training sentences ({spoken_seconds / 3600:.1f} h spoken), {len(test)} held out; "
+          f"{time.time() - began:.0f} s to speak them", flush=True)
+
+    target_config, draft_config = configs(tokenizer)
+    target = WhisperForConditionalGeneration(target_config).to(device).train()
+    draft = WhisperForConditionalGeneration(draft_config).to(device).train()
+    draft.model.encoder = None  # trained on the target's encoder output; saved with the target's encoder
+    # Connectionist temporal classification of the encoder's output into the text (a head that is not saved): a
+    # decoder that can guess the next word from the last ones learns that long before it learns to listen, and
+    # this loss makes the encoder say what it hears from the first steps (hybrid CTC and attention training).
+    heard = torch.nn.Linear(target_config.d_model, target_config.vocab_size + 1).to(device)
+    parameters = list(target.parameters()) + list(draft.parameters()) + list(heard.parameters())
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    windows = Windows(samples, clips, train, tokenizer, device, args.seed)
+    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1)
+    warmup, history, steps, step_began = 300, [], args.steps, time.time()
+    step, losses = 0, []
+    # The learning rate warms up over 300 steps, then falls by a cosine over the steps or the minutes given.
+    while (step < steps) if steps else (time.time() - step_began < args.minutes * 60):
+        done = step / steps if steps else (time.time() - step_began) / (args.minutes * 60)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+        features, labels = windows.batch(args.batch)
+        inputs, targets = padded(labels, windows.end, device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            encoded = target.model.encoder(features).last_hidden_state
+            logits = target(encoder_outputs=(encoded,), decoder_input_ids=inputs).logits.float()
+            drafted = draft.proj_out(draft.model.decoder(input_ids=inputs, encoder_hidden_states=encoded.detach())
+                                     .last_hidden_state).float()
+        mask = targets != -100
+        target_loss = F.cross_entropy(logits.transpose(1, 2), targets)
+        draft_loss = F.cross_entropy(drafted.transpose(1, 2), targets)
+        # The draft also learns the target's distribution, so that it proposes what the target would accept.
+        distilled = (F.kl_div(drafted.log_softmax(-1), logits.detach().log_softmax(-1), log_target=True,
+                              reduction="none").sum(-1) * mask).sum() / mask.sum()
+        text = [torch.tensor([t for t in tokens if t < windows.end]) for tokens in labels]
+        heard_loss = F.ctc_loss(heard(encoded).float().log_softmax(-1).transpose(0, 1), torch.cat(text).to(device),
+                                torch.full((len(text),), encoded.shape[1]), torch.tensor([len(t) for t in text]),
+                                blank=target_config.vocab_size, zero_infinity=True)
+        loss = target_loss + 0.5 * draft_loss + 0.5 * distilled + 0.3 * heard_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        losses.append((target_loss.item(), draft_loss.item(), heard_loss.item()))
+        step += 1
+        if step % (2 if args.quick else 200) == 0:
+            mean = np.mean(losses, axis=0)
+            history.append({"step": step, "target_loss": round(float(mean[0]), 4), "draft_loss": round(float(mean[1]), 4),
+                            "ctc_loss": round(float(mean[2]), 4),
+                            "seconds": round(time.time() - step_began, 1)})
+            print(history[-1], flush=True)
+            losses = []
+    trained, steps = time.time() - step_began, step
+
+    draft.model.encoder = target.model.encoder
+    figures = evaluate(target, draft, test_windows, test, test_clips[:250], tokenizer, device)
+    print(figures, flush=True)
+    for name, model in (("target", target), ("draft", draft)):
+        folder = args.out / name
+        model.generation_config = generation_config(tokenizer)
+        model.to(torch.float32).save_pretrained(folder)
+        tokenizer.save(str(folder / "tokenizer.json"))
+        WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+    record = {
+        "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__, "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "sentences": {"training": len(train), "held_out": len(test), "voicings": args.voicings,
+                      "spoken_hours": round(spoken_seconds / 3600, 2)},
+        "batch": args.batch, "steps": steps, "training_seconds": round(trained, 1),
+        "parameters": {"target": sum(p.numel() for p in target.parameters()),
+                       "draft": sum(p.numel() for p in draft.parameters())},
+        "history": history, "held_out": figures,
+    }
+    (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"written to {args.out} in {time.time() - began:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
