@@ -9,6 +9,7 @@ generation_config.json; the timestamps follow no-timestamps, a step of
 """
 
 import math
+import string
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -204,6 +205,9 @@ LANGUAGE_NAMES = {
     "maltese": "mt", "sanskrit": "sa", "luxembourgish": "lb", "myanmar": "my", "tibetan": "bo", "tagalog": "tl",
     "malagasy": "mg", "assamese": "as", "tatar": "tt", "hawaiian": "haw", "lingala": "ln", "hausa": "ha",
     "bashkir": "ba", "javanese": "jw", "sundanese": "su", "cantonese": "yue",
+    # and the other names openai-whisper and transformers take for some of them
+    "burmese": "my", "valencian": "ca", "flemish": "nl", "haitian": "ht", "letzeburgesch": "lb", "pushto": "ps",
+    "panjabi": "pa", "moldavian": "ro", "moldovan": "ro", "sinhalese": "si", "castilian": "es", "mandarin": "zh",
 }
 
 
@@ -301,34 +305,44 @@ PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¿([{-", "\"'.。,，!！?？:：
 
 def words_of(tokens: list[int], times: list[float], tokenizer, end: int, spaceless: bool = False) -> list[dict]:
     """A segment's text tokens (those before `end`, the end of text) in words
-    ({word, start, end}), each token k timed from times[k] to times[k + 1]:
-    tokens that make a character only together (a character's bytes split)
-    go together; a word starts at a leading space (in a language written
-    without spaces, `spaceless`, at every character); a closing mark joins the
-    word before it, an opening mark the word after it (openai-whisper's
-    marks); a word runs from its first token's time to the time of the token
-    after its last."""
-    units, pending = [], []  # (text, first token's index, last's): whole characters
+    ({word, start, end}) as openai-whisper and transformers make them, each
+    token k timed from times[k] to times[k + 1]. Tokens that make a character
+    only together (a character's bytes split) go together. In a language
+    written without spaces (`spaceless`) each such group is a word; in the
+    others a word starts at a leading space or at ASCII punctuation. Then an
+    opening mark after a space joins the word after it, and a closing mark the
+    word before it. A word runs from its first token's time to the time of
+    the token after its last."""
+    units, pending, at = [], [], 0  # [text, first token's index, last's]: whole characters
+    whole = tokenizer.decode([token for token in tokens if token < end])
     for i, token in enumerate(tokens):
         if token >= end:
             continue
         pending.append(i)
         text = tokenizer.decode([tokens[k] for k in pending])
-        if "\ufffd" not in text:
-            units.append((text, pending[0], i))
-            pending = []
+        # (bytes that never make a character, whatever follows them, are a unit as they are)
+        if "\ufffd" not in text or whole[at + text.index("\ufffd")] == "\ufffd":
+            units.append([text, pending[0], i])
+            pending, at = [], at + len(text)
     words = []
-    for text, first, last in units:
-        closing = not text.startswith(" ") and marks(text, PUNCTUATION_AFTER)
-        joins = not spaceless and not text.startswith(" ")
-        if words and (closing or joins or marks(words[-1]["word"], PUNCTUATION_BEFORE)):
-            words[-1]["word"] += text.strip()
-            words[-1]["end"] = times[last + 1]
+    for unit in units:
+        # (`in` tests a substring, not each character: openai-whisper's test, which an empty text passes)
+        if spaceless or not words or unit[0].startswith(" ") or unit[0].strip() in string.punctuation:
+            words.append(unit)
         else:
-            words.append({"word": text.strip(), "start": times[first], "end": times[last + 1]})
-    return [word for word in words if word["word"]]
-
-
-def marks(text: str, kind: str) -> bool:
-    """text is punctuation of this kind, and nothing else."""
-    return bool(text) and all(character in kind for character in text)
+            words[-1][0] += unit[0]
+            words[-1][2] = unit[2]
+    for i in range(len(words) - 2, -1, -1):  # opening marks, from the last word back
+        before, after = words[i], words[i + 1]
+        if before[0].startswith(" ") and before[0].strip() in PUNCTUATION_BEFORE:
+            after[0], after[1] = before[0] + after[0], before[1]
+            words.pop(i)
+    kept = words[:1]
+    for word in words[1:]:  # closing marks, from the first word on
+        if not kept[-1][0].endswith(" ") and word[0] in PUNCTUATION_AFTER:
+            kept[-1][0] += word[0]
+            kept[-1][2] = word[2]
+        else:
+            kept.append(word)
+    return [{"word": text.strip(), "start": times[first], "end": times[last + 1]} for text, first, last in kept
+            if text.strip()]

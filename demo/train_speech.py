@@ -269,6 +269,64 @@ def evaluate(target, draft, windows: Windows, sentences: list[str], clips, token
             "clips": len(clips), "examples": examples}
 
 
+def step_losses(target, draft, heard, features, labels: list[list[int]], end: int, device) -> dict:
+    """A batch's losses: the target's and the draft's next tokens, the draft against the target's distribution, and
+    the encoder's CTC (a head that is not saved: a decoder that can guess the next word from the last ones learns
+    that long before it learns to listen, and this loss makes the encoder say what it hears from the first steps)."""
+    inputs, targets = padded(labels, end, device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        encoded = target.model.encoder(features).last_hidden_state
+        logits = target(encoder_outputs=(encoded,), decoder_input_ids=inputs).logits.float()
+        drafted = draft.proj_out(draft.model.decoder(input_ids=inputs, encoder_hidden_states=encoded.detach())
+                                 .last_hidden_state).float()
+    mask = targets != -100
+    # The draft also learns the target's distribution, so that it proposes what the target would accept.
+    distilled = (F.kl_div(drafted.log_softmax(-1), logits.detach().log_softmax(-1), log_target=True,
+                          reduction="none").sum(-1) * mask).sum() / mask.sum()
+    text = [torch.tensor([t for t in tokens if t < end]) for tokens in labels]
+    ctc = F.ctc_loss(heard(encoded).float().log_softmax(-1).transpose(0, 1), torch.cat(text).to(device),
+                     torch.full((len(text),), encoded.shape[1]), torch.tensor([len(t) for t in text]),
+                     blank=heard.out_features - 1, zero_infinity=True)
+    return {"target": F.cross_entropy(logits.transpose(1, 2), targets),
+            "draft": F.cross_entropy(drafted.transpose(1, 2), targets), "distilled": distilled, "ctc": ctc}
+
+
+def train(target, draft, heard, windows: Windows, batch: int, steps: int | None, minutes: float, device,
+          every: int = 200) -> tuple[list[dict], int]:
+    """Trains for `steps` steps or `minutes`: the learning rate warms up over 300 steps, then falls by a cosine;
+    returns the mean losses of each `every` steps, and the steps taken."""
+    parameters = list(target.parameters()) + list(draft.parameters()) + list(heard.parameters())
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    history, losses, step, began = [], [], 0, time.time()
+    while (step < steps) if steps else (time.time() - began < minutes * 60):
+        done = step / steps if steps else (time.time() - began) / (minutes * 60)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * min(1.0, (step + 1) / 300) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+        features, labels = windows.batch(batch)
+        parts = step_losses(target, draft, heard, features, labels, windows.end, device)
+        loss = parts["target"] + 0.5 * parts["draft"] + 0.5 * parts["distilled"] + 0.3 * parts["ctc"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        losses.append({name: value.item() for name, value in parts.items()})
+        step += 1
+        if step % every == 0:
+            history.append({"step": step, "seconds": round(time.time() - began, 1)}
+                           | {name: round(float(np.mean([x[name] for x in losses])), 4) for name in losses[0]})
+            print(history[-1], flush=True)
+            losses = []
+    return history, step
+
+
+def training_sentences(train: list[str], shuffled: int, seed: int) -> list[str]:
+    """The training sentences, and as many again of their words in random order: sentences alone are few enough
+    to learn by heart, and a decoder that has can write one from its first words without listening."""
+    words, rng = [w for s in train for w in s[:-1].replace(",", "").split()], random.Random(seed)
+    made = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + "." for _ in range(shuffled)]
+    return train + [s[0].upper() + s[1:] for s in made]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "speech" / "hf")
@@ -285,75 +343,31 @@ def main():
     began = time.time()
 
     sentences = corpus_sentences()
-    train = [s for s in sentences if not held_out(s)]
+    train_set = [s for s in sentences if not held_out(s)]
     test = [s for s in sentences if held_out(s)]
     if args.quick:
-        train, test, args.steps, args.batch, args.voicings, args.shuffled = train[:60], test[:10], 4, 4, 1, 20
-    tokenizer = make_tokenizer(train)
-    # Sentences alone are few enough to learn by heart: a decoder that has can write one from its first words
-    # without listening. Words of the training sentences in random order make it listen.
-    words, rng = [w for s in train for w in s[:-1].replace(",", "").split()], random.Random(args.seed)
-    shuffled = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + "." for _ in range(args.shuffled)]
-    train = train + [s[0].upper() + s[1:] for s in shuffled]
-    samples, clips = synthesize(train, args.voicings, args.seed)
+        train_set, test, args.steps, args.batch, args.voicings, args.shuffled = train_set[:60], test[:10], 4, 4, 1, 20
+    tokenizer = make_tokenizer(train_set)
+    train_set = training_sentences(train_set, args.shuffled, args.seed)
+    samples, clips = synthesize(train_set, args.voicings, args.seed)
     test_samples, test_clips = synthesize(test, 1, args.seed + 1)
     spoken_seconds = len(samples) / RATE
-    print(f"{len(train)} training sentences ({spoken_seconds / 3600:.1f} h spoken), {len(test)} held out; "
+    print(f"{len(train_set)} training sentences ({spoken_seconds / 3600:.1f} h spoken), {len(test)} held out; "
           f"{time.time() - began:.0f} s to speak them", flush=True)
 
     target_config, draft_config = configs(tokenizer)
     target = WhisperForConditionalGeneration(target_config).to(device).train()
     draft = WhisperForConditionalGeneration(draft_config).to(device).train()
     draft.model.encoder = None  # trained on the target's encoder output; saved with the target's encoder
-    # Connectionist temporal classification of the encoder's output into the text (a head that is not saved): a
-    # decoder that can guess the next word from the last ones learns that long before it learns to listen, and
-    # this loss makes the encoder say what it hears from the first steps (hybrid CTC and attention training).
-    heard = torch.nn.Linear(target_config.d_model, target_config.vocab_size + 1).to(device)
-    parameters = list(target.parameters()) + list(draft.parameters()) + list(heard.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
-    windows = Windows(samples, clips, train, tokenizer, device, args.seed)
-    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1)
-    warmup, history, steps, step_began = 300, [], args.steps, time.time()
-    step, losses = 0, []
-    # The learning rate warms up over 300 steps, then falls by a cosine over the steps or the minutes given.
-    while (step < steps) if steps else (time.time() - step_began < args.minutes * 60):
-        done = step / steps if steps else (time.time() - step_began) / (args.minutes * 60)
-        for group in optimizer.param_groups:
-            group["lr"] = 1e-3 * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
-        features, labels = windows.batch(args.batch)
-        inputs, targets = padded(labels, windows.end, device)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            encoded = target.model.encoder(features).last_hidden_state
-            logits = target(encoder_outputs=(encoded,), decoder_input_ids=inputs).logits.float()
-            drafted = draft.proj_out(draft.model.decoder(input_ids=inputs, encoder_hidden_states=encoded.detach())
-                                     .last_hidden_state).float()
-        mask = targets != -100
-        target_loss = F.cross_entropy(logits.transpose(1, 2), targets)
-        draft_loss = F.cross_entropy(drafted.transpose(1, 2), targets)
-        # The draft also learns the target's distribution, so that it proposes what the target would accept.
-        distilled = (F.kl_div(drafted.log_softmax(-1), logits.detach().log_softmax(-1), log_target=True,
-                              reduction="none").sum(-1) * mask).sum() / mask.sum()
-        text = [torch.tensor([t for t in tokens if t < windows.end]) for tokens in labels]
-        heard_loss = F.ctc_loss(heard(encoded).float().log_softmax(-1).transpose(0, 1), torch.cat(text).to(device),
-                                torch.full((len(text),), encoded.shape[1]), torch.tensor([len(t) for t in text]),
-                                blank=target_config.vocab_size, zero_infinity=True)
-        loss = target_loss + 0.5 * draft_loss + 0.5 * distilled + 0.3 * heard_loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        losses.append((target_loss.item(), draft_loss.item(), heard_loss.item()))
-        step += 1
-        if step % (2 if args.quick else 200) == 0:
-            mean = np.mean(losses, axis=0)
-            history.append({"step": step, "target_loss": round(float(mean[0]), 4), "draft_loss": round(float(mean[1]), 4),
-                            "ctc_loss": round(float(mean[2]), 4),
-                            "seconds": round(time.time() - step_began, 1)})
-            print(history[-1], flush=True)
-            losses = []
-    trained, steps = time.time() - step_began, step
+    heard = torch.nn.Linear(target_config.d_model, target_config.vocab_size + 1).to(device)  # the CTC head
+    windows = Windows(samples, clips, train_set, tokenizer, device, args.seed)
+    step_began = time.time()
+    history, steps = train(target, draft, heard, windows, args.batch, args.steps, args.minutes, device,
+                    every=2 if args.quick else 200)
+    trained = time.time() - step_began
 
     draft.model.encoder = target.model.encoder
+    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1)
     figures = evaluate(target, draft, test_windows, test, test_clips[:250], tokenizer, device)
     print(figures, flush=True)
     for name, model in (("target", target), ("draft", draft)):
@@ -365,7 +379,7 @@ def main():
     record = {
         "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__, "device": device,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-        "sentences": {"training": len(train), "held_out": len(test), "voicings": args.voicings,
+        "sentences": {"training": len(train_set), "held_out": len(test), "voicings": args.voicings,
                       "spoken_hours": round(spoken_seconds / 3600, 2)},
         "batch": args.batch, "steps": steps, "training_seconds": round(trained, 1),
         "parameters": {"target": sum(p.numel() for p in target.parameters()),
