@@ -226,3 +226,35 @@ def family_checkpoint(kind: str, folder: Path, tokenizer: Path, seed: int | None
         if (tokenizer / name).is_file():
             (folder / name).write_bytes((tokenizer / name).read_bytes())
     return model
+
+
+def openai_whisper_tokenizer():
+    """openai-whisper's tokenizer module (mlx-whisper's copy, loaded alone: the package imports numba) and its
+    multilingual vocabulary file; None where mlx-whisper or tiktoken is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_whisper")
+    if spec is None or importlib.util.find_spec("tiktoken") is None:
+        return None
+    root = Path(spec.submodule_search_locations[0])
+    module_spec = importlib.util.spec_from_file_location("openai_whisper_tokenizer", root / "tokenizer.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module, root / "assets" / "multilingual.tiktoken"
+
+
+def save_whisper_vocabulary(folder: Path) -> object:
+    """Whisper's real multilingual vocabulary (99 languages, large-v2's), as transformers' converter makes a
+    tokenizer.json of openai-whisper's file, saved in folder with the special tokens in Whisper's order; returns
+    openai-whisper's own tokenizer of it (the reference). Needs mlx-whisper and tiktoken."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    module, ranks = openai_whisper_tokenizer()
+    theirs = module.get_tokenizer(multilingual=True, num_languages=99)
+    specials = sorted(theirs.encoding._special_tokens.items(), key=lambda item: item[1])
+    converted = TikTokenConverter(vocab_file=str(ranks), pattern=theirs.encoding._pat_str).converted()
+    converted.add_special_tokens([AddedToken(token, special=True) for token, _ in specials])
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    converted.save(str(Path(folder) / "tokenizer.json"))
+    return theirs

@@ -470,7 +470,9 @@ def render(transcription: Transcription, form: str) -> str:
     if form == "json":
         return json.dumps({"text": transcription.text})
     if form == "verbose_json":
-        names = {code: name for name, code in LANGUAGE_NAMES.items()}
+        names = {}
+        for name, code in LANGUAGE_NAMES.items():  # each code's first name ("chinese", not its alias "mandarin")
+            names.setdefault(code, name)
         verbose = {"task": transcription.task, "language": names.get(transcription.language, transcription.language),
                    "duration": round(transcription.duration, 3), "text": transcription.text,
                    "segments": [{"id": i} | {key: value for key, value in segment.items() if key != "words"}

@@ -299,8 +299,8 @@ def warped(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array(text[::-1]), np.array(time[::-1])
 
 
-# openai-whisper's: marks that join the word after them, and those that join the word before.
-PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、"
+# transformers' (openai-whisper's, and ¡): marks that join the word after them, and those that join the word before.
+PUNCTUATION_BEFORE, PUNCTUATION_AFTER = "\"'“¡¿([{-", "\"'.。,，!！?？:：”)]}、"
 
 
 def words_of(tokens: list[int], times: list[float], tokenizer, end: int, spaceless: bool = False) -> list[dict]:
@@ -321,7 +321,8 @@ def words_of(tokens: list[int], times: list[float], tokenizer, end: int, spacele
         pending.append(i)
         text = tokenizer.decode([tokens[k] for k in pending])
         # (bytes that never make a character, whatever follows them, are a unit as they are)
-        if "\ufffd" not in text or whole[at + text.index("\ufffd")] == "\ufffd":
+        bad = at + text.index("\ufffd") if "\ufffd" in text else None
+        if bad is None or bad >= len(whole) or whole[bad] == "\ufffd":
             units.append([text, pending[0], i])
             pending, at = [], at + len(text)
     words = []

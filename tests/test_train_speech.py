@@ -3,6 +3,7 @@ checkpoints that convert.py and the decoding rules take as an English-only Whisp
 
 import random
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -56,9 +57,12 @@ def test_a_windows_labels_follow_whispers_rules_and_mark_where_each_sentence_is_
         tokens = made.window(audio)
         assert tokens[0] == made.start and tokens[-1] == made.end
         body = tokens[1:-1]
-        if body and body[0] == made.none:
+        if body and body[0] == made.none:  # whole sentences, one after another
             seen_plain += 1
-            assert all(token < made.end for token in body[1:])
+            rest = body[1:]
+            while rest:
+                sentence = next(ids for ids in made.text if tuple(rest[:len(ids)]) == tuple(ids))
+                rest = rest[len(sentence):]
             continue
         times = [i for i, token in enumerate(body) if token >= first_time]
         seconds = [(body[i] - first_time) * ts.STEP for i in times]
@@ -75,11 +79,14 @@ def test_a_windows_labels_follow_whispers_rules_and_mark_where_each_sentence_is_
     assert seen_cut and seen_plain
 
 
-def test_held_out_sentences_are_a_tenth_chosen_by_their_text():
+def test_held_out_sentences_are_a_tenth_chosen_by_the_sha1_of_their_text():
     rng = random.Random(0)
     sentences = [" ".join(rng.choice(SENTENCES[0].split()) for _ in range(8)) + str(i) for i in range(5000)]
     share = sum(map(ts.held_out, sentences)) / len(sentences)
-    assert 0.08 < share < 0.12 and [ts.held_out(s) for s in sentences] == [ts.held_out(s) for s in sentences]
+    assert 0.08 < share < 0.12
+    # SHA-1 first bytes 12 and 16 (held out), 123 and 216 (not): on any machine, in any run
+    assert ts.held_out("Write bytes to the file.") and ts.held_out("Create a new thread.")
+    assert not ts.held_out("Return a list of folder names.") and not ts.held_out("Delete all breakpoints in the file.")
 
 
 def test_word_error_rate_counts_substitutions_insertions_and_deletions_over_the_reference():
@@ -92,7 +99,12 @@ def test_speech_is_espeak_ngs_at_16_khz_with_its_silence_trimmed():
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng (a Debian package, which CI installs) speaks the training sentences")
     samples = ts.speak(SENTENCES[0], "en-us+f3", 170, 50)
-    assert samples.dtype == np.float32 and 1.0 < len(samples) / ts.RATE < 3.0
+    said = subprocess.run(["espeak-ng", "-v", "en-us+f3", "-s", "170", "-p", "50", "--stdout", SENTENCES[0]],
+                          capture_output=True, check=True).stdout
+    spoken = np.frombuffer(said[44:], "<i2")  # 22,050 Hz
+    loud = np.flatnonzero(np.abs(spoken) > 0.02 * np.abs(spoken).max())
+    assert samples.dtype == np.float32
+    assert abs(len(samples) - (loud[-1] + 1 - loud[0]) * ts.RATE / 22_050) < 0.01 * ts.RATE
     peak = np.abs(samples).max()
     assert np.abs(samples[:40]).max() > 0.02 * peak * 0.5 and np.abs(samples[-40:]).max() > 0.02 * peak * 0.5
 

@@ -517,6 +517,7 @@ def test_by_default_the_output_takes_the_positions_the_opening_leaves(spoken_pai
 
 def test_a_transcription_renders_in_each_of_openais_response_formats():
     import json
+    from dataclasses import replace
 
     import speech
     from options import Stats
@@ -529,6 +530,8 @@ def test_a_transcription_renders_in_each_of_openais_response_formats():
     assert json.loads(speech.render(heard, "json")) == {"text": "Hello there. A long one."}
     verbose = json.loads(speech.render(heard, "verbose_json"))
     assert verbose["language"] == "english" and verbose["duration"] == 3726.0 and verbose["segments"][1]["id"] == 1
+    for code, name in [("zh", "chinese"), ("es", "spanish"), ("my", "myanmar"), ("nl", "dutch")]:  # names, not aliases
+        assert json.loads(speech.render(replace(heard, language=code), "verbose_json"))["language"] == name
     assert speech.render(heard, "srt") == ("1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n"
                                            "2\n00:00:02,500 --> 01:02:05,500\nA long one.\n")
     assert speech.render(heard, "vtt") == ("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n"

@@ -3,12 +3,11 @@ a tokenizer.json made of it by transformers' converter reads and writes text as 
 language names and tokens are openai-whisper's, and a segment's words are those transformers' pipeline makes of
 the same tokens, in languages with and without spaces."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
+from checkpoints import openai_whisper_tokenizer, save_whisper_vocabulary
 from loading import Models, load_tokenizer
 from speech_tokens import LANGUAGE_NAMES, SPACELESS, Whisper, words_of
 
@@ -24,33 +23,16 @@ TEXTS = {  # language -> what is said
 }
 
 
-def reference():
-    """openai-whisper's tokenizer module (mlx-whisper's copy), loaded alone: the package itself imports numba."""
-    spec = importlib.util.find_spec("mlx_whisper")
-    if spec is None or importlib.util.find_spec("tiktoken") is None:
-        pytest.skip("mlx-whisper and tiktoken (CI installs them) bring openai-whisper's vocabulary")
-    root = Path(spec.submodule_search_locations[0])
-    module_spec = importlib.util.spec_from_file_location("openai_whisper_tokenizer", root / "tokenizer.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module, root / "assets" / "multilingual.tiktoken"
-
-
 @pytest.fixture(scope="module")
 def vocabulary(tmp_path_factory):
-    """openai-whisper's multilingual tokenizer (99 languages, as large-v2's) and ours, loaded from the tokenizer.json
-    transformers' converter makes of the same file, with the special tokens in Whisper's order."""
-    from tokenizers import AddedToken
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    module, ranks = reference()
-    theirs = module.get_tokenizer(multilingual=True, num_languages=99)
-    specials = sorted(theirs.encoding._special_tokens.items(), key=lambda item: item[1])
-    converted = TikTokenConverter(vocab_file=str(ranks), pattern=theirs.encoding._pat_str).converted()
-    converted.add_special_tokens([AddedToken(token, special=True) for token, _ in specials])
+    """openai-whisper's tokenizer module and multilingual tokenizer (99 languages, as large-v2's), and ours, loaded
+    from the tokenizer.json transformers' converter makes of the same file."""
+    found = openai_whisper_tokenizer()
+    if found is None:
+        pytest.skip("mlx-whisper and tiktoken (CI installs them) bring openai-whisper's vocabulary")
     folder = tmp_path_factory.mktemp("vocabulary")
-    converted.save(str(folder / "tokenizer.json"))
-    return module, theirs, load_tokenizer(folder), folder
+    theirs = save_whisper_vocabulary(folder)
+    return found[0], theirs, load_tokenizer(folder), folder
 
 
 def test_the_converted_vocabulary_reads_and_writes_text_as_openai_whispers(vocabulary):
@@ -86,9 +68,10 @@ class _Shapes:
 
 @pytest.mark.parametrize("language", list(TEXTS))
 def test_a_segments_words_are_those_transformers_makes_of_its_tokens(vocabulary, language):
-    """Words (their text, and which tokens each spans) equal transformers' pipeline's
-    (`_combine_tokens_into_words`, openai-whisper's rules): a sentence in each language, and 200 runs of random tokens,
-    which split characters between tokens and put marks anywhere."""
+    """Words (their text, and which tokens each spans) equal transformers' pipeline's (`_combine_tokens_into_words`
+    at its defaults: openai-whisper's rules and marks, and ¡): a sentence in each language; runs of random tokens,
+    which put marks anywhere; and runs of tokens that end or continue a character, which split characters between
+    tokens or leave bytes that never make one (one such run ends with a group longer than its text)."""
     from transformers import WhisperTokenizerFast
     from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
 
@@ -96,10 +79,12 @@ def test_a_segments_words_are_those_transformers_makes_of_its_tokens(vocabulary,
     transformers_tokenizer = WhisperTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     name = module.LANGUAGES[language]
     rng = random.Random(language)
-    runs = [theirs.encode(TEXTS[language])] + [[rng.randrange(50257) for _ in range(rng.randint(1, 16))] for _ in range(200)]
+    partial = [token for token in range(50257) if "\ufffd" in ours.decode([token])]
+    runs = [theirs.encode(TEXTS[language]), [14279, 121, 135], theirs.encode(" ¡Hola! ¿Qué tal?")]
+    runs += [[rng.randrange(50257) for _ in range(rng.randint(1, 16))] for _ in range(200)]
+    runs += [[rng.choice(partial) for _ in range(rng.randint(1, 8))] for _ in range(200)]
     for tokens in runs:
-        words, _, indices = _combine_tokens_into_words(transformers_tokenizer, tokens, name, "\"'“¿([{-",
-                                                       "\"'.。,，!！?？:：”)]}、")
+        words, _, indices = _combine_tokens_into_words(transformers_tokenizer, tokens, name)
         expected = [(word.strip(), span[0], span[-1] + 1) for word, span in zip(words, indices) if word.strip()]
         found = words_of(tokens, list(range(len(tokens) + 1)), ours, end=50257, spaceless=language in SPACELESS)
         assert [(word["word"], word["start"], word["end"]) for word in found] == expected, tokens
