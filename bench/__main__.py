@@ -28,13 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-drafts",
                         help="batch, drafting, fresh: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
     parser.add_argument("--pairs", help="batch, drafting, lookup, serve: only these pairs (demo, benchmark)")
-    parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large)")
+    parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large); "
+                        "whisper: tiny, small (the default), large-v3-turbo")
     parser.add_argument("--clients", help="serve: concurrent client counts (default 1,4,16,64)")
     parser.add_argument("--lengths", default="128,512,2048,8192", help="encode: input lengths in tokens")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models", help="where checkpoints are built and kept")
     # The workers each measurement starts in processes of its own.
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--ct2-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--whisper-worker", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--decode-worker", help=argparse.SUPPRESS)
@@ -46,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def worker(args) -> bool:
     """Run the worker the arguments name, if any (before mlx.core for ours, never for the references)."""
+    if args.whisper_worker:
+        from bench import speech
+
+        speech.whisper_worker(args.whisper_worker)
+        return True
     if args.hf_worker or args.ct2_worker:
         from bench import references
 

@@ -5,6 +5,7 @@ is there is what these results render, so no figure there comes from anywhere el
 """
 
 import json
+import statistics
 
 from bench import COMMANDS
 from bench.harness import RESULTS, ROOT, describe, table
@@ -82,6 +83,11 @@ def headline(found: dict) -> str:
             if r["model"] == "T5-large shapes" and r["tokens"] == 2048:
                 row("encode", "time to the first token, a 2,048-token prompt, T5-large shapes", "transformers",
                     r["ours"]["seconds"] / r["transformers"]["seconds"], unit=" of its time")
+    if "whisper" in found:
+        for r in found["whisper"]["data"]["rows"]:
+            if r["shape"] == "small" and r["audio_seconds"] == 300:
+                row("whisper", "transcribing 5 minutes of speech, Whisper small's shapes", "transformers",
+                    statistics.median(r["transformers"]) / statistics.median(r["ours"]))
     return table(["measurement (command)", "against", "ours over it", "machine"], rows)
 
 

@@ -56,3 +56,30 @@ def test_ctranslate2_decodes_each_flavour_to_our_greedy_tokens(checkpoint, tmp_p
         assert len(worker.run(checkpoint.prompt_ids, 30, min_tokens=30)["tokens"]) == 30
     finally:
         worker.close()
+
+
+def test_the_whisper_benchmarks_transformers_worker_transcribes_as_we_do_at_tiny_shapes(tmp_path):
+    """`bench whisper`'s checkpoint (Whisper tiny's shapes, its real vocabulary, suppressed tokens and rules, random
+    weights) and its transformers worker, which calls generate as a user does: 30 s of espeak-ng's speech
+    (short-form, no timestamps) and 5 minutes (long-form windows with timestamps) give our tokens, many distinct."""
+    import shutil
+
+    from bench import speech
+    from bench.harness import Worker
+    from checkpoints import openai_whisper_tokenizer
+    from loading import load
+
+    if shutil.which("espeak-ng") is None or openai_whisper_tokenizer() is None:
+        pytest.skip("espeak-ng, mlx-whisper and tiktoken (CI installs them) make the speech and the vocabulary")
+    import speech as ours
+
+    files = speech.speech(tmp_path / "speech")
+    hf, mlx = speech.checkpoint(tmp_path, "tiny")
+    models, worker = load(str(mlx), one_row=True), Worker("--whisper-worker", str(hf))
+    try:
+        for seconds, path in files.items():
+            (transcription,) = ours.transcribe(models, [path], language="en", max_tokens=40)
+            assert worker.ask({"file": str(path), "tokens": 40})["tokens"] == transcription.tokens
+            assert len(set(transcription.tokens)) >= 10 and len(transcription.tokens) >= (40 if seconds == 30 else 200)
+    finally:
+        worker.close()
