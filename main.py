@@ -388,7 +388,9 @@ def listen(args) -> int:
     if args.output_dir is not None and len(set(stems)) < len(stems):
         twice = next(stem for stem in stems if stems.count(stem) > 1)
         raise UsageError(f"two files named {twice} would write one output in --output-dir: rename one")
-    settings = replace(knob_settings(args, DEFAULTS), speculative=args.draft_model is not None and not args.regular_decode)
+    settings = knob_settings(args, DEFAULTS)  # (beam search drafts nothing: no draft is loaded for it)
+    settings = replace(settings, speculative=args.draft_model is not None and not args.regular_decode
+                       and settings.num_beams == 1)
     given = {name for name in KNOBS if getattr(args, name) is not None}
     samples = [read_audio(file) for file in args.audio]  # a file that is not audio fails before loading
     models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)

@@ -92,12 +92,16 @@ class Window:
     compression_ratio: float | None = None
 
     def close(self, vocabulary: int, end: int) -> None:
-        """Its figures, as transformers computes them: the mean log-probability
-        of its tokens, the end of text's included (after the rules, at
-        temperature 1); their compression ratio (compression_ratio)."""
-        request, ended = self.request, self.request.end_logprob is not None
-        picked = [logprob for logprob, _ in request.logprobs] + [request.end_logprob] * ended
-        self.avg_logprob = sum(picked) / len(picked) if picked else 0.0
+        """Its figures, as transformers computes them: the mean log-probability of its tokens, the end of text's
+        included (after the rules, at temperature 1); their compression ratio (compression_ratio)."""
+        request = self.request
+        if request.sequences:  # a beam search's: its best beam's score (transformers' sequences_scores)
+            _, self.avg_logprob, reason = request.sequences[0]
+            ended = reason == "stop"
+        else:
+            ended = request.end_logprob is not None
+            picked = [logprob for logprob, _ in request.logprobs] + [request.end_logprob] * ended
+            self.avg_logprob = sum(picked) / len(picked) if picked else 0.0
         self.compression_ratio = compression_ratio(self.tokens + [end] * ended, vocabulary)
 
 
@@ -151,14 +155,12 @@ class Transcription:
 def transcribe(models, files: list, *, language: str | None = None, task: str = "transcribe", timestamps: bool = False,
                words: bool = False, condition: bool = False, guards: Guards = Guards(), prompt: str | None = None,
                settings: Settings | None = None, given=(), **options) -> list[Transcription]:
-    """Each file's Transcription (a path, a file's bytes, or its samples as
-    audio.read gives them), decoded together in one batch at these settings
-    (options as Settings' fields, over the model's generation defaults). A
-    file over 30 s is decoded window by window, each moving on from the last
-    one's last timestamp, as transformers' long-form generate does; with
-    `timestamps`, a short file too; with `words`, each segment's words and
-    tokens timed (token_times, words_of); with `condition`, each window opens with the
-    text before it. `max_tokens` counts a window's tokens."""
+    """Each file's Transcription (a path, a file's bytes, or its samples as audio.read gives them), decoded together
+    in one batch at these settings (options as Settings' fields, over the model's generation defaults). A file over
+    30 s is decoded window by window, each moving on from the last one's last timestamp, as transformers' long-form
+    generate does; with `timestamps`, a short file too; with `words`, each segment's words and tokens timed
+    (token_times, words_of); with `condition`, each window opens with the text before it. `max_tokens` counts a
+    window's tokens."""
     listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words,
                              condition)
     tracks = [listening.track(file) for file in files]
@@ -170,10 +172,9 @@ def transcribe(models, files: list, *, language: str | None = None, task: str = 
 def stream_transcribe(models, file, *, language: str | None = None, task: str = "transcribe", timestamps: bool = True,
                       words: bool = False, condition: bool = False, guards: Guards = Guards(),
                       prompt: str | None = None, settings: Settings | None = None, given=(), **options) -> Iterator[dict]:
-    """One file's segments as they are decided: with no guard set, each as
-    soon as the timestamps after it show it final (its window's figures,
-    avg_logprob and compression_ratio, None until the window ends); with
-    guards, or with words, a window's once it ends (and passes them)."""
+    """One file's segments as they are decided: with no guard set, each as soon as the timestamps after it show it
+    final (its window's figures, avg_logprob and compression_ratio, None until the window ends); with guards, or
+    with words, a window's once it ends (and passes them)."""
     listening = Listening.of(models, language, task, timestamps, guards, prompt, settings, given, options, words,
                              condition)
     for _, segment in listen([listening.track(file)]):
@@ -181,10 +182,9 @@ def stream_transcribe(models, file, *, language: str | None = None, task: str = 
 
 
 def warm_up(models, settings: Settings) -> None:
-    """A second of silence transcribed on each decoding path the settings can
-    take (the target alone, and drafting if they draft), so that first-call
-    costs (compiling kernels, growing the allocator's pools) stay out of the
-    first request's time."""
+    """A second of silence transcribed on each decoding path the settings can take (the target alone, and drafting if
+    they draft), so that first-call costs (compiling kernels, growing the allocator's pools) stay out of the first
+    request's time."""
     silence = np.zeros(audio.SAMPLE_RATE, np.float32)
     paths = (False, True) if replace(settings, speculative=True).drafts(models) else (False,)
     for speculative in paths:
@@ -192,10 +192,9 @@ def warm_up(models, settings: Settings) -> None:
 
 
 def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
-    """Files decoded window by window in one batch (one a decoding kind, as a
-    fallback's temperature may change it), each segment yielded as it is
-    decided: a file's next window joins as soon as its last ends, so that no
-    file waits for another's."""
+    """Files decoded window by window in one batch (one a decoding kind, as a fallback's temperature may change it),
+    each segment yielded as it is decided: a file's next window joins as soon as its last ends, so that no file
+    waits for another's."""
     if not tracks:
         return
     models = tracks[0].listening.models
@@ -231,17 +230,18 @@ def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
 
 def row_cross(batch, request) -> tuple:
     """A request's row's cross-attention keys and values (each layer's) and bias in its batch's target cache: what
-    token_times reads, taken as the row ends, before it leaves."""
-    row, cache = [row.request for row in batch.rows].index(request), batch.caches[0]
+    token_times reads, taken as the row ends, before it leaves (a beam search's row: its first beam's, the same)."""
+    cache = batch.caches[0]
+    beams = cache.cross_keys_values[0][0].shape[0] // len(batch.rows)
+    row = [row.request for row in batch.rows].index(request) * beams
     keys_values = [(keys[row : row + 1], values[row : row + 1]) for keys, values in cache.cross_keys_values]
     return keys_values, None if cache.cross_bias is None else cache.cross_bias[row : row + 1]
 
 
 def open_windows(models, cache, tracks: list[Track]) -> None:
-    """Before their windows join a batch, encoded together into `cache`
-    (row i track i's): each track's language, detected from its first window
-    where none was given; each window's no-speech probability, read after its
-    start of transcript; and its opening, rules and most tokens."""
+    """Before their windows join a batch, encoded together into `cache` (row i track i's): each track's language,
+    detected from its first window where none was given; each window's no-speech probability, read after its start
+    of transcript; and its opening, rules and most tokens."""
     whisper, target = tracks[0].listening.whisper, models.target
     prefixes = [track.window.prefix for track in tracks]
     logits = whisper.after_start(target, cache, prefixes)
@@ -295,8 +295,8 @@ class Listening:
         settings = replace(settings or Settings(), **options)
         given = set(given) | set(options)
         _, settings, _ = with_presets(models, settings, given=given, search=False)
-        if settings.num_beams > 1 or settings.n > 1:
-            raise OptionError("beam search and n are not for audio yet: decode greedily, or sample", "num_beams")
+        if settings.n > 1:
+            raise OptionError("n is not for audio: a file has one transcription (beam search's best beam)", "n")
         prefix = whisper.prompt(models.tokenizer, prompt)
         # The decoder's positions hold the opening and the output: by default a window's output takes what its
         # opening leaves (transformers' max_length of 448 does the same); asked for more, it is refused.
@@ -308,8 +308,8 @@ class Listening:
                               "max_tokens")
         if not guards.temperatures:
             guards = replace(guards, temperatures=(settings.temp,))
-        # each token's log-probability, for the guards and the segments' figures
-        settings = replace(settings, logprobs=0).check_models(models)
+        # each token's log-probability, for the guards and the segments' figures (a beam search's: its best beam's score)
+        settings = replace(settings, logprobs=None if settings.num_beams > 1 else 0).check_models(models)
         if condition and whisper.previous is None and len(whisper.suppress) < 2:
             raise OptionError("this model's generation config has no prev_sot_token_id: it cannot condition on the "
                               "text before a window", "condition_on_previous_text")
@@ -317,10 +317,9 @@ class Listening:
                    settings.max_tokens if "max_tokens" in given else None, words, condition)
 
     def track(self, file, max_seconds: float | None = None) -> Track:
-        """A file (a path, its bytes, or its samples) read, and its features
-        made: a file of up to 30 s padded to the window, as transformers pads
-        it; a longer one at its whole length, decoded with timestamps (the
-        windows move by them)."""
+        """A file (a path, its bytes, or its samples) read, and its features made: a file of up to 30 s padded to the
+        window, as transformers pads it; a longer one at its whole length, decoded with timestamps (the windows move
+        by them)."""
         samples = file if isinstance(file, np.ndarray) else audio.read(file, max_seconds)
         long = len(samples) // audio.HOP > audio.WINDOW_FRAMES  # (transformers' long-form: over 3,000 frames)
         if long and self.whisper.first_timestamp is None:
@@ -337,8 +336,10 @@ class Listening:
         temperature, seed = self.guards.temperatures[track.attempt], self.settings.seed
         if seed is not None:  # each window and each attempt its own random stream, reproducibly
             seed = (seed * 1_000_003 + track.seek * 31 + track.attempt) % 2**31
-        request = Request(track.window_features(), replace(self.settings, temp=temperature, seed=seed),
-                          ruled_logprobs=True)
+        searched = {} if temperature == 0 else dict(num_beams=1, num_return_sequences=1, logprobs=0)
+        # (a window decoded hotter samples, with one beam, as transformers' fallback does)
+        settings = replace(self.settings, temp=temperature, seed=seed, **searched)
+        request = Request(track.window_features(), settings, ruled_logprobs=True)
         track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature,
                               self.prefix_of(track))
         return request
@@ -370,9 +371,8 @@ class Listening:
         request.settings = replace(request.settings, max_tokens=min(self.max_tokens or most, most))
 
     def token(self, track: Track, token: int | None) -> list[dict]:
-        """A token of the track's window: the segments it shows final (with
-        no guard set, each once the pair of timestamps after the next is out:
-        a window's last pair is part of its segment, an earlier one is not)."""
+        """A token of the track's window: the segments it shows final (with no guard set, each once the pair of
+        timestamps after the next is out: a window's last pair is part of its segment, an earlier one is not)."""
         if token is None:
             return []
         tokens, first = track.window.tokens, self.whisper.first_timestamp

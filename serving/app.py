@@ -28,7 +28,8 @@ from serving.streams import Events, cancel_when_gone, interleaved, pieces
 from serving.guard import Access, ApiError, Guard
 from serving.metrics import Times
 from serving.transcriptions import FORM_BYTES, Transcriptions
-from serving.schema import CHARACTERS_PER_TOKEN, ChatCompletion, Completion, CompletionBody, Detokenize, Prompt, Tokenize
+from serving.schema import (BEAM_DEFAULTS, CHARACTERS_PER_TOKEN, ChatCompletion, Completion, CompletionBody, Detokenize,
+                            Prompt, Tokenize)
 from text import TextStream, token_text
 
 log = logging.getLogger("t5-server")
@@ -278,10 +279,6 @@ class Completions:
             ended = True
         finally:  # also when Starlette cancels this because the client left
             call.log(client_left=not ended)
-
-
-# A beam search's defaults over the server's: greedy, no drafts (a request's own sampling or drafting is refused).
-BEAM_DEFAULTS = {"temp": 0.0, "num_draft": 1, "prompt_lookup": False}
 
 
 OTHER_BODY_BYTES = 4096  # a body sent to a path no route takes: it is refused whole, so none needs to be read

@@ -34,6 +34,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
 CHARACTERS_PER_TOKEN = 32  # a prompt's characters, before it is tokenized, per token the server takes
 MAX_CHOICES = MAX_SAMPLES  # n, and beams
+# A beam search's defaults over the server's: greedy, no drafts (a request's own sampling or drafting is refused).
+BEAM_DEFAULTS = {"temp": 0.0, "num_draft": 1, "prompt_lookup": False}
 # OpenAI's fields this server does not do: a request that sets one to anything but its default is refused, not ignored.
 UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                "function_call": ("none",), "suffix": ("",), "echo": (False,), "audio": (), "modalities": (["text"],),
@@ -218,7 +220,7 @@ class CompletionBody(BaseModel):
                  "no_repeat_ngram_size": self.no_repeat_ngram_size, "stop_token_ids": self.stop_token_ids,
                  "logit_bias": self.token_biases, "logprobs": self.logprob_count, "length_penalty": self.length_penalty,
                  "early_stopping": self.early_stopping, "src_lang": self.src_lang, "tgt_lang": self.tgt_lang}
-        if self.use_beam_search:  # over defaults the server made greedy and draftless (app.BEAM_DEFAULTS)
+        if self.use_beam_search:  # over defaults the server made greedy and draftless (BEAM_DEFAULTS)
             given |= {"num_beams": self.beams, "num_return_sequences": self.n}
         chosen = {name: value for name, value in given.items() if value is not None}
         return replace(defaults, **chosen, stop=tuple(self.stop), ignore_eos=self.ignore_eos,

@@ -15,7 +15,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fastapi import Request
@@ -29,6 +29,7 @@ from options import AUTO, KNOBS
 from serving.engine import Engine, Job, QueueFull
 from serving.guard import ApiError
 from serving.metrics import Times
+from serving.schema import BEAM_DEFAULTS
 from serving.streams import Events, cancel_when_gone, pieces
 from speech import FORMATS, Guards, Listening, Track, open_windows, render, row_cross
 from text import TextStream
@@ -56,21 +57,23 @@ class AudioForm(BaseModel):
     num_draft: int | Literal["auto"] | None = None
     delta: float | None = None
     seed: int | None = None
+    beam_size: int | None = None  # openai-whisper's and faster-whisper's name: beam search, num_beams beams
     compression_ratio_threshold: float | None = Field(None, gt=0)
     logprob_threshold: float | None = None
     no_speech_threshold: float | None = Field(None, ge=0.0, le=1.0)
     temperature_increment_on_fallback: float | None = Field(None, gt=0.0, le=1.0)
     condition_on_previous_text: bool = False
 
-    @field_validator("num_draft", "delta", "seed")
+    @field_validator("num_draft", "delta", "seed", "beam_size")
     @classmethod
     def in_range(cls, value, info):
-        return value if value is None or value == AUTO else KNOBS[info.field_name].check(value, info.field_name)
+        knob = {"beam_size": "num_beams"}.get(info.field_name, info.field_name)
+        return value if value is None or value == AUTO else KNOBS[knob].check(value, info.field_name)
 
     def options(self) -> dict:
         """The Settings fields this request sets (those it leaves out keep the server's)."""
         chosen = {"temp": self.temperature, "max_tokens": self.max_tokens, "num_draft": self.num_draft,
-                  "delta": self.delta, "seed": self.seed}
+                  "delta": self.delta, "seed": self.seed, "num_beams": self.beam_size}
         return {name: value for name, value in chosen.items() if value is not None}
 
     def guards(self) -> Guards:
@@ -209,8 +212,11 @@ class Transcriptions:
             if words and body.response_format != "verbose_json":
                 raise OptionError("word timestamps come in verbose_json: ask for that response_format",
                                   "timestamp_granularities[]")
+            defaults = self.engine.defaults
+            if options.get("num_beams", 1) > 1:  # greedy and draftless under the request's own fields
+                defaults = replace(defaults, **BEAM_DEFAULTS)
             listening = Listening.of(self.models, body.language, task, timestamps, body.guards(), body.prompt,
-                                     self.engine.defaults, set(options), options, words, body.condition_on_previous_text)
+                                     defaults, set(options), options, words, body.condition_on_previous_text)
             return listening, listening.track(data, self.max_seconds)
         except audio.AudioError as e:
             raise ApiError(400, f"file: {e}", param="file")

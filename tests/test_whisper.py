@@ -3,6 +3,7 @@ audio files of any common format, and decoded token for token as transformers de
 that decodes on the target's encoder output."""
 
 import io
+import json
 import shutil
 import subprocess
 import time
@@ -1268,3 +1269,143 @@ def test_words_come_from_whole_characters_with_their_marks_as_openai_whisper_joi
     chinese = Bytes([b"\xe4\xbd\xa0", b"\xe5\xa5", b"\xbd", b"\xef\xbc\x8c", b"\xe4\xb8\x96"])
     words = words_of([0, 1, 2, 3, 4, 200], [0.0, 1, 2, 3, 4, 5, 6], chinese, end=100, spaceless=True)
     assert [(w["word"], w["start"], w["end"]) for w in words] == [("你", 0, 1), ("好，", 1, 4), ("世", 4, 5)]
+
+
+# ---------------------------------------------------------------- beam search
+
+@pytest.fixture
+def beam_margins(monkeypatch):
+    """Asserts that every step of every beam search ranks its candidates (beam
+    score plus token log-probability) by margins of 1e-4 or more: ten times
+    what ours and transformers' differ by, so that both rank them alike."""
+    import beams
+
+    step = beams.Search.step
+
+    def checked(search, scores, *args, **kwargs):
+        ranked = np.sort(scores[scores > beams.NONE / 2])[::-1]
+        assert (np.diff(-ranked) > 1e-4).all()
+        return step(search, scores, *args, **kwargs)
+
+    monkeypatch.setattr(beams.Search, "step", checked)
+
+
+@torch.no_grad()
+def beam_generated(model, features: np.ndarray, **options) -> list:
+    """transformers' Whisper generate's segments on a file's whole features (with their sequences_scores)."""
+    out = model.generate(torch.tensor(features.T[None]), attention_mask=torch.ones(1, len(features), dtype=torch.long),
+                         return_segments=True, language="en", task="transcribe", **options)
+    return out["segments"][0]
+
+
+def segments_of(theirs) -> list[tuple[float, float, list[int]]]:
+    return [(round(float(s["start"]), 2), round(float(s["end"]), 2), s["tokens"].tolist()) for s in theirs]
+
+
+@pytest.mark.parametrize("timestamps", [False, True])
+def test_beam_search_on_whisper_is_transformers_with_whispers_rules(spoken_pair, beam_margins, timestamps):
+    """num_beams 3 on a 5 s file: the beams follow the suppressions and the
+    timestamp rules as transformers' beam search applies them (to the
+    log-probabilities), and the file decodes as its generate does, segment
+    for segment, each window's avg_logprob its best beam's sequences_score.
+    (This random model writes pairs of timestamps even without them asked
+    for; both then move on by them, as long-form does.) Greedy decodes it
+    otherwise: the beams are searched."""
+    import speech
+
+    root, target, _, path = spoken_pair
+    features = audio.log_mel(audio.read(path), 80)
+    theirs = beam_generated(target, features, num_beams=3, max_new_tokens=40, return_timestamps=timestamps)
+    (searched,) = speech.transcribe(spoken_models(root), [path], language="en", max_tokens=40, num_beams=3,
+                                    timestamps=timestamps)
+    assert ours(searched) == segments_of(theirs) and len(searched.segments) >= 2
+    (greedy,) = speech.transcribe(spoken_models(root), [path], language="en", max_tokens=40, timestamps=timestamps)
+    assert greedy.tokens != searched.tokens
+
+
+def test_a_long_file_beam_searched_is_transformers_long_form_with_its_words(spoken_pair, long_file, beam_margins,
+                                                                           tmp_path, capsys):
+    """Beams over a long file decoded beside a short one, window by window,
+    with word times: segments, each window's avg_logprob (its best beam's
+    sequences_scores) and token times are transformers' (its beam_indices
+    gather the cross-attention of the beam kept; every beam of a window
+    shares it); the command line's --num-beams decodes the same, and loads
+    no draft for it."""
+    import copy
+
+    import main
+    import speech
+
+    root, target, _, _ = spoken_pair
+    with_alignment_heads(root, tmp_path)
+    features, kept = whole_features(long_file), target.generation_config
+    target.generation_config = copy.deepcopy(kept)
+    target.generation_config.alignment_heads = ALIGNMENT_HEADS
+    try:
+        theirs = beam_generated(target, features, num_beams=3, max_new_tokens=40, return_timestamps=True,
+                                return_token_timestamps=True)
+    finally:
+        target.generation_config = kept
+    _, searched = speech.transcribe(spoken_models(tmp_path), [spoken_pair[3], long_file], language="en", max_tokens=40,
+                                    num_beams=3, words=True)  # (the second file's beams are rows 3 to 5)
+    assert ours(searched) == segments_of(theirs) and len({s["seek"] for s in searched.segments}) >= 3
+    for mine, their in zip(searched.segments, theirs):
+        assert np.abs(np.array(mine["token_times"]) - their["token_timestamps"].numpy()).max() <= 1e-4
+        assert mine["avg_logprob"] == pytest.approx(float(their["result"]["sequences_scores"]), abs=1e-4)
+    (greedy,) = speech.transcribe(spoken_models(root), [long_file], language="en", max_tokens=40)
+    assert greedy.tokens != searched.tokens
+    assert main.main(["--model", str(root / "mlx"), "--draft-model", "nowhere", "--audio", str(long_file),
+                      "--language", "en", "--max-tokens", "40", "--num-beams", "3", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(s["start"], s["end"], s["tokens"]) for s in printed["segments"]] == ours(searched)
+
+
+def test_a_beam_searched_window_that_fails_a_threshold_is_sampled_again_with_one_beam(spoken_pair, long_file,
+                                                                                       monkeypatch):
+    """As transformers' fallback: the guards read a beam-searched window's
+    avg_logprob (its best beam's score), and a temperature above 0 samples,
+    so a window decoded again hotter has one beam; the windows after it are
+    beam-searched again."""
+    import speech
+
+    root, _, _, _ = spoken_pair
+    models = spoken_models(root)
+    (searched,) = speech.transcribe(models, [long_file], language="en", max_tokens=30, num_beams=2)
+    scores = {segment["seek"]: segment["avg_logprob"] for segment in searched.segments}  # each window's
+    first, others = scores[0], [score for seek, score in scores.items() if seek]
+    threshold = (first + min(others)) / 2  # the first window fails it, the others pass
+    assert first < threshold < min(others)
+    decoded, window = [], speech.Listening.window
+
+    def recorded(listening, track):
+        request = window(listening, track)
+        decoded.append((track.seek, request.settings.temp, request.settings.num_beams))
+        return request
+
+    monkeypatch.setattr(speech.Listening, "window", recorded)
+    guards = speech.Guards(temperatures=(0.0, 0.8), logprob_threshold=threshold)
+    (guarded,) = speech.transcribe(models, [long_file], language="en", max_tokens=30, num_beams=2, guards=guards,
+                                   seed=2)
+    assert decoded[:2] == [(0, 0.0, 2), (0, 0.8, 1)] and all(beams == 2 for _, temp, beams in decoded if temp == 0)
+    assert {segment["temperature"] for segment in guarded.segments} == {0.0, 0.8}
+    assert all(segment["avg_logprob"] >= threshold for segment in guarded.segments if segment["temperature"] == 0.0)
+
+
+def test_the_server_beam_searches_audio_with_openai_whispers_beam_size(spoken_pair, long_file, audio_server):
+    """beam_size (openai-whisper's and faster-whisper's field) over the
+    server's defaults: the request decodes as transcribe with num_beams;
+    out of range it is a 400 that names it."""
+    import openai
+
+    import speech
+
+    root, _, _, _ = spoken_pair
+    client = audio_client(audio_server)
+    with open(long_file, "rb") as file:
+        verbose = client.audio.transcriptions.create(model="whisper", file=file, language="en",
+                                                     response_format="verbose_json",
+                                                     extra_body={"max_tokens": 30, "beam_size": 3})
+    (expected,) = speech.transcribe(spoken_models(root), [long_file], language="en", max_tokens=30, num_beams=3)
+    assert [(s.start, s.end, s.tokens) for s in verbose.segments] == ours(expected)
+    with open(long_file, "rb") as file, pytest.raises(openai.BadRequestError, match="beam_size"):
+        client.audio.transcriptions.create(model="whisper", file=file, extra_body={"beam_size": 0})
