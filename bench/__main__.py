@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--ct2-worker", help=argparse.SUPPRESS)
     parser.add_argument("--whisper-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--whisper-reference", default="transformers", help=argparse.SUPPRESS)
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--decode-worker", help=argparse.SUPPRESS)
@@ -51,7 +52,7 @@ def worker(args) -> bool:
     if args.whisper_worker:
         from bench import speech
 
-        speech.whisper_worker(args.whisper_worker)
+        speech.whisper_worker(args.whisper_worker, args.whisper_reference)
         return True
     if args.hf_worker or args.ct2_worker:
         from bench import references

@@ -86,9 +86,28 @@ def checkpoint(folder: Path, shape: str) -> tuple[Path, Path]:
     return hf, mlx
 
 
-def whisper_worker(folder: str) -> None:
-    """Persistent transformers process: one transcription per input line (JSON: a 16 kHz WAV file, a window's most
-    tokens), as a user calls generate: features of the whole file, long-form with timestamps past 30 s."""
+# The references, each in a process of its own (Worker), each decoding as its users call it: greedy at
+# temperature 0, no guards, no conditioning, no voice-activity filter; timestamps past 30 s (long-form).
+REFERENCES = ("transformers", "mlx-whisper", "faster-whisper float32", "faster-whisper int8")
+END_OF_TEXT = 50257  # every token below it is text (the others are Whisper's specials and timestamps)
+
+
+def whisper_worker(folder: str, reference: str) -> None:
+    """Persistent reference process: one transcription per input line (JSON: a 16 kHz WAV file, a window's most
+    tokens), timed from the file to its tokens."""
+    transcriber, version = TRANSCRIBERS[reference.split()[0]](Path(folder), reference)
+    print(json.dumps({"ready": version}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        start = time.perf_counter()
+        with wave.open(request["file"]) as file:
+            samples = np.frombuffer(file.readframes(file.getnframes()), np.int16).astype(np.float32) / 32768
+        tokens = transcriber(samples, len(samples) > 30 * 16_000, request["tokens"])
+        print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}), flush=True)
+
+
+def transformers_transcriber(folder: Path, _):
+    """generate as a user calls it: features of the whole file, long-form with timestamps past 30 s."""
     import torch
     import transformers
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -96,21 +115,116 @@ def whisper_worker(folder: str) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     model = WhisperForConditionalGeneration.from_pretrained(folder).eval()
     extractor = WhisperFeatureExtractor.from_pretrained(folder)
-    print(json.dumps({"ready": f"transformers {transformers.__version__}, PyTorch {torch.__version__}"}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        start = time.perf_counter()
-        with wave.open(request["file"]) as file:
-            samples = np.frombuffer(file.readframes(file.getnframes()), np.int16).astype(np.float32) / 32768
-        long = len(samples) > 30 * 16_000
+
+    def transcribe(samples, long, tokens):
         features = extractor(samples, sampling_rate=16_000, return_tensors="pt", return_attention_mask=True,
                              **(dict(truncation=False, padding="longest") if long else {}))
         with torch.no_grad():
             out = model.generate(features.input_features, attention_mask=features.attention_mask, language="en",
                                  task="transcribe", return_timestamps=long, return_segments=True,
-                                 max_new_tokens=request["tokens"])
-        tokens = [token for segment in out["segments"][0] for token in segment["tokens"].tolist()]
-        print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}), flush=True)
+                                 max_new_tokens=tokens)
+        return [token for segment in out["segments"][0] for token in segment["tokens"].tolist()]
+
+    return transcribe, f"transformers {transformers.__version__}, PyTorch {torch.__version__}"
+
+
+def mlx_whisper_transcriber(folder: Path, _):
+    """mlx-whisper's transcribe on the same MLX, in float32, on the checkpoint in its own layout (mlx_whisper_layout)."""
+    from importlib.metadata import version
+
+    import mlx_whisper
+
+    def transcribe(samples, long, tokens):
+        result = mlx_whisper.transcribe(samples, path_or_hf_repo=str(folder), language="en", temperature=0.0,
+                                        compression_ratio_threshold=None, logprob_threshold=None,
+                                        no_speech_threshold=None, condition_on_previous_text=False, fp16=False,
+                                        without_timestamps=not long, sample_len=tokens)
+        return [token for segment in result["segments"] for token in segment["tokens"]]
+
+    return transcribe, f"mlx-whisper {version('mlx-whisper')}"
+
+
+def faster_whisper_transcriber(folder: Path, reference: str):
+    """faster-whisper's WhisperModel (CTranslate2) on every core, at the compute type the name gives."""
+    import ctranslate2
+    import faster_whisper
+
+    model = faster_whisper.WhisperModel(str(folder), device="cpu", compute_type=reference.split()[1],
+                                        cpu_threads=os.cpu_count() or 1)
+
+    def transcribe(samples, long, tokens):
+        segments, _ = model.transcribe(samples, language="en", beam_size=1, temperature=0.0,
+                                       compression_ratio_threshold=None, log_prob_threshold=None,
+                                       no_speech_threshold=None, condition_on_previous_text=False,
+                                       without_timestamps=not long, max_new_tokens=tokens)
+        return [token for segment in segments for token in segment.tokens]
+
+    return transcribe, f"faster-whisper {faster_whisper.__version__}, CTranslate2 {ctranslate2.__version__}"
+
+
+TRANSCRIBERS = {"transformers": transformers_transcriber, "mlx-whisper": mlx_whisper_transcriber,
+                "faster-whisper": faster_whisper_transcriber}
+
+
+def reference_folder(hf: Path, reference: str) -> Path | None:
+    """The checkpoint as the reference loads it (made once beside it); None (said on stderr) where the reference
+    is not installed."""
+    import importlib.util
+
+    package = {"mlx-whisper": "mlx_whisper", "faster-whisper": "faster_whisper"}.get(reference.split()[0])
+    if package is None:
+        return hf
+    if importlib.util.find_spec(package) is None:
+        print(f"{reference.split()[0]} is not installed: its rows are left out", file=sys.stderr)
+        return None
+    folder = hf.with_name(f"{hf.name}-{reference.split()[0]}")
+    if not folder.exists():
+        (mlx_whisper_layout if package == "mlx_whisper" else ctranslate2_layout)(hf, folder)
+    return folder
+
+
+# transformers' Whisper names, as openai-whisper's (mlx-whisper's) layout names them
+OPENAI_NAMES = (("model.", ""), ("encoder.layers.", "encoder.blocks."), ("decoder.layers.", "decoder.blocks."),
+                ("self_attn.q_proj", "attn.query"), ("self_attn.k_proj", "attn.key"),
+                ("self_attn.v_proj", "attn.value"), ("self_attn.out_proj", "attn.out"),
+                ("self_attn_layer_norm", "attn_ln"), ("encoder_attn.q_proj", "cross_attn.query"),
+                ("encoder_attn.k_proj", "cross_attn.key"), ("encoder_attn.v_proj", "cross_attn.value"),
+                ("encoder_attn.out_proj", "cross_attn.out"), ("encoder_attn_layer_norm", "cross_attn_ln"),
+                ("fc1", "mlp1"), ("fc2", "mlp2"), ("final_layer_norm", "mlp_ln"), ("encoder.layer_norm", "encoder.ln_post"),
+                ("decoder.layer_norm", "decoder.ln"), ("decoder.embed_tokens", "decoder.token_embedding"),
+                ("decoder.embed_positions.weight", "decoder.positional_embedding"))
+
+
+def mlx_whisper_layout(hf: Path, folder: Path) -> None:
+    """The checkpoint as mlx-whisper loads it: its dimensions as config.json, openai-whisper's weight names, the
+    convolutions' kernels as MLX lays them out (out, width, in); the encoder's positions it computes itself."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((hf / "config.json").read_text())
+    weights = {}
+    for name, tensor in load_file(str(hf / "model.safetensors")).items():
+        if "encoder.embed_positions" in name or name == "proj_out.weight":  # (its own sinusoids; the tied head)
+            continue
+        for theirs, ours in OPENAI_NAMES:
+            name = name.replace(theirs, ours)
+        weights[name] = np.ascontiguousarray(tensor.transpose(0, 2, 1)) if "conv" in name and tensor.ndim == 3 else tensor
+    folder.mkdir(parents=True)
+    save_file(weights, str(folder / "weights.safetensors"))
+    dimensions = dict(n_mels=config["num_mel_bins"], n_audio_ctx=config["max_source_positions"],
+                      n_audio_state=config["d_model"], n_audio_head=config["encoder_attention_heads"],
+                      n_audio_layer=config["encoder_layers"], n_vocab=config["vocab_size"],
+                      n_text_ctx=config["max_target_positions"], n_text_state=config["d_model"],
+                      n_text_head=config["decoder_attention_heads"], n_text_layer=config["decoder_layers"])
+    (folder / "config.json").write_text(json.dumps(dimensions | {"model_type": "whisper"}))
+
+
+def ctranslate2_layout(hf: Path, folder: Path) -> None:
+    """CTranslate2's conversion (float32: faster-whisper quantizes to int8 as it loads), with the tokenizer and
+    the feature extractor's settings beside it, as faster-whisper reads them."""
+    import ctranslate2
+
+    ctranslate2.converters.TransformersConverter(
+        str(hf), copy_files=["tokenizer.json", "preprocessor_config.json"]).convert(str(folder), quantization="float32")
 
 
 def run_whisper(args) -> dict:
@@ -118,43 +232,67 @@ def run_whisper(args) -> dict:
     from loading import load
 
     shapes = args.shapes.split(",") if args.shapes else ["tiny", "small"]
-    files, rows = speech(args.dir / "whisper-speech"), []
+    files, rows, versions = speech(args.dir / "whisper-speech"), [], {}
     for shape in shapes:
         hf, mlx = checkpoint(args.dir, shape)
-        models, reference = load(str(mlx), one_row=True), Worker("--whisper-worker", str(hf))  # one file: one row, as main.py
+        models = load(str(mlx), one_row=True)  # one file: one row, as main.py
+        folders = {reference: reference_folder(hf, reference) for reference in REFERENCES}
+        workers = {reference: Worker("--whisper-worker", str(folder), "--whisper-reference", reference)
+                   for reference, folder in folders.items() if folder is not None}
+        versions |= {reference.split()[0]: worker.version for reference, worker in workers.items()}
 
         def ours(path):
             start = time.perf_counter()
             (transcription,) = ours_speech.transcribe(models, [path], language="en", max_tokens=WINDOW_TOKENS)
             return time.perf_counter() - start, transcription.tokens
 
-        def theirs(path):
-            answer = reference.ask({"file": str(path), "tokens": WINDOW_TOKENS})
+        def theirs(worker, path):
+            answer = worker.ask({"file": str(path), "tokens": WINDOW_TOKENS})
             return answer["seconds"], answer["tokens"]
 
         for seconds, path in files.items():
-            timings = alternate({"ours": lambda: ours(path), "transformers": lambda: theirs(path)}, args.repeats)
+            runs = {"ours": lambda: ours(path)} | {reference: (lambda worker=worker: theirs(worker, path))
+                                                   for reference, worker in workers.items()}
+            timings = alternate(runs, args.repeats)
+            text = [token for token in timings["ours"].output if token < END_OF_TEXT]
             rows.append({"shape": shape, "audio_seconds": seconds, "tokens": len(timings["ours"].output),
                          "same_tokens": timings["ours"].output == timings["transformers"].output,
-                         "ours": timings["ours"].seconds, "transformers": timings["transformers"].seconds,
+                         "same_text_tokens": {reference: [token for token in timings[reference].output
+                                                          if token < END_OF_TEXT] == text for reference in workers},
+                         **{name: timing.seconds for name, timing in timings.items()},
                          "warm_ups": {name: timing.warm_ups for name, timing in timings.items()}})
-        reference.close()
+        for worker in workers.values():
+            worker.close()
         print(f"{shape}: done", file=sys.stderr)
-    return {"repeats": args.repeats, "window_tokens": WINDOW_TOKENS, "reference": reference.version, "rows": rows}
+    return {"repeats": args.repeats, "window_tokens": WINDOW_TOKENS, "reference": versions["transformers"],
+            "versions": versions, "rows": rows}
 
 
 def render_whisper(data: dict) -> str:
     def factor(row, name):  # the real-time factor: seconds of work per second of audio, the median run's
         return statistics.median(row[name]) / row["audio_seconds"]
 
+    references = [name for name in REFERENCES if any(name in row for row in data["rows"])]
+    differ = {}  # a reference whose text tokens differ from ours: its footnote mark
+
+    def cell(row, name):
+        if name not in row:
+            return "-"
+        same = row.get("same_text_tokens", {}).get(name, row["same_tokens"])
+        mark = "" if same else differ.setdefault(name, "*" * (len(differ) + 1))
+        return f"{factor(row, name):.3f} ({factor(row, name) / factor(row, 'ours'):.2f}x){mark}"
+
     rows = [[row["shape"], f"{row['audio_seconds'] // 60} min" if row["audio_seconds"] >= 60 else f"{row['audio_seconds']} s",
-             f"{row['tokens']:,}", f"{factor(row, 'ours'):.3f}", f"{factor(row, 'transformers'):.3f}",
-             f"{factor(row, 'transformers') / factor(row, 'ours'):.2f}x", "yes" if row["same_tokens"] else "**no**"]
+             f"{row['tokens']:,}", f"{factor(row, 'ours'):.3f}", *[cell(row, name) for name in references]]
             for row in data["rows"]]
+    versions = data.get("versions", {"transformers": data["reference"]})
+    notes = "".join(f"\n\n{mark} {name}: text tokens that differ from ours (random weights' near-ties: docs/SPEECH.md)."
+                    for name, mark in differ.items())
     return (f"Transcribing espeak-ng's speech, greedy, random weights with Whisper's vocabulary and rules, at most "
-            f"{data['window_tokens']} tokens a window, float32: the real-time factor (seconds of work per second of "
-            f"audio, from the file to its tokens; lower is faster), medians of {data['repeats']} alternating runs "
-            f"against {data['reference']}\n\n"
-            + table(["shape", "audio", "tokens", "ours", "transformers", "ours faster by", "same tokens"], rows)
+            f"{data['window_tokens']} tokens a window, float32 (and faster-whisper's int8): the real-time factor "
+            f"(seconds of work per second of audio, from the file to its tokens; lower is faster), medians of "
+            f"{data['repeats']} alternating runs; in brackets, how many times ours is faster. References: "
+            f"{'; '.join(versions.values())}\n\n"
+            + table(["shape", "audio", "tokens", "ours", *references], rows) + notes
             + warm_up_note({f"{name} ({row['shape']}, {row['audio_seconds']} s)": count for row in data["rows"]
                             for name, count in row["warm_ups"].items()}))

@@ -75,11 +75,42 @@ def test_the_whisper_benchmarks_transformers_worker_transcribes_as_we_do_at_tiny
 
     files = speech.speech(tmp_path / "speech")
     hf, mlx = speech.checkpoint(tmp_path, "tiny")
-    models, worker = load(str(mlx), one_row=True), Worker("--whisper-worker", str(hf))
+    models, worker = load(str(mlx), one_row=True), Worker("--whisper-worker", str(hf), "--whisper-reference",
+                                                          "transformers")
     try:
         for seconds, path in files.items():
             (transcription,) = ours.transcribe(models, [path], language="en", max_tokens=40)
             assert worker.ask({"file": str(path), "tokens": 40})["tokens"] == transcription.tokens
             assert len(set(transcription.tokens)) >= 10 and len(transcription.tokens) >= (40 if seconds == 30 else 200)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("reference", ["mlx-whisper", "faster-whisper float32"])
+def test_the_whisper_benchmarks_other_references_read_its_checkpoint_in_their_own_layouts(tmp_path, reference):
+    """mlx-whisper (openai-whisper's weight names, MLX's convolution layout) and faster-whisper (CTranslate2's
+    conversion) on `bench whisper`'s checkpoint: 30 s of speech, their first 10 tokens ours (their features are
+    computed otherwise; later tokens may part at a random model's near-ties), each worker as the bench runs it."""
+    import importlib.util
+    import shutil
+
+    from bench import speech
+    from bench.harness import Worker
+    from checkpoints import openai_whisper_tokenizer
+    from loading import load
+
+    package = {"mlx-whisper": "mlx_whisper", "faster-whisper float32": "faster_whisper"}[reference]
+    if shutil.which("espeak-ng") is None or openai_whisper_tokenizer() is None or \
+            importlib.util.find_spec(package) is None:
+        pytest.skip(f"espeak-ng, tiktoken and {reference.split()[0]} (CI installs them)")
+    import speech as ours
+
+    path = speech.speech(tmp_path / "speech")[30]
+    hf, mlx = speech.checkpoint(tmp_path, "tiny")
+    worker = Worker("--whisper-worker", str(speech.reference_folder(hf, reference)), "--whisper-reference", reference)
+    try:
+        (transcription,) = ours.transcribe(load(str(mlx), one_row=True), [path], language="en", max_tokens=20)
+        assert worker.ask({"file": str(path), "tokens": 20})["tokens"][:10] == transcription.tokens[:10]
+        assert len(set(transcription.tokens[:10])) >= 8
     finally:
         worker.close()
