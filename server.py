@@ -48,6 +48,7 @@ from text import plural
 from serving.app import Limits, create_app
 from serving.guard import Access, ip_literal
 from serving.shapes import error_body
+from serving.budget import ENCODING_MEASURED, Budget, encoding_memory, machine_memory, weights_bytes
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
@@ -59,6 +60,7 @@ CACHE_BUDGET = 2 * 2**30  # bytes of cache one request may hold, unless --max-re
 # Seconds of the engine one request may hold, unless --max-request-tokens says otherwise: its tokens are at most
 # what the loaded pair decodes in that time, a full batch at the server's default settings (request_tokens).
 TIME_BUDGET = 60
+RESERVED = 0.1  # of the machine's memory, left out of the default cache budget: encoding's work, the process itself
 
 
 class Server(uvicorn.Server):
@@ -193,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens one request may hold in its rows' caches, each prompt's tokens plus max_tokens "
                         f"(default: what {CACHE_BUDGET / 2**30:g} GiB of cache holds for these models, or what they decode "
                         f"in {TIME_BUDGET} s, whichever is less)")
+    p.add_argument("--cache-memory", type=float, metavar="GB",
+                   help="the caches' budget for all requests together, in GiB: a request is taken while what its rows "
+                        "may hold fits, waits otherwise, and is refused if it never could (default: the machine's "
+                        f"memory, a Mac's GPU working set, less the weights and {RESERVED:.0%} of it)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     p.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio file accepted (OpenAI's limit)")
     p.add_argument("--max-audio-seconds", type=float, default=3600.0,
@@ -257,6 +263,8 @@ def check_options(args) -> Settings:
         raise OptionError("--read-timeout must be more than 0")
     if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", args.metrics_prefix):
         raise OptionError(f"--metrics-prefix {args.metrics_prefix!r} cannot start a Prometheus metric's name")
+    if args.cache_memory is not None and args.cache_memory <= 0:
+        raise OptionError("--cache-memory must be more than 0 GiB")
     if args.max_audio_mb <= 0 or args.max_audio_seconds <= 0:
         raise OptionError("--max-audio-mb and --max-audio-seconds must be more than 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -281,6 +289,19 @@ def request_tokens(args, models, defaults: Settings) -> tuple[int, str]:
     why = f"{TIME_BUDGET} s of decoding at {rate:,.0f} tokens/s" if timed < held else \
         f"what {CACHE_BUDGET / 2**30:g} GiB of cache holds"
     return min(held, timed), why
+
+
+def cache_budget(args, models) -> tuple[Budget, str]:
+    """--cache-memory, or what the machine's memory leaves past the weights and RESERVED; and why, for the log."""
+    weights, memory = weights_bytes(models), machine_memory()
+    limit = int(args.cache_memory * 2**30) if args.cache_memory is not None else int(memory * (1 - RESERVED)) - weights
+    if limit <= 0:
+        raise OptionError(f"the weights ({weights / 2**30:.1f} GiB) leave no room for caches in "
+                          f"{memory / 2**30:.1f} GiB: give --cache-memory, or load a smaller (or quantized) model")
+    why = "--cache-memory" if args.cache_memory is not None else \
+        f"{memory / 2**30:.1f} GiB less {weights / 2**30:.2f} GiB of weights and {RESERVED:.0%}"
+    encoding = encoding_memory(models, min(args.max_prompt_tokens, ENCODING_MEASURED))
+    return Budget(models, limit, encoding), f"a {limit / 2**30:.2f} GiB cache budget ({why})"
 
 
 def decoding_rate(models, defaults: Settings, rows: int) -> float:
@@ -334,10 +355,15 @@ def main(argv=None) -> int:
         budget, why = request_tokens(args, models, defaults)
         warm, held = None, f"requests up to {budget:,} cache tokens: {why}"
         limits = Limits(args.max_prompt_tokens, args.max_tokens_limit, budget, audio_bytes, args.max_audio_seconds)
-    engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0], warm, args.metrics_prefix)
+    try:
+        budget, budgeted = cache_budget(args, models)
+    except T5Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = Engine(models, defaults, args.max_batch, args.max_queue, names[0], warm, args.metrics_prefix, budget)
     app = create_app(models, engine, names, Access(args.api_key, hosts), limits, args.max_body_bytes, args.read_timeout)
-    log.info("serving %s on http://%s:%d (batches of %d, queue %d, %s)", names[0], args.host, args.port,
-             args.max_batch, args.max_queue, held)
+    log.info("serving %s on http://%s:%d (batches of %d, queue %d, %s; %s)", names[0], args.host, args.port,
+             args.max_batch, args.max_queue, held, budgeted)
     code = serve(engine, app, sock, args.grace, args.read_timeout, args.max_connections)
     log.info("stopped")
     return code

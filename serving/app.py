@@ -23,7 +23,7 @@ from loading import Models
 from options import Stats
 from plans import Plan, PromptForm, resolve, with_presets
 from serving import shapes
-from serving.engine import Engine, Job, QueueFull
+from serving.engine import Engine, Job, NeverFits, QueueFull
 from serving.streams import Events, cancel_when_gone, interleaved, pieces
 from serving.guard import Access, ApiError, Guard
 from serving.metrics import Times
@@ -203,6 +203,8 @@ class Completions:
             self.engine.submit(jobs)
         except QueueFull:
             raise ApiError(429, "the queue is full: try again shortly", "rate_limit_error", headers={"Retry-After": "1"})
+        except NeverFits as e:
+            raise ApiError(400, f"the request can never run here: {e}", code="context_length_exceeded")
         return jobs
 
     def logprobs(self, job: Job, shown_as: shapes.Shapes, start: int, stop: int) -> dict | None:

@@ -14,12 +14,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import cpu  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+
 from batches import batch_for, warm_up
 from errors import T5Error
 from model import ROWS_PER_CHUNK
 from rows import Encoding, Request
 from loading import Models
 from options import Settings
+from serving.budget import PASSES, Budget
 from serving.metrics import PREFIX, Metrics, Times
 from text import TextStream
 
@@ -28,6 +32,15 @@ log = logging.getLogger("t5-server")
 
 class QueueFull(Exception):
     pass
+
+
+class NeverFits(Exception):
+    """A job whose rows could hold more than the whole cache budget: it is refused, not queued."""
+
+    def __init__(self, needed: int, limit: int):
+        super().__init__(f"its rows could come to hold {needed / 2**30:.2f} GiB of cache (its prompt's and max_tokens' "
+                         f"positions, in every decoder layer), more than this server's budget of {limit / 2**30:.2f} "
+                         "GiB (--cache-memory): send a shorter prompt, or a smaller max_tokens")
 
 
 @dataclass(eq=False)
@@ -48,6 +61,7 @@ class Job:
     beams: list[TextStream] = field(default_factory=list)  # beam search: each beam returned, its text made whole
     status: int = 500  # its error's HTTP status: 400 where its own input failed it
     replay: list[int] = field(default_factory=list)  # tokens its text has, which a replay must decide again first
+    passed: int = 0  # later jobs taken while it waited for room in the cache budget (budget.PASSES at most)
 
     def accept(self, token: int | None, finish: str | None) -> bool:
         """A decided token into its text; while it replays (Engine.isolate), the
@@ -144,8 +158,10 @@ class Engine:
     the ones taken finish."""
 
     def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int, name: str = "model",
-                 warm: Callable | None = None, metrics_prefix: str = PREFIX):
+                 warm: Callable | None = None, metrics_prefix: str = PREFIX, budget: Budget | None = None):
         self.models, self.defaults, self.max_batch, self.max_queue = models, defaults, max_batch, max_queue
+        self.budget = budget  # the caches' bytes: jobs are taken while what they may hold fits (None: rows only)
+        self.peak_memory = 0  # MLX's peak, read after each step (the metrics' thread does not call into MLX)
         # what warms the kernels and traces up before any request (a text: a few tokens of each decoding path)
         self.warm = warm or (lambda: warm_up(models, models.tokenizer.encode("warm up"), defaults))
         self.ready = False  # warmed up
@@ -156,9 +172,15 @@ class Engine:
         self.joining: list[Joining] = []  # jobs whose prompts are being encoded, a piece a step while rows decode
         self.round_seconds = 0.0  # the last step's rounds, all batches': what a step's encoding may take too
         self.draining = False
-        self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting), prefix=metrics_prefix)
+        self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting), prefix=metrics_prefix,
+                               budget=budget, peak=lambda: self.peak_memory)
 
     def submit(self, jobs: list[Job]) -> None:
+        """Queue the jobs (QueueFull: no room in the queue; NeverFits: one could never fit the cache budget)."""
+        for job in jobs if self.budget is not None else ():
+            needed = self.budget.alone(self.budget.footprint(job.request))
+            if needed > self.budget.limit:
+                raise NeverFits(needed, self.budget.limit)
         with self.lock:
             if len(self.waiting) + len(jobs) > self.max_queue:
                 raise QueueFull()
@@ -181,6 +203,8 @@ class Engine:
         if not job.counted:
             job.counted = True
             self.metrics.ended(job.times, job.stats, reason)
+        if self.budget is not None:
+            self.budget.release(id(job))  # its rows' room, free for the queue
 
     def run(self, stopping: Callable[[], bool]) -> None:
         """Serve until stopping() says so, between rounds; what is left then fails."""
@@ -208,6 +232,7 @@ class Engine:
             elif isinstance(kind, tuple) and not any(joining.kind == kind for joining in self.joining):
                 del self.batches[kind]  # an isolated job's batch, done
         self.round_seconds = time.perf_counter() - started if decoded else 0.0
+        self.peak_memory = mx.get_peak_memory()
 
     def admit(self) -> None:
         """Waiting jobs take the free rows: the jobs of a drafting kind are encoded together, to join its batch."""
@@ -260,6 +285,8 @@ class Engine:
                                                                       joining.encoding)
                     self.jobs.update({id(job.request): job for job in joining.jobs})
                     self.joining.remove(joining)  # after the join: the jobs count as running throughout
+                    for job in joining.jobs if self.budget is not None else ():
+                        self.budget.encoded(id(job), job.request)
             except Exception as e:  # encoding failed: these jobs only
                 log.exception("encoding failed")
                 self.joining.remove(joining)
@@ -284,9 +311,28 @@ class Engine:
                     self.record_end(job, "abort")
                 else:
                     kept.append(job)
-            free = self.max_batch - self.active
-            taken, self.waiting = kept[:free], kept[free:]
+            taken, self.waiting = self.room_for(kept, self.max_batch - self.active)
         return taken
+
+    def room_for(self, jobs: list[Job], free: int) -> tuple[list[Job], list[Job]]:
+        """(taken, left waiting): in order, the jobs there are rows for, and room
+        in the cache budget for; a later job that fits may pass one that waits
+        for room, until budget.PASSES have passed it."""
+        if self.budget is None:
+            return jobs[:free], jobs[free:]
+        taken, left, waiting = [], [], None  # waiting: the first job left for want of room
+        for job in jobs:
+            footprint = self.budget.footprint(job.request)
+            if len(taken) < free and (waiting is None or waiting.passed < PASSES) and self.budget.fits(footprint):
+                self.budget.take(id(job), footprint)
+                taken.append(job)
+                if waiting is not None:
+                    waiting.passed += 1
+            else:
+                left.append(job)
+                if waiting is None and len(taken) < free:
+                    waiting = job
+        return taken, left
 
 
     def drop_cancelled(self, batch) -> None:

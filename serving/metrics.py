@@ -33,7 +33,8 @@ class Metrics:
     answers with. prometheus_client's metrics are safe across threads: the
     engine's thread and the event loop's both write here."""
 
-    def __init__(self, model_name: str, running=lambda: 0, waiting=lambda: 0, prefix: str = PREFIX):
+    def __init__(self, model_name: str, running=lambda: 0, waiting=lambda: 0, prefix: str = PREFIX, budget=None,
+                 peak=lambda: 0):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         label = {"model_name": model_name}
@@ -46,6 +47,13 @@ class Metrics:
         self.running.set_function(running)
         self.waiting = make(Gauge, "num_requests_waiting", "Prompts waiting for a row.")
         self.waiting.set_function(waiting)
+        if budget is not None:  # serving.budget.Budget: the rows taken hold at most `used` of its `limit`
+            make(Gauge, "cache_budget_bytes", "The caches' budget (--cache-memory).").set(budget.limit)
+            make(Gauge, "cache_held_bytes", "What the rows taken may come to hold, at most.").set_function(
+                lambda: budget.used)
+            make(Gauge, "kv_cache_usage_perc", "cache_held_bytes over cache_budget_bytes (1: full).").set_function(
+                lambda: budget.used / budget.limit)
+        make(Gauge, "memory_peak_bytes", "The most memory MLX has held at once (weights included).").set_function(peak)
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens encoded.")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens decoded.")
         self.audio_seconds = make(Counter, "audio_seconds", "Seconds of audio taken to transcribe or translate.")

@@ -26,7 +26,7 @@ from starlette.datastructures import UploadFile
 import audio
 from errors import OptionError
 from options import AUTO, KNOBS
-from serving.engine import Engine, Job, QueueFull
+from serving.engine import Engine, Job, NeverFits, QueueFull
 from serving.guard import ApiError
 from serving.metrics import Times
 from serving.schema import BEAM_DEFAULTS
@@ -163,6 +163,8 @@ class Transcriptions:
             self.engine.submit([job])
         except QueueFull:
             raise self.queue_full()
+        except NeverFits as e:
+            raise ApiError(400, f"the file can never be transcribed here: {e}", param="file")
         self.engine.metrics.audio_seconds.inc(track.duration)
         name = body.model
         if body.stream:

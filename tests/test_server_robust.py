@@ -311,7 +311,7 @@ def test_by_default_one_request_holds_at_most_what_a_minute_of_decoding_makes(de
 
     running = Server(*PAIR, "--max-batch", "1")
     try:
-        said = re.search(r"requests up to ([\d,]+) cache tokens: (.*)\)", running.output())
+        said = re.search(r"requests up to ([\d,]+) cache tokens: ([^;]*);", running.output())
         budget = int(said.group(1).replace(",", ""))
         per_token = sum(model.cache_bytes_per_token for model in (demo_models.target, demo_models.draft))
         held = program.CACHE_BUDGET // per_token

@@ -1,0 +1,124 @@
+"""The server's one cache budget (--cache-memory, serving/budget.py): a flood of large requests against a small
+budget all complete, each as `generate` alone, with MLX's peak memory within the budget and the weights; a request
+that could never fit is a 400; a job waiting for room neither blocks the jobs that fit nor is starved by them."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+import main
+from generate import generate
+from loading import load
+from options import Settings
+from rows import Request
+from serving.budget import ENCODING_MEASURED, PASSES, Budget, encoding_memory, weights_bytes
+from serving.engine import Engine, Job
+from serving.process import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+EXACT = {"delta": 0, "num_draft": 3, "skip_special_tokens": True}
+LARGE = 200  # max_tokens of the flood's requests (past their end of text)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    models = load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+    prompts = main.demo_prompts()
+    long = [" ".join(prompts[i:] + prompts[:i])[:2400] for i in range(12)]  # some 600 tokens each, all different
+    return models, long
+
+
+def flood(server: ServerProcess, prompts: list[str]) -> tuple[list[str], int]:
+    """Every prompt at once (max_tokens LARGE, past the end of text); the answers, and the most rows seen running."""
+    url, most, done = server.url + "/v1/completions", 0, []
+
+    def ask(prompt):
+        body = {"model": "default", "prompt": prompt, "max_tokens": LARGE, "ignore_eos": True, **EXACT}
+        reply = httpx.post(url, json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        done.append(1)
+        return reply.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = pool.map(ask, prompts)
+        while len(done) < len(prompts):
+            most = max(most, server.metrics()["vllm:num_requests_running"])
+            time.sleep(0.05)
+        return list(answers), most
+
+
+def test_a_flood_of_large_requests_fits_a_small_budget_and_every_answer_is_generates(demo):
+    """12 requests at once, each able to hold some 24 MiB of cache and 70 MiB
+    more while its prompt is encoded, against a budget for 3 of them (one
+    being encoded) and rows for 8: none fails or is lost, each answer is what
+    it gets alone, at most 3 decode at once, and MLX's peak memory stays
+    under the weights and the budget. Without the budget the same flood takes 8
+    rows and passes that line: the check can fail."""
+    models, prompts = demo
+    budget = Budget(models, 1, encoding_memory(models, ENCODING_MEASURED))
+    large = budget.footprint(Request(models.tokenizer.encode(prompts[0]),
+                                     Settings(max_tokens=LARGE, speculative=True, num_draft=3)))
+    three = budget.bytes([large] * 3, 1)
+    limit = three + (budget.bytes([large] * 4, 1) - three) // 2  # three of them at once, one being encoded
+    options = ("--model", "demo/target", "--draft-model", "demo/draft", "--max-batch", "8", "--max-queue", "32")
+    server = ServerProcess(*options, "--cache-memory", f"{limit / 2**30:.6f}")
+    try:
+        answers, most = flood(server, prompts)
+        metrics = server.metrics()
+    finally:
+        assert server.stop() == 0
+    assert answers == [generate(models, prompt, max_tokens=LARGE, ignore_eos=True, **EXACT) for prompt in prompts]
+    assert 2 <= most <= 3
+    assert metrics["vllm:cache_budget_bytes"] == pytest.approx(limit, rel=1e-5)
+    weights = weights_bytes(models)
+    assert metrics["vllm:memory_peak_bytes"] <= weights + limit, (metrics["vllm:memory_peak_bytes"] - weights, limit)
+    unbounded = ServerProcess(*options)
+    try:
+        _, most = flood(unbounded, prompts)
+        peak = unbounded.metrics()["vllm:memory_peak_bytes"]
+    finally:
+        assert unbounded.stop() == 0
+    assert most >= 7 and peak > weights + limit, (most, peak - weights, limit)
+
+
+def test_a_request_that_could_never_fit_the_budget_is_a_400_that_says_so(demo):
+    models, prompts = demo
+    server = ServerProcess("--model", "demo/target", "--cache-memory", "0.15")
+    try:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": prompts[0], "max_tokens": 4000})
+        small = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": "Translate to German: a cat.", "max_tokens": 8})
+    finally:
+        assert server.stop() == 0
+    assert reply.status_code == 400 and "--cache-memory" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+    assert small.status_code == 200
+
+
+def test_a_job_waiting_for_room_is_passed_by_jobs_that_fit_but_not_for_ever(demo):
+    """In the order they came: a large job with no room waits while small
+    ones behind it are taken, until PASSES have passed it; then nothing
+    passes it, and it is taken first once room is freed."""
+    models, _ = demo
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64, budget=Budget(models, 1))
+
+    def job(tokens: int, max_tokens: int) -> Job:
+        return Job(Request(list(range(tokens)), Settings(max_tokens=max_tokens, speculative=False)), None, None, None)
+
+    # a batch pads its rows to its longest prompt and reach: beside the running job, a small one costs as much as
+    # it, and the large one, able to write 20,000 tokens, far more
+    running, large, small = job(1000, 100), job(1000, 20_000), [job(10, 10) for _ in range(PASSES + 3)]
+    budget = engine.budget
+    budget.limit = budget.bytes([budget.footprint(large.request)], 0)  # the large one alone, or many small ones
+    budget.held[id(running)] = budget.footprint(running.request)
+    taken, left = engine.room_for([large, *small], 64)
+    assert taken == small[:PASSES] and left == [large, *small[PASSES:]] and large.passed == PASSES
+    taken, left = engine.room_for(left, 64)
+    assert taken == [] and left == [large, *small[PASSES:]]  # nothing passes it now
+    budget.held = {}  # the running job and the small ones ended
+    taken, left = engine.room_for(left, 64)
+    assert taken[0] is large
