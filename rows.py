@@ -188,7 +188,7 @@ class Row:
                 self.request.end_logprob = logprobs[end][0]
             tokens = tokens[: end + (tokens[end] != eos)]
         self.output += tokens
-        if self.settings.logprobs is not None:
+        if logprobs is not None and (self.settings.logprobs is not None or self.request.ruled_logprobs):
             self.request.logprobs += [(lp, top[: self.settings.logprobs]) for lp, top in logprobs[: len(tokens)]]
         self.timed()  # once: the round decided its tokens together
         for i, token in enumerate(tokens):

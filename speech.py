@@ -94,14 +94,9 @@ class Window:
     def close(self, vocabulary: int, end: int) -> None:
         """Its figures, as transformers computes them: the mean log-probability of its tokens, the end of text's
         included (after the rules, at temperature 1); their compression ratio (compression_ratio)."""
-        request = self.request
-        if request.sequences:  # a beam search's: its best beam's score (transformers' sequences_scores)
-            _, self.avg_logprob, reason = request.sequences[0]
-            ended = reason == "stop"
-        else:
-            ended = request.end_logprob is not None
-            picked = [logprob for logprob, _ in request.logprobs] + [request.end_logprob] * ended
-            self.avg_logprob = sum(picked) / len(picked) if picked else 0.0
+        request, ended = self.request, self.request.end_logprob is not None
+        picked = [logprob for logprob, _ in request.logprobs] + [request.end_logprob] * ended
+        self.avg_logprob = sum(picked) / len(picked) if picked else 0.0
         self.compression_ratio = compression_ratio(self.tokens + [end] * ended, vocabulary)
 
 
@@ -232,8 +227,7 @@ def row_cross(batch, request) -> tuple:
     """A request's row's cross-attention keys and values (each layer's) and bias in its batch's target cache: what
     token_times reads, taken as the row ends, before it leaves (a beam search's row: its first beam's, the same)."""
     cache = batch.caches[0]
-    beams = cache.cross_keys_values[0][0].shape[0] // len(batch.rows)
-    row = [row.request for row in batch.rows].index(request) * beams
+    row = [row.request for row in batch.rows].index(request) * getattr(batch, "width", 1)  # (BeamBatch: beams a row)
     keys_values = [(keys[row : row + 1], values[row : row + 1]) for keys, values in cache.cross_keys_values]
     return keys_values, None if cache.cross_bias is None else cache.cross_bias[row : row + 1]
 
@@ -292,11 +286,17 @@ class Listening:
         fixed = whisper.language_token(language) if language is not None and whisper.multilingual else None
         if language is not None and not whisper.multilingual:
             whisper.language_token(language)  # English-only: refuses any language
-        settings = replace(settings or Settings(), **options)
+        settings = settings or Settings()
+        if options.get("num_beams", settings.num_beams) > 1 and options.get("temp", 0) > 0:
+            # sampling has one beam (openai-whisper's rule, and transformers'): each window then decodes as a fallback
+            guards = replace(guards, temperatures=guards.temperatures or (options["temp"],))
+            options = {**options, "temp": 0.0}
+        settings = replace(settings, **options)
         given = set(given) | set(options)
         _, settings, _ = with_presets(models, settings, given=given, search=False)
-        if settings.n > 1:
-            raise OptionError("n is not for audio: a file has one transcription (beam search's best beam)", "n")
+        if settings.n > 1 or settings.num_return_sequences > 1:
+            raise OptionError("n and num_return_sequences are not for audio: a file has one transcription (a beam "
+                              "search's best beam)", "n")
         prefix = whisper.prompt(models.tokenizer, prompt)
         # The decoder's positions hold the opening and the output: by default a window's output takes what its
         # opening leaves (transformers' max_length of 448 does the same); asked for more, it is refused.
@@ -308,7 +308,7 @@ class Listening:
                               "max_tokens")
         if not guards.temperatures:
             guards = replace(guards, temperatures=(settings.temp,))
-        # each token's log-probability, for the guards and the segments' figures (a beam search's: its best beam's score)
+        # each token's log-probability, for the guards and the segments' figures (a beam search keeps its best beam's)
         settings = replace(settings, logprobs=None if settings.num_beams > 1 else 0).check_models(models)
         if condition and whisper.previous is None and len(whisper.suppress) < 2:
             raise OptionError("this model's generation config has no prev_sot_token_id: it cannot condition on the "
@@ -337,7 +337,8 @@ class Listening:
         if seed is not None:  # each window and each attempt its own random stream, reproducibly
             seed = (seed * 1_000_003 + track.seek * 31 + track.attempt) % 2**31
         searched = {} if temperature == 0 else dict(num_beams=1, num_return_sequences=1, logprobs=0)
-        # (a window decoded hotter samples, with one beam, as transformers' fallback does)
+        # (a window decoded hotter samples, with one beam, as transformers' fallback does; the next is searched again,
+        # as openai-whisper's and faster-whisper's are: transformers' stays at one beam for the rest of the call)
         settings = replace(self.settings, temp=temperature, seed=seed, **searched)
         request = Request(track.window_features(), settings, ruled_logprobs=True)
         track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature,

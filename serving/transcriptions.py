@@ -29,7 +29,7 @@ from options import AUTO, KNOBS
 from serving.engine import Engine, Job, NeverFits, QueueFull
 from serving.guard import ApiError
 from serving.metrics import Times
-from serving.schema import BEAM_DEFAULTS
+from serving.schema import BEAM_DEFAULTS, MAX_CHOICES
 from serving.streams import Events, cancel_when_gone, pieces
 from speech import FORMATS, Guards, Listening, Track, open_windows, render, row_cross
 from text import TextStream
@@ -57,18 +57,17 @@ class AudioForm(BaseModel):
     num_draft: int | Literal["auto"] | None = None
     delta: float | None = None
     seed: int | None = None
-    beam_size: int | None = None  # openai-whisper's and faster-whisper's name: beam search, num_beams beams
+    beam_size: int | None = Field(None, ge=1, le=MAX_CHOICES)  # openai-whisper's and faster-whisper's name: num_beams
     compression_ratio_threshold: float | None = Field(None, gt=0)
     logprob_threshold: float | None = None
     no_speech_threshold: float | None = Field(None, ge=0.0, le=1.0)
     temperature_increment_on_fallback: float | None = Field(None, gt=0.0, le=1.0)
     condition_on_previous_text: bool = False
 
-    @field_validator("num_draft", "delta", "seed", "beam_size")
+    @field_validator("num_draft", "delta", "seed")
     @classmethod
     def in_range(cls, value, info):
-        knob = {"beam_size": "num_beams"}.get(info.field_name, info.field_name)
-        return value if value is None or value == AUTO else KNOBS[knob].check(value, info.field_name)
+        return value if value is None or value == AUTO else KNOBS[info.field_name].check(value, info.field_name)
 
     def options(self) -> dict:
         """The Settings fields this request sets (those it leaves out keep the server's)."""

@@ -1326,8 +1326,9 @@ def test_beam_search_on_whisper_is_transformers_with_whispers_rules(spoken_pair,
 def test_a_long_file_beam_searched_is_transformers_long_form_with_its_words(spoken_pair, long_file, beam_margins,
                                                                            tmp_path, capsys):
     """Beams over a long file decoded beside a short one, window by window,
-    with word times: segments, each window's avg_logprob (its best beam's
-    sequences_scores) and token times are transformers' (its beam_indices
+    with word times: segments, each window's avg_logprob (the kept beam's
+    tokens' log-probabilities after the rules, as transformers' guards read
+    its scores: not its sequences_scores) and token times are transformers' (its beam_indices
     gather the cross-attention of the beam kept; every beam of a window
     shares it); the command line's --num-beams decodes the same, and loads
     no draft for it."""
@@ -1351,7 +1352,9 @@ def test_a_long_file_beam_searched_is_transformers_long_form_with_its_words(spok
     assert ours(searched) == segments_of(theirs) and len({s["seek"] for s in searched.segments}) >= 3
     for mine, their in zip(searched.segments, theirs):
         assert np.abs(np.array(mine["token_times"]) - their["token_timestamps"].numpy()).max() <= 1e-4
-        assert mine["avg_logprob"] == pytest.approx(float(their["result"]["sequences_scores"]), abs=1e-4)
+        result = their["result"]  # (transformers' guards read its scores, the beam kept's, not sequences_scores)
+        expected = float(WhisperForConditionalGeneration._retrieve_avg_logprobs(result["scores"], result["sequences"], 0.0))
+        assert mine["avg_logprob"] == pytest.approx(expected, abs=1e-4)
     (greedy,) = speech.transcribe(spoken_models(root), [long_file], language="en", max_tokens=40)
     assert greedy.tokens != searched.tokens
     assert main.main(["--model", str(root / "mlx"), "--draft-model", "nowhere", "--audio", str(long_file),
@@ -1363,9 +1366,10 @@ def test_a_long_file_beam_searched_is_transformers_long_form_with_its_words(spok
 def test_a_beam_searched_window_that_fails_a_threshold_is_sampled_again_with_one_beam(spoken_pair, long_file,
                                                                                        monkeypatch):
     """As transformers' fallback: the guards read a beam-searched window's
-    avg_logprob (its best beam's score), and a temperature above 0 samples,
-    so a window decoded again hotter has one beam; the windows after it are
-    beam-searched again."""
+    avg_logprob (its kept beam's), and a temperature above 0 samples, so a
+    window decoded again hotter has one beam; the windows after it are
+    beam-searched again (as openai-whisper's and faster-whisper's are;
+    transformers' stays at one beam for the rest of its call)."""
     import speech
 
     root, _, _, _ = spoken_pair
@@ -1392,9 +1396,10 @@ def test_a_beam_searched_window_that_fails_a_threshold_is_sampled_again_with_one
 
 
 def test_the_server_beam_searches_audio_with_openai_whispers_beam_size(spoken_pair, long_file, audio_server):
-    """beam_size (openai-whisper's and faster-whisper's field) over the
-    server's defaults: the request decodes as transcribe with num_beams;
-    out of range it is a 400 that names it."""
+    """beam_size (openai-whisper's and faster-whisper's field, 1 to 16) over
+    the server's defaults: the request decodes as transcribe with num_beams;
+    with a temperature above 0 it samples, with one beam, as openai-whisper
+    does; out of range it is a 400 that names it."""
     import openai
 
     import speech
@@ -1407,5 +1412,12 @@ def test_the_server_beam_searches_audio_with_openai_whispers_beam_size(spoken_pa
                                                      extra_body={"max_tokens": 30, "beam_size": 3})
     (expected,) = speech.transcribe(spoken_models(root), [long_file], language="en", max_tokens=30, num_beams=3)
     assert [(s.start, s.end, s.tokens) for s in verbose.segments] == ours(expected)
-    with open(long_file, "rb") as file, pytest.raises(openai.BadRequestError, match="beam_size"):
-        client.audio.transcriptions.create(model="whisper", file=file, extra_body={"beam_size": 0})
+    with open(long_file, "rb") as file:
+        sampled = client.audio.transcriptions.create(model="whisper", file=file, language="en", temperature=0.6,
+                                                     response_format="verbose_json",
+                                                     extra_body={"max_tokens": 30, "beam_size": 3, "seed": 4})
+    (expected,) = speech.transcribe(spoken_models(root), [long_file], language="en", max_tokens=30, temp=0.6, seed=4)
+    assert [(s.start, s.end, s.tokens) for s in sampled.segments] == ours(expected)  # sampling: one beam
+    for size in (0, 17):
+        with open(long_file, "rb") as file, pytest.raises(openai.BadRequestError, match="beam_size"):
+            client.audio.transcriptions.create(model="whisper", file=file, extra_body={"beam_size": size})
