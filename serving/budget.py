@@ -34,12 +34,14 @@ import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
 from cache import DecoderCache, KVCache
+from drafting import AutoDraft
 from options import AUTO, Opening
 from rows import Request
 
-LOGIT_COPIES = 4  # a round's logits in float32, and the log-probabilities, probabilities and sort sampling makes of them
+# A round's logits in float32 and what sampling makes of them (log-probabilities, probabilities, a sort and its
+# order, their cumulative sum, the masks of top-k and top-p, penalties' counts): a bound, for the target's and the draft's.
+LOGIT_COPIES = 8
 PASSES = 8  # times a job waiting for room may be passed by later jobs that fit
-AUTO_LONGEST = 8  # drafting.AutoDraft.cap: the longest draft num-draft auto verifies
 ENCODING_MEASURED = 1024  # tokens: from this length on, attention's chunks hold as many scores (encoding_memory)
 
 
@@ -62,13 +64,17 @@ class Budget:
     def __init__(self, models, limit: int, encoding_per_row: int = 0):
         self.models, self.limit, self.encoding_per_row = models, limit, encoding_per_row
         self.vocabulary = models.target.args.vocab_size
+        # a position's keys and values in every decoder layer, the target's and the draft's (counted for every row: a
+        # bound); read once, here: `used` runs on the metrics' thread, which does not call into MLX
+        self.per_position = sum(model.cache_bytes_per_token for model in (models.target, models.draft)
+                                if model is not None)
         self.held: dict[int, Footprint] = {}  # id(job) -> its footprint, while it has rows
         self.encoding: set[int] = set()  # id(job) of those among them being encoded
 
     def footprint(self, request: Request) -> Footprint:
         settings, args = request.settings, self.models.target.args
         drafts = settings.drafts(self.models)
-        longest = AUTO_LONGEST if settings.draft_length == AUTO else settings.draft_length
+        longest = AutoDraft.cap if settings.draft_length == AUTO else settings.draft_length
         verified = longest + 1 if drafts else 1
         if args.num_mel_bins:  # a Whisper window: features (the stem halves them), opening and output in its positions
             prompt, reach = -(-len(request.source) // 2), args.max_positions + verified
@@ -78,30 +84,31 @@ class Budget:
         return Footprint(settings.num_beams, DecoderCache.room(prompt), -(-reach // KVCache.block) * KVCache.block,
                          verified)
 
-    def bytes(self, footprints: list[Footprint], encoded_rows: int) -> int:
-        """At most, what rows of these footprints hold together (caches, their copies, a round's logits), with
-        `encoded_rows` of them being encoded."""
+    def bytes(self, footprints: list[Footprint], encoded: list[Footprint]) -> int:
+        """At most, what rows of these footprints hold together (caches, their copies, a round's logits), the
+        `encoded` among them being encoded (their working memory grows with their prompts past the length it was
+        measured at)."""
         if not footprints:
             return 0
-        per_position = sum(model.cache_bytes_per_token for model in (self.models.target, self.models.draft)
-                           if model is not None)  # (a draft's, counted for every row: a bound)
         rows = sum(footprint.rows for footprint in footprints)
         positions = max(footprint.prompt for footprint in footprints) + max(footprint.reach for footprint in footprints)
         logits = sum(footprint.rows * footprint.verified for footprint in footprints) * self.vocabulary * 4 * LOGIT_COPIES
-        return 2 * rows * positions * per_position + logits + encoded_rows * self.encoding_per_row
+        encoding = sum(footprint.rows * self.encoding_per_row * max(1.0, footprint.prompt / ENCODING_MEASURED)
+                       for footprint in encoded)
+        return 2 * rows * positions * self.per_position + logits + int(encoding)
 
     def alone(self, footprint: Footprint) -> int:
         """What a job holds with no other: over the limit, it can never be taken."""
-        return self.bytes([footprint], footprint.rows)
+        return self.bytes([footprint], [footprint])
 
     @property
     def used(self) -> int:
         held = dict(self.held)  # (read from the metrics' thread too)
-        return self.bytes(list(held.values()), sum(held[job].rows for job in set(self.encoding) & set(held)))
+        return self.bytes(list(held.values()), [held[job] for job in set(self.encoding) & set(held)])
 
     def fits(self, footprint: Footprint) -> bool:
         held = dict(self.held)
-        encoded = sum(held[job].rows for job in self.encoding & set(held)) + footprint.rows
+        encoded = [held[job] for job in self.encoding & set(held)] + [footprint]
         return self.bytes([*held.values(), footprint], encoded) <= self.limit
 
     def take(self, job_id: int, footprint: Footprint) -> None:
@@ -121,8 +128,8 @@ class Budget:
 def encoding_memory(models, length: int) -> int:
     """What encoding one row takes beyond its caches, at most: measured on a prompt of `length` tokens (a Whisper's
     window of silence), encoded as the engine encodes, a piece at a time. Attention's scores are computed in chunks
-    of rows bounded by model.SCORES_PER_CHUNK, so that a longer prompt takes no more (up to 8,192 tokens, where the
-    chunks reach their fewest rows)."""
+    of rows bounded by model.SCORES_PER_CHUNK, which a longer prompt does not pass (up to 8,192 tokens, where the
+    chunks reach their fewest rows); the rest (its hidden states, keys and values) grows with it (Budget.bytes)."""
     import numpy as np
 
     from rows import Encoding

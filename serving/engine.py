@@ -220,12 +220,14 @@ class Engine:
             self.record_end(job, "error")
 
     def step(self) -> None:
-        """Admit waiting jobs, encode for a while, then a round of each batch."""
+        """Drop the rows whose jobs ended (their room in the cache budget is free then), admit waiting jobs, encode
+        for a while, then a round of each batch."""
+        for batch in list(self.batches.values()):
+            self.drop_cancelled(batch)
         self.admit()
         self.encode()
         started, decoded = time.perf_counter(), False
         for kind, batch in list(self.batches.items()):
-            self.drop_cancelled(batch)
             if batch.rows:
                 self.round(kind, batch)
                 decoded = True
@@ -386,6 +388,8 @@ class Engine:
             del self.batches[kind]
             jobs = [self.jobs.pop(id(row.request)) for row in batch.rows if id(row.request) in self.jobs]
             for job in jobs:
+                if job.error is not None:  # failed already (its end counted): nothing to decode again
+                    continue
                 if isinstance(kind, tuple) or len(jobs) == 1:  # decoding alone, it fails: it is the cause
                     job.fail(f"decoding failed: {e}", 400 if isinstance(e, T5Error) else 500)
                     self.record_end(job, "error")
@@ -428,5 +432,7 @@ class Engine:
         (and checked) before any new one goes out: if it fails alone, it was
         the cause; the others go on as they would have."""
         job.request = job.again()
+        if self.budget is not None:
+            self.budget.encoding.add(id(job))  # encoded again: its working memory counts again until it joins
         kind = ("alone", id(job.request))
         self.joining.append(Joining(kind, [job], self.batch_of(kind, job).encoding([job.request])))

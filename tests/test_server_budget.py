@@ -33,21 +33,21 @@ def demo():
 
 def flood(server: ServerProcess, prompts: list[str]) -> tuple[list[str], int]:
     """Every prompt at once (max_tokens LARGE, past the end of text); the answers, and the most rows seen running."""
-    url, most, done = server.url + "/v1/completions", 0, []
+    url, most = server.url + "/v1/completions", 0
 
     def ask(prompt):
         body = {"model": "default", "prompt": prompt, "max_tokens": LARGE, "ignore_eos": True, **EXACT}
         reply = httpx.post(url, json=body, timeout=300)
         assert reply.status_code == 200, reply.text
-        done.append(1)
         return reply.json()["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = pool.map(ask, prompts)
-        while len(done) < len(prompts):
+        answers = [pool.submit(ask, prompt) for prompt in prompts]
+        deadline = time.monotonic() + 300
+        while not all(answer.done() for answer in answers) and time.monotonic() < deadline:
             most = max(most, server.metrics()["vllm:num_requests_running"])
             time.sleep(0.05)
-        return list(answers), most
+        return [answer.result(timeout=1) for answer in answers], most  # (a failed request raises here)
 
 
 def test_a_flood_of_large_requests_fits_a_small_budget_and_every_answer_is_generates(demo):
@@ -61,8 +61,8 @@ def test_a_flood_of_large_requests_fits_a_small_budget_and_every_answer_is_gener
     budget = Budget(models, 1, encoding_memory(models, ENCODING_MEASURED))
     large = budget.footprint(Request(models.tokenizer.encode(prompts[0]),
                                      Settings(max_tokens=LARGE, speculative=True, num_draft=3)))
-    three = budget.bytes([large] * 3, 1)
-    limit = three + (budget.bytes([large] * 4, 1) - three) // 2  # three of them at once, one being encoded
+    three = budget.bytes([large] * 3, [large])
+    limit = three + (budget.bytes([large] * 4, [large]) - three) // 2  # three of them at once, one being encoded
     options = ("--model", "demo/target", "--draft-model", "demo/draft", "--max-batch", "8", "--max-queue", "32")
     server = ServerProcess(*options, "--cache-memory", f"{limit / 2**30:.6f}")
     try:
@@ -113,7 +113,7 @@ def test_a_job_waiting_for_room_is_passed_by_jobs_that_fit_but_not_for_ever(demo
     # it, and the large one, able to write 20,000 tokens, far more
     running, large, small = job(1000, 100), job(1000, 20_000), [job(10, 10) for _ in range(PASSES + 3)]
     budget = engine.budget
-    budget.limit = budget.bytes([budget.footprint(large.request)], 0)  # the large one alone, or many small ones
+    budget.limit = budget.bytes([budget.footprint(large.request)], [])  # the large one alone, or many small ones
     budget.held[id(running)] = budget.footprint(running.request)
     taken, left = engine.room_for([large, *small], 64)
     assert taken == small[:PASSES] and left == [large, *small[PASSES:]] and large.passed == PASSES
