@@ -49,6 +49,7 @@ class KVCache:
         if end > self.capacity:
             shape = (len(self.offsets), heads, -(-end // self.block) * self.block, dim)
             self.keys, self.values = (self._resized(old, shape, dtype) for old in (self.keys, self.values))
+            settle(self.keys, self.values)
 
     def advance(self, length: int, keys: mx.array, values: mx.array) -> None:
         """Take the storage a step wrote `length` new positions of every row into."""
@@ -93,6 +94,8 @@ class KVCache:
 
             self.keys = mx.concatenate([rows_of(self, self.keys), rows_of(other, other.keys)])
             self.values = mx.concatenate([rows_of(self, self.values), rows_of(other, other.values)])
+            other.keys = other.values = None  # (other's rows are these now)
+            settle(self.keys, self.values)
         self.offsets = self.offsets + other.offsets
 
 
@@ -115,7 +118,7 @@ class DecoderCache:
     def __init__(self, cross_keys_values: list, cross_bias: mx.array | None):
         rows = cross_keys_values[0][0].shape[0]
         self.self_attention = [KVCache(rows) for _ in cross_keys_values]
-        self.cross_keys_values = cross_keys_values
+        self.cross_keys_values = list(cross_keys_values)  # (replaced a layer at a time: settle)
         self.cross_bias = cross_bias  # encoder padding mask (B, 1, 1, S); make_cache always gives one
 
     @property
@@ -147,8 +150,11 @@ class DecoderCache:
         index = mx.array(rows)
         for cache in self.self_attention:
             cache.keep(rows)
+            settle(cache.keys, cache.values)
         cut = slice(None, None if cross_length is None else self.room(cross_length))
-        self.cross_keys_values = [(k[index, :, cut], v[index, :, cut]) for k, v in self.cross_keys_values]
+        for layer, (k, v) in enumerate(self.cross_keys_values):
+            self.cross_keys_values[layer] = (k[index, :, cut], v[index, :, cut])
+            settle(*self.cross_keys_values[layer])
         if self.cross_bias is not None:
             self.cross_bias = self.cross_bias[index, ..., cut]
 
@@ -166,9 +172,11 @@ class DecoderCache:
         if self.cross_bias is not None or other.cross_bias is not None or \
                 self.cross_keys_values[0][0].shape[2] != other.cross_keys_values[0][0].shape[2]:
             self.cross_bias = mx.concatenate([self.cross_bias_over(length), other.cross_bias_over(length)])
-        self.cross_keys_values = [
-            tuple(mx.concatenate([pad_length(a, length), pad_length(b, length)]) for a, b in zip(mine, theirs))
-            for mine, theirs in zip(self.cross_keys_values, other.cross_keys_values)]
+        for layer, (mine, theirs) in enumerate(zip(self.cross_keys_values, other.cross_keys_values)):
+            self.cross_keys_values[layer] = tuple(mx.concatenate([pad_length(a, length), pad_length(b, length)])
+                                                  for a, b in zip(mine, theirs))
+            other.cross_keys_values[layer] = None  # (other's rows are these now)
+            settle(*self.cross_keys_values[layer])
         for mine, theirs in zip(self.self_attention, other.self_attention):
             mine.extend(theirs)
 
@@ -178,6 +186,16 @@ class DecoderCache:
         dtype = self.cross_keys_values[0][0].dtype
         bias = mx.zeros((rows, 1, 1, own), dtype) if self.cross_bias is None else self.cross_bias
         return mx.concatenate([bias, mx.full((rows, 1, 1, length - own), -mx.inf, dtype)], axis=-1)
+
+
+def settle(*arrays) -> None:
+    """Compute a layer's new storage now, as rows join or leave a batch or its room grows: the layer's old storage
+    is freed before the next layer's is made, so that the copy holds one layer twice at most, not every layer
+    (which a whole step's graph, evaluated at once, holds: 2x the cache for a moment). serving/budget.py counts
+    on it."""
+    arrays = [array for array in arrays if array is not None]
+    if arrays:
+        mx.eval(*arrays)
 
 
 def pad_length(x: mx.array, length: int) -> mx.array:

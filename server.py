@@ -48,7 +48,7 @@ from text import plural
 from serving.app import Limits, create_app
 from serving.guard import Access, ip_literal
 from serving.shapes import error_body
-from serving.budget import ENCODING_MEASURED, Budget, encoding_memory, machine_memory, weights_bytes
+from serving.budget import ENCODING_MEASURED, RESERVED, Budget, encoding_memory, machine_memory, weights_bytes
 from serving.engine import Engine
 
 log = logging.getLogger("t5-server")
@@ -60,7 +60,6 @@ CACHE_BUDGET = 2 * 2**30  # bytes of cache one request may hold, unless --max-re
 # Seconds of the engine one request may hold, unless --max-request-tokens says otherwise: its tokens are at most
 # what the loaded pair decodes in that time, a full batch at the server's default settings (request_tokens).
 TIME_BUDGET = 60
-RESERVED = 0.1  # of the machine's memory, left out of the default cache budget: encoding's work, the process itself
 
 
 class Server(uvicorn.Server):

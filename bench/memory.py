@@ -190,10 +190,57 @@ def run_sizes(args) -> dict:
              for name, shapes in PUBLIC_T5.items()}
     pairs = [{"job": job, "target": target, "draft": draft_name,
               "weights": {name: {format: weight_bytes(config, format) for format in ("bfloat16", "4-bit")}
-                          for name, config in ((target, target_config), (draft_name, draft_config))}}
+                          for name, config in ((target, target_config), (draft_name, draft_config))},
+              "cache_bytes_per_token": sum(cache_bytes(config) for config in (target_config, draft_config)),
+              "layer_bytes_per_token": max(cache_bytes(config, one_layer=True) for config in (target_config, draft_config)),
+              "vocabulary": target_config["vocab_size"]}
              for job, (target, target_config), (draft_name, draft_config) in PUBLIC_PAIRS]
     return {"weights": sizes, "cache_bytes_per_token": cache, "runtime_gb": RUNTIME_GB, "working_set_gib": MAC_WORKING_SET_GIB,
             "pairs": pairs}
+
+
+def cache_bytes(config: dict, one_layer: bool = False) -> int:
+    """A token's keys and values in every decoder layer (or one), in bfloat16 (a 4-bit model's activations too)."""
+    import families
+    from model import ModelArgs
+
+    args = ModelArgs.from_dict(config | families.family_of(config).arguments(config))
+    return (1 if one_layer else args.num_decoder_layers) * 2 * args.num_heads * args.d_kv * 2
+
+
+# What the server's default cache budget (server.py --cache-memory) takes at once, for these pairs: requests of a
+# 512-token prompt and 100 tokens of output, drafting 4 tokens a round.
+BUDGET_PAIRS = (("t5-11b", "4-bit"), ("facebook/nllb-200-3.3B", "bfloat16"), ("facebook/nllb-200-3.3B", "4-bit"))
+BUDGET_MACS = (16, 32, 64)
+
+
+def budget_table(data: dict) -> str:
+    from serving.budget import RESERVED, held_bytes, text_footprint
+
+    footprint = text_footprint(512, 100, verified=5)
+    rows = []
+    for target, format in BUDGET_PAIRS:
+        if target in data["weights"]:  # a T5 with a t5-small draft
+            weights = data["weights"][target][format] + data["weights"]["t5-small"][format]
+            per_position, vocabulary, draft = data["cache_bytes_per_token"][target], 32128, "t5-small"
+            layer = max(2 * shapes["num_heads"] * shapes["d_kv"] * 2 for shapes in (PUBLIC_T5[target], PUBLIC_T5[draft]))
+        else:
+            pair = next(pair for pair in data.get("pairs", []) if pair["target"] == target)
+            if "layer_bytes_per_token" not in pair:
+                return ""
+            weights = sum(w[format] for w in pair["weights"].values())
+            per_position, vocabulary, draft = pair["cache_bytes_per_token"], pair["vocabulary"], pair["draft"]
+            layer = pair["layer_bytes_per_token"]
+        cells = []
+        for mac in BUDGET_MACS:
+            budget = data["working_set_gib"][mac] * 2**30 * (1 - RESERVED) - weights
+            fits = 0
+            while budget > 0 and held_bytes([footprint] * (fits + 1), per_position, vocabulary, layer_position=layer) <= budget:
+                fits += 1
+            cells.append(f"{max(budget, 0) / 2**30:.1f} GiB: {fits} rows" if budget > 0 else "no room")
+        alone = held_bytes([footprint], per_position, vocabulary, layer_position=layer)
+        rows.append([f"`{target}` + `{draft}`, {format}", f"{alone / 2**30:.2f} GiB", *cells])
+    return table(["pair", "a request holds at most", *[f"{mac} GB Mac" for mac in BUDGET_MACS]], rows)
 
 
 def smallest_mac(data: dict, name: str, format: str) -> str:
@@ -233,4 +280,8 @@ def render_sizes(data: dict) -> str:
             "512-token prompt with 100 tokens of output\n\n" + table(["target", "a token", "512 + 100 tokens"], cache)
             + "\n\nThe other families' pairs, from their public configs, with the smallest Mac that holds both and the "
             "runtime (a distil-whisper draft's weights are its decoder's: it shares its target's encoder)\n\n"
-            + pairs_table(data))
+            + pairs_table(data) + ("\n\nThe server's default cache budget (its Metal working set less the weights and "
+            "10%) and the requests of a 512-token prompt and 100 tokens of output, drafting 4 a round, it takes at once "
+            "by their caches (each one's at most, a layer's copy, its logits: serving/budget.py); the encoder's "
+            "working memory for the rows being encoded, which start-up measures, comes off it\n\n" + budget_table(data)
+            if budget_table(data) else ""))

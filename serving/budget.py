@@ -6,12 +6,13 @@ of its prompt's positions and the self-attention keys and values of every
 position its output can reach: its opening, max_tokens, and the drafts a
 round verifies past them. A batch pads every row to its longest prompt and
 its furthest reach (cache.py, in blocks of positions), and copies its
-caches as rows join, leave or grow (KVCache.extend, keep, _resized), when
-the old storage and the new are both alive. So the rows taken hold at most
+caches as rows join, leave or grow, a layer at a time (cache.settle), when
+that layer's old storage and new are both alive. So the rows taken hold at most
 
-    2 x rows x (longest prompt x a prompt position's bytes + furthest reach x an output position's bytes)
+    rows x (longest prompt + furthest reach) x (a position's bytes in every layer + in one layer)
 
-counted as if they all were one batch (their batches hold no more), and a
+counted as if they all were one batch (their batches hold no more), a beam
+search's self-attention once more (its beams change places every round), a
 round's logits besides (each row's verified positions over the vocabulary,
 in float32, with the copies sampling makes), and, for each row whose prompt
 is being encoded, the encoder's working memory (attention's scores a chunk
@@ -42,6 +43,7 @@ from rows import Request
 # order, their cumulative sum, the masks of top-k and top-p, penalties' counts): a bound, for the target's and the draft's.
 LOGIT_COPIES = 8
 PASSES = 8  # times a job waiting for room may be passed by later jobs that fit
+RESERVED = 0.1  # of the machine's memory, left out of the default budget (server.py): the process, MLX's own pools
 ENCODING_MEASURED = 1024  # tokens: from this length on, attention's chunks hold as many scores (encoding_memory)
 
 
@@ -66,8 +68,9 @@ class Budget:
         self.vocabulary = models.target.args.vocab_size
         # a position's keys and values in every decoder layer, the target's and the draft's (counted for every row: a
         # bound); read once, here: `used` runs on the metrics' thread, which does not call into MLX
-        self.per_position = sum(model.cache_bytes_per_token for model in (models.target, models.draft)
-                                if model is not None)
+        loaded = [model for model in (models.target, models.draft) if model is not None]
+        self.per_position = sum(model.cache_bytes_per_token for model in loaded)
+        self.layer_position = max(model.cache_bytes_per_token // model.args.num_decoder_layers for model in loaded)
         self.held: dict[int, Footprint] = {}  # id(job) -> its footprint, while it has rows
         self.encoding: set[int] = set()  # id(job) of those among them being encoded
 
@@ -78,24 +81,16 @@ class Budget:
         verified = longest + 1 if drafts else 1
         if args.num_mel_bins:  # a Whisper window: features (the stem halves them), opening and output in its positions
             prompt, reach = -(-len(request.source) // 2), args.max_positions + verified
-        else:
-            prompt = len(request.source)
-            reach = len((request.opening or Opening.of(args)).start) + settings.max_tokens + verified
-        return Footprint(settings.num_beams, DecoderCache.room(prompt), -(-reach // KVCache.block) * KVCache.block,
-                         verified)
+            return Footprint(settings.num_beams, DecoderCache.room(prompt), -(-reach // KVCache.block) * KVCache.block,
+                             verified)
+        return text_footprint(len(request.source), settings.max_tokens, verified,
+                              len((request.opening or Opening.of(args)).start), settings.num_beams)
 
     def bytes(self, footprints: list[Footprint], encoded: list[Footprint]) -> int:
         """At most, what rows of these footprints hold together (caches, their copies, a round's logits), the
-        `encoded` among them being encoded (their working memory grows with their prompts past the length it was
-        measured at)."""
-        if not footprints:
-            return 0
-        rows = sum(footprint.rows for footprint in footprints)
-        positions = max(footprint.prompt for footprint in footprints) + max(footprint.reach for footprint in footprints)
-        logits = sum(footprint.rows * footprint.verified for footprint in footprints) * self.vocabulary * 4 * LOGIT_COPIES
-        encoding = sum(footprint.rows * self.encoding_per_row * max(1.0, footprint.prompt / ENCODING_MEASURED)
-                       for footprint in encoded)
-        return 2 * rows * positions * self.per_position + logits + int(encoding)
+        `encoded` among them being encoded (held_bytes)."""
+        return held_bytes(footprints, self.per_position, self.vocabulary, encoded, self.encoding_per_row,
+                          self.layer_position)
 
     def alone(self, footprint: Footprint) -> int:
         """What a job holds with no other: over the limit, it can never be taken."""
@@ -123,6 +118,31 @@ class Budget:
     def release(self, job_id: int) -> None:
         self.held.pop(job_id, None)
         self.encoding.discard(job_id)
+
+
+def held_bytes(footprints: list[Footprint], per_position: int, vocabulary: int, encoded: list[Footprint] = (),
+               encoding_per_row: int = 0, layer_position: int | None = None) -> int:
+    """At most, what rows of these footprints hold together: their caches padded as one batch pads them, and one
+    layer's more (`layer_position` a position: as rows join or leave, or room grows, a layer at a time is copied,
+    cache.settle; every layer, when it is None), a beam search's self-attention once more (its beams change places
+    a round at a time, each layer's copy made as the round runs), a round's logits, and the working memory of the
+    `encoded` among them (it grows with their prompts past the length it was measured at)."""
+    if not footprints:
+        return 0
+    rows = sum(footprint.rows for footprint in footprints)
+    positions = max(footprint.prompt for footprint in footprints) + max(footprint.reach for footprint in footprints)
+    copied = per_position if layer_position is None else layer_position
+    beams = sum(footprint.rows * footprint.reach for footprint in footprints if footprint.rows > 1) * per_position
+    logits = sum(footprint.rows * footprint.verified for footprint in footprints) * vocabulary * 4 * LOGIT_COPIES
+    encoding = sum(footprint.rows * encoding_per_row * max(1.0, footprint.prompt / ENCODING_MEASURED)
+                   for footprint in encoded)
+    return rows * positions * (per_position + copied) + beams + logits + int(encoding)
+
+
+def text_footprint(prompt: int, max_tokens: int, verified: int = 1, opening: int = 1, rows: int = 1) -> Footprint:
+    """A text request's footprint (Budget.footprint's rule, from its numbers alone)."""
+    reach = opening + max_tokens + verified
+    return Footprint(rows, DecoderCache.room(prompt), -(-reach // KVCache.block) * KVCache.block, verified)
 
 
 def encoding_memory(models, length: int) -> int:

@@ -122,3 +122,39 @@ def test_a_job_waiting_for_room_is_passed_by_jobs_that_fit_but_not_for_ever(demo
     budget.held = {}  # the running job and the small ones ended
     taken, left = engine.room_for(left, 64)
     assert taken[0] is large
+
+
+def test_a_batchs_caches_are_copied_a_layer_at_a_time_as_rows_join_and_leave():
+    """What the budget counts on (cache.settle): as rows join a batch, leave it, or its room grows, MLX's peak
+    memory passes what the caches hold before and after by one layer's storage at most, not by the whole cache."""
+    import mlx.core as mx
+
+    from cache import DecoderCache
+
+    heads, dim, prompt, layers = 4, 32, 512, 6
+
+    def batch(rows: int, output: int) -> DecoderCache:
+        cross = [(mx.ones((rows, heads, prompt, dim)), mx.ones((rows, heads, prompt, dim))) for _ in range(layers)]
+        cache = DecoderCache(cross, None)
+        keys, values = cache.reserve(output)
+        cache.advance(output, [k + 1 for k in keys], [v + 1 for v in values])
+        mx.eval(cache.cross_keys_values, [layer.keys for layer in cache.self_attention])
+        return cache
+
+    def held(cache: DecoderCache) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in cache.cross_keys_values) + \
+            sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.self_attention)
+
+    def peak_over(change, cache: DecoderCache) -> int:
+        """The peak past the larger of what is held before and after the change, the cache computed."""
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        change()
+        mx.eval(cache.cross_keys_values, [(layer.keys, layer.values) for layer in cache.self_attention])
+        return mx.get_peak_memory() - max(before, mx.get_active_memory())
+
+    running, joining = batch(6, 300), batch(2, 100)
+    layer = (held(running) + held(joining)) // layers  # a layer's storage, every row's, after the join
+    assert peak_over(lambda: running.extend(joining), running) <= layer
+    assert peak_over(lambda: running.keep([0, 2, 4, 6], prompt), running) <= held(running) // layers
+    assert peak_over(lambda: running.reserve(400), running) <= 2 * held(running) // layers
