@@ -86,7 +86,7 @@ def test_a_flood_of_large_requests_fits_a_small_budget_and_every_answer_is_gener
 
 def test_a_request_that_could_never_fit_the_budget_is_a_400_that_says_so(demo):
     models, prompts = demo
-    server = ServerProcess("--model", "demo/target", "--cache-memory", "0.15")
+    server = ServerProcess("--model", "demo/target", "--cache-memory", "0.1")
     try:
         reply = httpx.post(server.url + "/v1/completions", timeout=60,
                            json={"model": "default", "prompt": prompts[0], "max_tokens": 4000})
