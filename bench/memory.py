@@ -218,6 +218,7 @@ def budget_table(data: dict) -> str:
     from serving.budget import RESERVED, held_bytes, text_footprint
 
     footprint = text_footprint(512, 100, verified=5)
+    working_set = {int(memory): gib for memory, gib in data["working_set_gib"].items()}  # (JSON's keys are text)
     rows = []
     for target, format in BUDGET_PAIRS:
         if target in data["weights"]:  # a T5 with a t5-small draft
@@ -233,7 +234,7 @@ def budget_table(data: dict) -> str:
             layer = pair["layer_bytes_per_token"]
         cells = []
         for mac in BUDGET_MACS:
-            budget = data["working_set_gib"][mac] * 2**30 * (1 - RESERVED) - weights
+            budget = working_set[mac] * 2**30 * (1 - RESERVED) - weights
             fits = 0
             while budget > 0 and held_bytes([footprint] * (fits + 1), per_position, vocabulary, layer_position=layer) <= budget:
                 fits += 1
