@@ -86,17 +86,22 @@ def test_a_flood_of_large_requests_fits_a_small_budget_and_every_answer_is_gener
 
 def test_a_request_that_could_never_fit_the_budget_is_a_400_that_says_so(demo):
     models, prompts = demo
-    server = ServerProcess("--model", "demo/target", "--cache-memory", "0.1")
+    budget = Budget(models, 1, encoding_memory(models, ENCODING_MEASURED))
+    big = budget.alone(budget.footprint(Request(models.tokenizer.encode(prompts[0]), Settings(max_tokens=4000))))
+    small = budget.alone(budget.footprint(Request(models.tokenizer.encode("Translate to German: a cat."),
+                                                  Settings(max_tokens=8))))
+    assert small < big
+    server = ServerProcess("--model", "demo/target", "--cache-memory", f"{(small + big) / 2 / 2**30:.6f}")
     try:
         reply = httpx.post(server.url + "/v1/completions", timeout=60,
                            json={"model": "default", "prompt": prompts[0], "max_tokens": 4000})
-        small = httpx.post(server.url + "/v1/completions", timeout=60,
-                           json={"model": "default", "prompt": "Translate to German: a cat.", "max_tokens": 8})
+        fits = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"model": "default", "prompt": "Translate to German: a cat.", "max_tokens": 8})
     finally:
         assert server.stop() == 0
     assert reply.status_code == 400 and "--cache-memory" in reply.json()["error"]["message"]
     assert reply.json()["error"]["code"] == "context_length_exceeded"
-    assert small.status_code == 200
+    assert fits.status_code == 200
 
 
 def test_a_job_waiting_for_room_is_passed_by_jobs_that_fit_but_not_for_ever(demo):
