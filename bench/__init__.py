@@ -10,13 +10,13 @@ Each command is a `run` that measures and returns plain data, and a `render`
 that makes its table from that data (harness.py). Runs of ours and of the
 references alternate, the references in processes of their own, and every
 result names the machine it ran on. Modules by family of measurement:
-decoding.py (regular, steps, speculative, families), batching.py (batch, serve),
+decoding.py (regular, steps, speculative, families), batching.py (batch), serve.py (serve),
 drafts.py (drafting, fresh, lookup), controls.py (processors, beams), memory.py (quantized, sizes),
 long_inputs.py (encode, attention), blas.py, speech.py (whisper); the checkpoints they run on are
 fixtures.py's, the references references.py's.
 """
 
-from bench import batching, blas, controls, decoding, drafts, long_inputs, memory, speech
+from bench import batching, blas, controls, decoding, drafts, long_inputs, memory, serve, speech
 
 # name -> (what it measures, run(args) -> data, render(data) -> Markdown), in the order docs/PERFORMANCE.md shows them
 COMMANDS = {
@@ -30,7 +30,7 @@ COMMANDS = {
     "processors": ("Logits processors", controls.run_processors, controls.render_processors),
     "beams": ("Beam search", controls.run_beams, controls.render_beams),
     "batch": ("Batches", batching.run_batch, batching.render_batch),
-    "serve": ("The server under load", batching.run_serve, batching.render_serve),
+    "serve": ("The server under load", serve.run_serve, serve.render_serve),
     "encode": ("Long prompts", long_inputs.run_encode, long_inputs.render_encode),
     "attention": ("A block of a long prompt's attention", long_inputs.run_attention, long_inputs.render_attention),
     "quantized": ("Quantized models", memory.run_quantized, memory.render_quantized),

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch: how many prompts (default 32, the demo's repeated)")
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="batch: batch sizes")
     parser.add_argument("--num-drafts",
-                        help="batch, drafting, fresh: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8)")
+                        help="batch, drafting, fresh, serve: fixed num-draft values (default 1,2,3,4; drafting: 1,2,3,4,5,6,8; "
+                        "serve: 2,3,4, beside regular decoding and auto)")
     parser.add_argument("--pairs", help="batch, drafting, lookup, serve: only these pairs (demo, benchmark)")
     parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large); "
                         "whisper: tiny, small (the default), large-v3-turbo")
