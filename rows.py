@@ -90,8 +90,10 @@ class Encoding:
 
     @property
     def small(self) -> bool:
-        """Work of one chunk of rows (model.ROWS_PER_CHUNK), or less: never worth evaluating in pieces."""
-        return self.work_size <= ROWS_PER_CHUNK
+        """One prompt of one chunk of rows (model.ROWS_PER_CHUNK), or less: never worth evaluating in pieces. (Several
+        short prompts together are evaluated in pieces: on a large model their encoding takes as long as a long one's,
+        and a short prompt sent meanwhile waits a piece, not all of it.)"""
+        return len(self.lengths) == 1 and self.work_size <= ROWS_PER_CHUNK
 
     def pieces(self, models: list[EncoderDecoder], sources: list, tokens: bool, rows: list[int] | None) -> Pieces:
         """Each model's encoder in pieces, then its cross-attention's keys and values; returns the caches."""
@@ -127,9 +129,9 @@ class Encoding:
             self.caches = caches
         return self.caches
 
-    def advance(self, seconds: float) -> bool:
-        """Evaluate pieces for about `seconds` (at least one; small work all
-        at once); True once the caches are made."""
+    def advance(self, seconds: float, interrupted: Callable[[], bool] = lambda: False) -> bool:
+        """Evaluate pieces for about `seconds`, or until `interrupted()` (at
+        least one; small work all at once); True once the caches are made."""
         if self.small:
             self.finish()
         started = time.perf_counter()
@@ -141,7 +143,7 @@ class Encoding:
                 self.next = next(self.work)  # made now: done is known at once, not a step later
             except StopIteration as done:
                 self.caches = done.value
-            if time.perf_counter() - started >= seconds:
+            if time.perf_counter() - started >= seconds or interrupted():
                 break
         return self.caches is not None
 

@@ -10,6 +10,7 @@ recorded beside the figures.
 
 import asyncio
 import json
+import random
 import statistics
 import time
 from urllib.parse import urlsplit
@@ -29,8 +30,9 @@ class Connection:
         self.host, self.port = parts.hostname, parts.port
         self.reader = self.writer = None
 
-    async def completion(self, body: dict) -> dict:
-        """A streamed completion: its time to the first text, its latency and its tokens (the usage's)."""
+    async def completion(self, body: dict, started_text: asyncio.Event | None = None) -> dict:
+        """A streamed completion: its time to the first text (`started_text` is set then), its latency and its
+        tokens (the usage's)."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
@@ -54,6 +56,8 @@ class Connection:
                 data = json.loads(event[6:])
                 if first is None and any(choice["text"] for choice in data["choices"]):
                     first = time.perf_counter() - started
+                    if started_text is not None:
+                        started_text.set()
                 tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
         await self.reader.readline()  # the end of the last chunk
         latency = time.perf_counter() - started
@@ -90,27 +94,35 @@ def run_clients(url: str, bodies: list[dict], clients: int) -> dict:
             "first": [r["first"] for r in results], "latency": [r["latency"] for r in results]}
 
 
-def short_among_long(server, prompts: list[str], repeats: int, body: dict) -> tuple[float, float]:
-    """A 5-token request's latency alone, and sent once 8 requests of 500 tokens (decoding past their end of text)
-    run: medians."""
+def short_among_long(url: str, prompts: list[str], repeats: int, body: dict) -> dict[str, float]:
+    """A 5-token request's latency (medians): alone; sent 10 ms after 8 requests of 500 tokens (decoding past their
+    end of text), while their prompts are encoded; and sent while they decode (each has streamed its first text), at a
+    random moment up to 0.2 s later."""
     short = {**body, "prompt": prompts[0], "max_tokens": SHORT_TOKENS, "ignore_eos": True}
     longs = [{**short, "prompt": prompt, "max_tokens": LONG_TOKENS} for prompt in prompts[1:1 + LONG_REQUESTS]]
+    moments = random.Random(0)
 
-    async def among():
-        running = [asyncio.create_task(client_loop(server.url, [long], [])) for long in longs]
-        deadline = time.time() + 60
-        while (await asyncio.to_thread(server.metrics))["vllm:num_requests_running"] < len(longs) \
-                and time.time() < deadline:
-            await asyncio.sleep(0.01)
-        connection = Connection(server.url)
-        latency = (await connection.completion(short))["latency"]
-        connection.close()
+    async def one(request: dict, started_text: asyncio.Event | None = None) -> float:
+        connection = Connection(url)
+        try:
+            return (await connection.completion(request, started_text))["latency"]
+        finally:
+            connection.close()
+
+    async def among(decoding: bool) -> float:
+        started = [asyncio.Event() for _ in longs]
+        running = [asyncio.create_task(one(long, event)) for long, event in zip(longs, started)]
+        if decoding:
+            await asyncio.gather(*(event.wait() for event in started))
+        await asyncio.sleep(moments.uniform(0, 0.2) if decoding else 0.01)
+        latency = await one(short)
         await asyncio.gather(*running)
         return latency
 
-    alone = [run_clients(server.url, [short], 1)["latency"][0] for _ in range(repeats + 1)][1:]
-    together = [asyncio.run(among()) for _ in range(repeats)]
-    return statistics.median(alone), statistics.median(together)
+    alone = [asyncio.run(one(short)) for _ in range(repeats + 1)][1:]
+    return {"alone": statistics.median(alone),
+            "encoding": statistics.median(asyncio.run(among(False)) for _ in range(repeats)),
+            "decoding": statistics.median(asyncio.run(among(True)) for _ in range(repeats))}
 
 
 def under_load(server, requests: dict[int, list[dict]], repeats: int, offline: dict | None = None) -> dict:
@@ -170,14 +182,14 @@ def run_serve(args) -> dict:
         server = serving(target_dir, draft_dir)
         try:
             rows = under_load(server, requests(num_draft=args.num_draft), args.repeats, offline)
-            short, long = short_among_long(server, demo, args.repeats, {**body, "num_draft": args.num_draft})
+            short = short_among_long(server.url, demo, args.repeats, {**body, "num_draft": args.num_draft})
             if name == "benchmark pair":
                 modes = {str(k): under_load(server, requests(num_draft=k), args.repeats)
-                         for k in (args.num_drafts or "2,3,4").split(",")}
+                         for k in map(int, (args.num_drafts or "2,3,4").split(","))}
                 modes["auto"] = under_load(server, requests(num_draft="auto"), args.repeats)
         finally:
             server.stop()
-        data["pairs"][name] = {"clients": rows, "short_alone": short, "short_among_long": long}
+        data["pairs"][name] = {"clients": rows, "short": short}
         if name == "benchmark pair":
             server = serving(target_dir)
             try:
@@ -194,6 +206,7 @@ def render_serve(data: dict) -> str:
             f"cores (their CPU is the last column, in cores); offline: the same prompts through batch_generate at a "
             f"batch size of the client count. Medians of {data['repeats']} runs.")
     for name, pair in data["pairs"].items():
+        short = pair["short"]
         one = pair["clients"][min(pair["clients"], key=int)]["tokens_per_second"]
         rows = [[n, f"{row['tokens_per_second']:.1f}", f"{row['offline']:.1f}",
                  f"{row['tokens_per_second'] / row['offline']:.0%}",
@@ -202,9 +215,10 @@ def render_serve(data: dict) -> str:
                 for n, row in pair["clients"].items()]
         text += (f"\n\n{name}\n\n" + table(["clients", "server tokens/s", "offline", "server / offline", "server / one client",
                                               "first token p50 / p99", "latency p50 / p99", "clients' CPU"], rows)
-                 + f"\n\nA {SHORT_TOKENS}-token request alone: {pair['short_alone'] * 1e3:.0f} ms; sent while "
-                 f"{LONG_REQUESTS} requests of {LONG_TOKENS} tokens run: {pair['short_among_long'] * 1e3:.0f} ms "
-                 f"({ratio(pair['short_among_long'], pair['short_alone'])}).")
+                 + f"\n\nA {SHORT_TOKENS}-token request alone: {short['alone'] * 1e3:.0f} ms; sent as {LONG_REQUESTS} "
+                 f"requests of {LONG_TOKENS} tokens are encoded: {short['encoding'] * 1e3:.0f} ms "
+                 f"({ratio(short['encoding'], short['alone'])}); sent while they decode: {short['decoding'] * 1e3:.0f} ms "
+                 f"({ratio(short['decoding'], short['alone'])}).")
     if "drafting" in data:
         modes = data["drafting"]
         fixed = [mode for mode in modes if mode not in ("regular", "auto")]

@@ -136,8 +136,8 @@ class Job:
         self.end()
 
 
-# What a step's encoding may take at most (all of it when no row decodes): the queue is read between slices, so that a
-# short prompt sent after a long one starts decoding while the long one is still encoded.
+# What a step's encoding takes when no row decodes: the queue is read between slices, so that a short prompt sent after
+# a long one starts decoding while the long one is still encoded.
 ENCODING_SLICE = 0.05
 
 
@@ -148,6 +148,17 @@ class Joining:
     kind: object
     jobs: list[Job]
     encoding: Encoding
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return size_class(max(len(job.request.source) for job in self.jobs),
+                          max(job.request.settings.max_tokens for job in self.jobs))
+
+
+def size_class(prompt_length: int, max_tokens: int) -> tuple[int, int]:
+    """How long a prompt is, then how many tokens its request asks for, on a doubling scale (one class for prompts of
+    up to a chunk of rows): jobs of one class encode together, and the smaller classes first."""
+    return 0 if prompt_length <= ROWS_PER_CHUNK else prompt_length.bit_length(), max_tokens.bit_length()
 
 
 class Engine:
@@ -166,6 +177,7 @@ class Engine:
         self.warm = warm or (lambda: warm_up(models, models.tokenizer.encode("warm up"), defaults))
         self.ready = False  # warmed up
         self.waiting: list[Job] = []
+        self.arrivals = 0  # submissions so far: one that comes while prompts are encoded ends the step's encoding
         self.lock = threading.Condition()
         self.batches: dict = {}  # drafting kind -> its batch; ("alone", id) -> a batch of one replayed job
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
@@ -185,6 +197,7 @@ class Engine:
             if len(self.waiting) + len(jobs) > self.max_queue:
                 raise QueueFull()
             self.waiting += jobs
+            self.arrivals += 1
             self.lock.notify()
 
     @property
@@ -244,11 +257,11 @@ class Engine:
             job.times.admitted = now
             self.metrics.queue_time.observe(now - job.times.arrived)
             self.metrics.prompt_tokens.inc(job.prompt_tokens)
-        together = {}  # a kind's prompts of about one length encode together: a short one never waits for a long one
+        # A kind's jobs of one size encode together: a short prompt never waits for a long one's encoding, nor a
+        # short request for the prompts of long ones.
+        together = {}
         for job in taken:
-            length = len(job.request.source)
-            size = 0 if length <= ROWS_PER_CHUNK else length.bit_length()
-            together.setdefault((job.request.settings.kind(self.models), size), []).append(job)
+            together.setdefault(self.class_of(job), []).append(job)
         for (kind, _), jobs in together.items():
             self.joining.append(Joining(kind, jobs, self.batch_of(kind, jobs[0]).encoding([job.request for job in jobs])))
 
@@ -261,12 +274,15 @@ class Engine:
 
     def encode(self) -> None:
         """Encoding takes a step's time in turn with decoding: while rows
-        decode, about as long as their rounds took (a piece at least, and
-        never more than ENCODING_SLICE), so that a long prompt delays them by
-        a few rounds, not its whole encoding; with none, ENCODING_SLICE, so
-        that the queue is read between. The least work goes first, and the
-        oldest encoding gets a piece every step whatever comes after it; each
-        joins its batch once encoded."""
+        decode, as long as their rounds took (a piece at least), times the
+        rows being encoded over the rows decoding where they are more: a
+        long prompt slows the decoding rows down, and does not stop them for
+        its whole encoding, while the rows waiting for their prompts (room
+        the batch is not using) get them as soon as their share allows; with
+        no row decoding, ENCODING_SLICE, so that the queue is read between.
+        The smaller sizes go first (size_class), the oldest first within a
+        size, and the oldest of all gets a piece every step whatever comes
+        after it; each joins its batch once encoded."""
         for joining in [joining for joining in self.joining if all(job.cancelled for job in joining.jobs)]:
             self.joining.remove(joining)  # every client left while it was encoded
             for job in joining.jobs:
@@ -274,14 +290,21 @@ class Engine:
                 self.record_end(job, "abort")
         if not self.joining:
             return
-        budget = min(max(self.round_seconds, 1e-3), ENCODING_SLICE) if self.round_seconds else ENCODING_SLICE
-        started, oldest = time.perf_counter(), self.joining[0]
-        for joining in sorted(self.joining, key=lambda joining: joining.encoding.work_size):
+        # Rows waiting for their prompts get time against the rows decoding, row for row.
+        waiting = sum(len(joining.jobs) for joining in self.joining)
+        budget = max(self.round_seconds, 1e-3) * max(1.0, waiting / max(1, len(self.jobs))) if self.round_seconds \
+            else ENCODING_SLICE
+        started, oldest, arrivals = time.perf_counter(), self.joining[0], self.arrivals
+        for joining in sorted(self.joining, key=lambda joining: joining.size):  # (stable: the oldest of a size first)
+            # A job that came meanwhile (it may be a short prompt, which goes first), or rows that joined an idle
+            # engine (they decode now), end the step's encoding: the oldest still gets its piece.
+            if self.arrivals != arrivals or (not self.round_seconds and self.jobs):
+                budget = 0.0
             left = budget - (time.perf_counter() - started)
             if left <= 0 and joining is not oldest:
                 continue
             try:
-                if joining.encoding.advance(left):
+                if joining.encoding.advance(left, lambda: self.arrivals != arrivals):
                     type(joining.jobs[0]).encoded(self.models, joining.encoding.caches[0], joining.jobs)
                     self.batch_of(joining.kind, joining.jobs[0]).join([job.request for job in joining.jobs],
                                                                       joining.encoding)
@@ -313,8 +336,18 @@ class Engine:
                     self.record_end(job, "abort")
                 else:
                     kept.append(job)
-            taken, self.waiting = self.room_for(kept, self.max_batch - self.active)
+            # A job whose class is being encoded waits for that encoding to end, to be encoded with the others
+            # that came meanwhile: prompts encode far faster together (the weights read once for all of them), and
+            # under load the groups grow with it.
+            encoding = {(joining.kind, joining.size) for joining in self.joining}
+            held = [job for job in kept if self.class_of(job) in encoding]
+            taken, left = self.room_for([job for job in kept if job not in held], self.max_batch - self.active)
+            self.waiting = [job for job in kept if job in held or job in left]
         return taken
+
+    def class_of(self, job: Job) -> tuple:
+        """The drafting kind and size of a job (size_class): jobs of a class encode together."""
+        return job.request.settings.kind(self.models), size_class(len(job.request.source), job.request.settings.max_tokens)
 
     def room_for(self, jobs: list[Job], free: int) -> tuple[list[Job], list[Job]]:
         """(taken, left waiting): in order, the jobs there are rows for, and room
