@@ -1,0 +1,65 @@
+"""How the server's engine schedules encoding under load (serving/engine.py): jobs of one class encode together and a
+short request apart, first; a job whose class is being encoded waits to go with the next ones rather than be encoded
+alone; a job that comes ends the step's encoding after the piece in hand."""
+
+from pathlib import Path
+
+import pytest
+
+from loading import load
+from options import Settings
+from rows import Encoding, Request
+from serving.engine import Engine, Job, size_class
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load(ROOT / "demo" / "target", draft=ROOT / "demo" / "draft")
+
+
+def job(tokens: int, max_tokens: int) -> Job:
+    return Job(Request(list(range(5, 5 + tokens)), Settings(max_tokens=max_tokens, speculative=False)), None, None, None)
+
+
+def test_jobs_of_a_class_encode_together_and_a_short_request_apart_and_first(models):
+    """Eight requests of 500 tokens and one of 5, queued together: two encodings, the short one's first."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    longs, short = [job(50, 500) for _ in range(8)], job(50, 5)
+    engine.submit([*longs[:4], short, *longs[4:]])
+    engine.admit()
+    assert sorted([len(joining.jobs) for joining in engine.joining]) == [1, 8]
+    first = min(engine.joining, key=lambda joining: joining.size)
+    assert first.jobs == [short]
+    assert size_class(50, 5) < size_class(50, 500) < size_class(2000, 5)  # a long prompt's class comes last
+
+
+def test_a_job_whose_class_is_being_encoded_waits_for_that_encoding_to_end(models):
+    """Jobs that come while prompts of their class are encoded wait, then encode together; a job of another class
+    is taken at once."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    engine.submit([job(50, 100) for _ in range(3)])
+    engine.admit()
+    (encoding,) = engine.joining
+    later, other = [job(60, 100), job(40, 100)], job(50, 5)
+    engine.submit([*later, other])
+    engine.admit()
+    assert engine.waiting == later and [joining.jobs for joining in engine.joining] == [encoding.jobs, [other]]
+    while engine.joining:
+        engine.encode()  # (both encodings join their batch: no round runs here)
+    engine.admit()
+    assert engine.waiting == [] and [joining.jobs for joining in engine.joining] == [later]
+
+
+def test_a_job_that_comes_ends_the_steps_encoding_after_the_piece_in_hand(models):
+    """advance stops after one piece when interrupted (a job came), however long it was given; else it goes on."""
+    sources = [list(range(5, 60)), list(range(5, 50))]  # two prompts: in pieces, never all at once
+    interrupted, whole = Encoding([models.target], sources), Encoding([models.target], sources)
+    assert not interrupted.small
+    assert not interrupted.advance(60.0, lambda: True)
+    assert whole.advance(60.0)
+    while not interrupted.advance(0.0):
+        pass
+    assert [a.tolist() for a in interrupted.caches[0].cross_keys_values[0]] == \
+        [a.tolist() for a in whole.caches[0].cross_keys_values[0]]
