@@ -148,6 +148,7 @@ class Joining:
     kind: object
     jobs: list[Job]
     encoding: Encoding
+    queued: bool = False  # its jobs came from the queue (not an audio file's next window, nor a job decoded again)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -263,7 +264,8 @@ class Engine:
         for job in taken:
             together.setdefault(self.class_of(job), []).append(job)
         for (kind, _), jobs in together.items():
-            self.joining.append(Joining(kind, jobs, self.batch_of(kind, jobs[0]).encoding([job.request for job in jobs])))
+            encoding = self.batch_of(kind, jobs[0]).encoding([job.request for job in jobs])
+            self.joining.append(Joining(kind, jobs, encoding, queued=True))
 
     def batch_of(self, kind, job: Job):
         """The batch of a drafting kind (an isolated job's kind: a batch of one), made if there is none: the
@@ -336,10 +338,11 @@ class Engine:
                     self.record_end(job, "abort")
                 else:
                     kept.append(job)
-            # A job whose class is being encoded waits for that encoding to end, to be encoded with the others
-            # that came meanwhile: prompts encode far faster together (the weights read once for all of them), and
-            # under load the groups grow with it.
-            encoding = {(joining.kind, joining.size) for joining in self.joining}
+            # A job whose class is being encoded (jobs taken from the queue) waits for that encoding to end, to be
+            # encoded with the others that came meanwhile: prompts encode far faster together (the weights read
+            # once for all of them), and under load the groups grow with it. Audio files' next windows, which follow
+            # one another, hold nobody.
+            encoding = {(joining.kind, joining.size) for joining in self.joining if joining.queued}
             held = [job for job in kept if self.class_of(job) in encoding]
             taken, left = self.room_for([job for job in kept if job not in held], self.max_batch - self.active)
             self.waiting = [job for job in kept if job in held or job in left]

@@ -1,6 +1,6 @@
 """How the server's engine schedules encoding under load (serving/engine.py): jobs of one class encode together and a
 short request apart, first; a job whose class is being encoded waits to go with the next ones rather than be encoded
-alone; a job that comes ends the step's encoding after the piece in hand."""
+alone, but not behind an audio file's next window; a job that comes ends the step's encoding after the piece in hand."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import pytest
 from loading import load
 from options import Settings
 from rows import Encoding, Request
-from serving.engine import Engine, Job, size_class
+from serving.engine import Engine, Job, Joining, size_class
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,8 +30,9 @@ def test_jobs_of_a_class_encode_together_and_a_short_request_apart_and_first(mod
     engine.submit([*longs[:4], short, *longs[4:]])
     engine.admit()
     assert sorted([len(joining.jobs) for joining in engine.joining]) == [1, 8]
-    first = min(engine.joining, key=lambda joining: joining.size)
-    assert first.jobs == [short]
+    while engine.joining:
+        engine.encode()
+    assert list(engine.jobs.values()) == [short, *longs]  # (in the order they joined their batch)
     assert size_class(50, 5) < size_class(50, 500) < size_class(2000, 5)  # a long prompt's class comes last
 
 
@@ -50,6 +51,19 @@ def test_a_job_whose_class_is_being_encoded_waits_for_that_encoding_to_end(model
         engine.encode()  # (both encodings join their batch: no round runs here)
     engine.admit()
     assert engine.waiting == [] and [joining.jobs for joining in engine.joining] == [later]
+
+
+def test_an_audio_files_next_window_being_encoded_holds_no_job(models):
+    """Only encodings of jobs from the queue hold the queue's jobs of their class: the next windows of files being
+    transcribed follow one another, and a new file waiting behind them would wait for every file to end."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    following = job(50, 100)
+    kind = following.request.settings.kind(models)
+    engine.joining.append(Joining(kind, [following], engine.batch_of(kind, following).encoding([following.request])))
+    new = job(50, 100)
+    engine.submit([new])
+    engine.admit()
+    assert engine.waiting == [] and [joining.jobs for joining in engine.joining] == [[following], [new]]
 
 
 def test_a_job_that_comes_ends_the_steps_encoding_after_the_piece_in_hand(models):
