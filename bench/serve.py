@@ -54,6 +54,8 @@ class Connection:
                 if not event.startswith(b"data: {"):
                     continue
                 data = json.loads(event[6:])
+                if "error" in data:  # a stream that failed after its headers
+                    raise RuntimeError(data["error"]["message"])
                 if first is None and any(choice["text"] for choice in data["choices"]):
                     first = time.perf_counter() - started
                     if started_text is not None:
@@ -112,8 +114,11 @@ def short_among_long(url: str, prompts: list[str], repeats: int, body: dict) -> 
     async def among(decoding: bool) -> float:
         started = [asyncio.Event() for _ in longs]
         running = [asyncio.create_task(one(long, event)) for long, event in zip(longs, started)]
-        if decoding:
-            await asyncio.gather(*(event.wait() for event in started))
+        if decoding:  # (a long request that fails before its first text raises here, rather than never setting it)
+            for task, event in zip(running, started):
+                await asyncio.wait([task, asyncio.create_task(event.wait())], return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    task.result()
         await asyncio.sleep(moments.uniform(0, 0.2) if decoding else 0.01)
         latency = await one(short)
         await asyncio.gather(*running)

@@ -114,3 +114,42 @@ def test_the_whisper_benchmarks_other_references_read_its_checkpoint_in_their_ow
         assert len(set(transcription.tokens[:10])) >= 8
     finally:
         worker.close()
+
+
+def test_the_serve_benchs_client_reads_streamed_completions_as_the_server_counts_them():
+    """bench serve's load generator (a hand-written HTTP/1.1 client): over one kept-alive connection, each streamed
+    completion's tokens are what the same request answers whole, its first text comes before its end, and a request
+    the server refuses raises with the server's message."""
+    import asyncio
+
+    import httpx
+
+    from bench.harness import DEMO
+    from bench.serve import Connection
+    from serving.process import ServerProcess
+
+    server = ServerProcess("--model", str(DEMO / "target"), "--draft-model", str(DEMO / "draft"))
+    bodies = [{"model": "default", "prompt": prompt, "max_tokens": tokens, "num_draft": 3}
+              for prompt, tokens in (("def add(a, b):", 20), ("import os", 7), ("class Point:", 30))]
+
+    async def streamed():
+        connection = Connection(server.url)
+        try:
+            answers = [await connection.completion(body) for body in bodies]
+            try:
+                await connection.completion({**bodies[0], "max_tokens": 0})
+            except RuntimeError as e:
+                return answers, str(e)
+            return answers, None
+        finally:
+            connection.close()
+
+    try:
+        answers, refusal = asyncio.run(streamed())
+        whole = [httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"]
+                 for body in bodies]
+    finally:
+        server.stop()
+    assert [answer["tokens"] for answer in answers] == whole and all(n > 0 for n in whole)
+    assert all(0 < answer["first"] <= answer["latency"] for answer in answers)
+    assert refusal is not None and "400" in refusal and "max_tokens" in refusal
