@@ -84,16 +84,11 @@ class Encoding:
         self.next = None  # the next piece, made (not evaluated) as the last was evaluated
 
     @property
-    def work_size(self) -> int:
-        """The positions encoded, padding included."""
-        return len(self.lengths) * max(self.lengths)
-
-    @property
     def small(self) -> bool:
         """One prompt of one chunk of rows (model.ROWS_PER_CHUNK), or less: never worth evaluating in pieces. (Several
         short prompts together are evaluated in pieces: on a large model their encoding takes as long as a long one's,
         and a short prompt sent meanwhile waits a piece, not all of it.)"""
-        return len(self.lengths) == 1 and self.work_size <= ROWS_PER_CHUNK
+        return len(self.lengths) == 1 and self.lengths[0] <= ROWS_PER_CHUNK
 
     def pieces(self, models: list[EncoderDecoder], sources: list, tokens: bool, rows: list[int] | None) -> Pieces:
         """Each model's encoder in pieces, then its cross-attention's keys and values; returns the caches."""
