@@ -10,16 +10,19 @@ held out when the first byte of its SHA-1 is below 26 (about 10%). The target
 and the draft are transformers' own Whisper classes; the draft's one decoder
 layer reads the target's encoder output (its gradient does not reach the
 encoder), learning the text and the target's distribution together, and is
-saved with the target's encoder, as distil-whisper is.
+saved with the target's encoder, as distil-whisper is. A quarter of the
+decoder's input text tokens are swapped for random ones (--corrupt), so that it
+cannot finish a sentence it has learnt from its first words without listening.
 
-    python demo/train_speech.py --minutes 5      # a GPU (what demo/speech was trained on)
+    python demo/train_speech.py --minutes 8      # a GPU (docs/DEMO.md: the runs so far)
+    python demo/train_speech.py --resume demo/speech/hf --out /tmp/more   # on from a pair it wrote
     python demo/train_speech.py --quick --out /tmp/speech   # a few steps on a CPU
 
 Writes, under --out (default demo/speech/hf): target/ and draft/ as Hugging Face
 checkpoints (tokenizer.json, preprocessor_config.json, generation_config.json
 beside the weights) and training.json (seeds, corpus, shapes, steps, the
-learning curve, held-out figures). `python demo/speech.py` converts them and
-makes the held-out clips.
+learning curve with the held-out figures every 1,000 steps, the final held-out
+figures, and the record of the run it went on from). convert.py converts them.
 
 The corpus is the standard library of the Python that runs this; training.json
 records its version and the sentence counts.
@@ -193,6 +196,15 @@ def padded(labels: list[list[int]], end: int, device) -> tuple[torch.Tensor, tor
     return inputs.to(device), targets.to(device)
 
 
+def noisy(inputs: torch.Tensor, rate: float, end: int) -> torch.Tensor:
+    """The decoder's inputs with a `rate` of their text tokens (below the end of text; not the first, the start of
+    transcript) swapped for random ones. A decoder that reads its own history can finish a sentence it has learnt
+    from its first words without listening; one whose history is unreliable must listen to know what comes next."""
+    swap = (torch.rand(inputs.shape, device=inputs.device) < rate) & (inputs < end)
+    swap[:, 0] = False
+    return torch.where(swap, torch.randint_like(inputs, end), inputs)
+
+
 def configs(tokenizer: Tokenizer) -> tuple[WhisperConfig, WhisperConfig]:
     end, start = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|startoftranscript|>")
     shape = dict(vocab_size=tokenizer.get_vocab_size(), num_mel_bins=80, d_model=256, encoder_layers=4,
@@ -269,22 +281,26 @@ def evaluate(target, draft, windows: Windows, sentences: list[str], clips, token
             "clips": len(clips), "examples": examples}
 
 
-def step_losses(target, draft, heard, features, labels: list[list[int]], end: int, device) -> dict:
+def step_losses(target, draft, heard, features, labels: list[list[int]], end: int, device,
+                autocast: bool | None = None, corrupt: float = 0.0) -> dict:
     """A batch's losses: the target's and the draft's next tokens, the draft against the target's distribution, and
     the encoder's CTC (a head that is not saved: a decoder that can guess the next word from the last ones learns
-    that long before it learns to listen, and this loss makes the encoder say what it hears from the first steps)."""
+    that long before it learns to listen, and this loss makes the encoder say what it hears from the first steps).
+    `corrupt`: the rate of the decoder's input tokens made noisy (the targets stay the true tokens)."""
     inputs, targets = padded(labels, end, device)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    inputs = noisy(inputs, corrupt, end) if corrupt else inputs
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" if autocast is None else autocast):
         encoded = target.model.encoder(features).last_hidden_state
         logits = target(encoder_outputs=(encoded,), decoder_input_ids=inputs).logits.float()
         drafted = draft.proj_out(draft.model.decoder(input_ids=inputs, encoder_hidden_states=encoded.detach())
                                  .last_hidden_state).float()
+        frames = heard(encoded).float()
     mask = targets != -100
     # The draft also learns the target's distribution, so that it proposes what the target would accept.
     distilled = (F.kl_div(drafted.log_softmax(-1), logits.detach().log_softmax(-1), log_target=True,
                           reduction="none").sum(-1) * mask).sum() / mask.sum()
     text = [torch.tensor([t for t in tokens if t < end]) for tokens in labels]
-    ctc = F.ctc_loss(heard(encoded).float().log_softmax(-1).transpose(0, 1), torch.cat(text).to(device),
+    ctc = F.ctc_loss(frames.log_softmax(-1).transpose(0, 1), torch.cat(text).to(device),
                      torch.full((len(text),), encoded.shape[1]), torch.tensor([len(t) for t in text]),
                      blank=heard.out_features - 1, zero_infinity=True)
     return {"target": F.cross_entropy(logits.transpose(1, 2), targets),
@@ -292,18 +308,20 @@ def step_losses(target, draft, heard, features, labels: list[list[int]], end: in
 
 
 def train(target, draft, heard, windows: Windows, batch: int, steps: int | None, minutes: float, device,
-          every: int = 200) -> tuple[list[dict], int]:
-    """Trains for `steps` steps or `minutes`: the learning rate warms up over 300 steps, then falls by a cosine;
-    returns the mean losses of each `every` steps, and the steps taken."""
+          every: int = 200, peak: float = 1e-3, warmup: int = 300, corrupt: float = 0.0, check=None,
+          check_every: int = 1000) -> tuple[list[dict], int]:
+    """Trains for `steps` steps or `minutes`: the learning rate warms up to `peak` over `warmup` steps, then falls by
+    a cosine; returns the mean losses of each `every` steps, with check()'s held-out figures each `check_every`
+    steps, and the steps taken."""
     parameters = list(target.parameters()) + list(draft.parameters()) + list(heard.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(parameters, lr=peak, betas=(0.9, 0.98), weight_decay=0.01)
     history, losses, step, began = [], [], 0, time.time()
     while (step < steps) if steps else (time.time() - began < minutes * 60):
         done = step / steps if steps else (time.time() - began) / (minutes * 60)
         for group in optimizer.param_groups:
-            group["lr"] = 1e-3 * min(1.0, (step + 1) / 300) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+            group["lr"] = peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
         features, labels = windows.batch(batch)
-        parts = step_losses(target, draft, heard, features, labels, windows.end, device)
+        parts = step_losses(target, draft, heard, features, labels, windows.end, device, corrupt=corrupt)
         loss = parts["target"] + 0.5 * parts["draft"] + 0.5 * parts["distilled"] + 0.3 * parts["ctc"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -314,6 +332,10 @@ def train(target, draft, heard, windows: Windows, batch: int, steps: int | None,
         if step % every == 0:
             history.append({"step": step, "seconds": round(time.time() - began, 1)}
                            | {name: round(float(np.mean([x[name] for x in losses])), 4) for name in losses[0]})
+            if check is not None and step % check_every == 0:
+                figures = check()
+                history[-1] |= {"word_error_rate": round(figures["word_error_rate"], 3),
+                                "draft_agreement": round(figures["draft_agreement"], 3)}
             print(history[-1], flush=True)
             losses = []
     return history, step
@@ -337,6 +359,10 @@ def main():
     parser.add_argument("--shuffled", type=int, default=6000, help="sentences of training words in random order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a few sentences and steps, to try it")
+    parser.add_argument("--resume", type=Path, help="a pair this wrote, to train on (its tokenizer kept)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
+    parser.add_argument("--warmup", type=int, default=300, help="steps to warm the learning rate up over")
+    parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the decoder's input tokens made noisy")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
@@ -347,7 +373,8 @@ def main():
     test = [s for s in sentences if held_out(s)]
     if args.quick:
         train_set, test, args.steps, args.batch, args.voicings, args.shuffled = train_set[:60], test[:10], 4, 4, 1, 20
-    tokenizer = make_tokenizer(train_set)
+    tokenizer = Tokenizer.from_file(str(args.resume / "target" / "tokenizer.json")) if args.resume \
+        else make_tokenizer(train_set)
     train_set = training_sentences(train_set, args.shuffled, args.seed)
     samples, clips = synthesize(train_set, args.voicings, args.seed)
     test_samples, test_clips = synthesize(test, 1, args.seed + 1)
@@ -356,18 +383,26 @@ def main():
           f"{time.time() - began:.0f} s to speak them", flush=True)
 
     target_config, draft_config = configs(tokenizer)
-    target = WhisperForConditionalGeneration(target_config).to(device).train()
-    draft = WhisperForConditionalGeneration(draft_config).to(device).train()
+    if args.resume:  # the draft's saved encoder is the target's, or absent
+        target = WhisperForConditionalGeneration.from_pretrained(args.resume / "target").to(device).train()
+        draft = WhisperForConditionalGeneration.from_pretrained(args.resume / "draft").to(device).train()
+        before = json.loads((args.resume / "training.json").read_text())
+    else:
+        target = WhisperForConditionalGeneration(target_config).to(device).train()
+        draft = WhisperForConditionalGeneration(draft_config).to(device).train()
+        before = None
     draft.model.encoder = None  # trained on the target's encoder output; saved with the target's encoder
     heard = torch.nn.Linear(target_config.d_model, target_config.vocab_size + 1).to(device)  # the CTC head
     windows = Windows(samples, clips, train_set, tokenizer, device, args.seed)
+    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1)
     step_began = time.time()
     history, steps = train(target, draft, heard, windows, args.batch, args.steps, args.minutes, device,
-                    every=2 if args.quick else 200)
+                           every=2 if args.quick else 200, peak=args.lr, warmup=args.warmup, corrupt=args.corrupt,
+                           check=lambda: evaluate(target, draft, test_windows, test, test_clips[:100], tokenizer, device),
+                           check_every=4 if args.quick else 1000)
     trained = time.time() - step_began
 
     draft.model.encoder = target.model.encoder
-    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1)
     figures = evaluate(target, draft, test_windows, test, test_clips[:250], tokenizer, device)
     print(figures, flush=True)
     for name, model in (("target", target), ("draft", draft)):
@@ -384,7 +419,9 @@ def main():
         "batch": args.batch, "steps": steps, "training_seconds": round(trained, 1),
         "parameters": {"target": sum(p.numel() for p in target.parameters()),
                        "draft": sum(p.numel() for p in draft.parameters())},
-        "history": history, "held_out": figures,
+        "history": history, "held_out": figures, "lr": args.lr, "warmup": args.warmup,
+        "corrupt": args.corrupt,
+        "resumed": before,  # the run this one went on from (its own record, and so on back)
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"written to {args.out} in {time.time() - began:.0f} s", flush=True)

@@ -124,3 +124,27 @@ def test_the_pair_it_writes_converts_and_opens_as_an_english_only_whisper(tokeni
     assert rules.languages == {} and rules.no_timestamps == ids("<|notimestamps|>")
     assert rules.end == ids("<|endoftext|>") and rules.start == ids("<|startoftranscript|>")
     assert rules.previous == ids("<|startofprev|>") and ids("<|0.00|>") == rules.no_timestamps + 1
+
+
+def test_noisy_inputs_swap_about_the_rate_of_text_tokens_and_never_the_start_specials_or_timestamps(tokenizer):
+    end = tokenizer.token_to_id("<|endoftext|>")
+    torch.manual_seed(0)
+    inputs = torch.randint(0, end + 1500, (64, 200))
+    inputs[:, 0] = tokenizer.token_to_id("<|startoftranscript|>")
+    noisy = ts.noisy(inputs, 0.25, end)
+    text, swapped = inputs < end, noisy != inputs
+    assert not swapped[:, 0].any() and not swapped[~text].any()
+    assert (noisy[swapped] < end).all()
+    assert 0.22 < swapped[text].float().mean() < 0.26  # (a random swap can draw the token it replaces)
+
+
+def test_every_loss_is_finite_under_bf16_autocast_as_on_a_gpu(tokenizer):
+    target_config, draft_config = ts.configs(tokenizer)
+    torch.manual_seed(0)
+    target, draft = WhisperForConditionalGeneration(target_config), WhisperForConditionalGeneration(draft_config)
+    heard = torch.nn.Linear(target_config.d_model, target_config.vocab_size + 1)
+    made = windows(tokenizer)
+    features, labels = made.batch(2)
+    parts = ts.step_losses(target, draft, heard, features, labels, made.end, "cpu", autocast=True, corrupt=0.25)
+    assert set(parts) == {"target", "draft", "distilled", "ctc"}
+    assert all(torch.isfinite(value) for value in parts.values())
