@@ -82,6 +82,7 @@ class Encoding:
         self.caches: list[DecoderCache] | None = None
         self.work = self.pieces(models, sources, tokens, rows if len(sources) < len(rows) else None)
         self.next = None  # the next piece, made (not evaluated) as the last was evaluated
+        self.spent = 0.0  # seconds its work has been evaluated for so far
 
     @property
     def small(self) -> bool:
@@ -118,10 +119,11 @@ class Encoding:
     def finish(self) -> list[DecoderCache]:
         """The rest of the work, evaluated at once; the caches."""
         if self.caches is None:
+            started = time.perf_counter()
             with cpu.many_rows():
                 caches = drained(self.work)  # (the next piece, if made, is part of what they compute)
                 mx.eval([cache.cross_keys_values for cache in caches])
-            self.caches = caches
+            self.caches, self.spent = caches, self.spent + time.perf_counter() - started
         return self.caches
 
     def advance(self, seconds: float, interrupted: Callable[[], bool] = lambda: False) -> bool:
@@ -140,6 +142,7 @@ class Encoding:
                 self.caches = done.value
             if time.perf_counter() - started >= seconds or interrupted():
                 break
+        self.spent += time.perf_counter() - started
         return self.caches is not None
 
 

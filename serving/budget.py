@@ -106,6 +106,24 @@ class Budget:
         encoded = [held[job] for job in self.encoding & set(held)] + [footprint]
         return self.bytes([*held.values(), footprint], encoded) <= self.limit
 
+    def room_for(self, jobs: list, free: int) -> tuple[list, list]:
+        """(taken, left waiting): in order, the jobs (the engine's, with their request and `passed`) there are rows
+        for, `free`, and room for, each taken here; a later job that fits may pass one that waits for room, until
+        PASSES have passed it."""
+        taken, left, waiting = [], [], None  # waiting: the first job left for want of room
+        for job in jobs:
+            footprint = self.footprint(job.request)
+            if len(taken) < free and (waiting is None or waiting.passed < PASSES) and self.fits(footprint):
+                self.take(id(job), footprint)
+                taken.append(job)
+                if waiting is not None:
+                    waiting.passed += 1
+            else:
+                left.append(job)
+                if waiting is None and len(taken) < free:
+                    waiting = job
+        return taken, left
+
     def take(self, job_id: int, footprint: Footprint) -> None:
         self.held[job_id] = footprint
         self.encoding.add(job_id)

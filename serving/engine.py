@@ -18,12 +18,13 @@ import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
 from batches import batch_for, warm_up
+from generate import encoding_flops
 from errors import T5Error
 from model import ROWS_PER_CHUNK
 from rows import Encoding, Request
 from loading import Models
 from options import Settings
-from serving.budget import PASSES, Budget
+from serving.budget import Budget
 from serving.metrics import PREFIX, Metrics, Times
 from text import TextStream
 
@@ -61,7 +62,7 @@ class Job:
     beams: list[TextStream] = field(default_factory=list)  # beam search: each beam returned, its text made whole
     status: int = 500  # its error's HTTP status: 400 where its own input failed it
     replay: list[int] = field(default_factory=list)  # tokens its text has, which a replay must decide again first
-    passed: int = 0  # later jobs taken while it waited for room in the cache budget (budget.PASSES at most)
+    passed: int = 0  # later jobs taken while it waited for room in the cache budget (Budget.room_for)
 
     def accept(self, token: int | None, finish: str | None) -> bool:
         """A decided token into its text; while it replays (Engine.isolate), the
@@ -139,6 +140,9 @@ class Job:
 # What a step's encoding takes when no row decodes: the queue is read between slices, so that a short prompt sent after
 # a long one starts decoding while the long one is still encoded.
 ENCODING_SLICE = 0.05
+# While rows decode, a step's encoding takes at most this many times as long as its rounds: rows waiting for their
+# prompts get time against the rows decoding, but a crowd of them does not stop the decoding rows for seconds.
+ENCODING_SHARE_MOST = 8.0
 
 
 @dataclass(eq=False)
@@ -149,11 +153,21 @@ class Joining:
     jobs: list[Job]
     encoding: Encoding
     queued: bool = False  # its jobs came from the queue (not an audio file's next window, nor a job decoded again)
+    flops: float = 0.0  # its encoders' work (generate.encoding_flops), by which the engine guesses how long it takes
 
     @property
     def size(self) -> tuple[int, int]:
         return size_class(max(len(job.request.source) for job in self.jobs),
                           max(job.request.settings.max_tokens for job in self.jobs))
+
+
+def encoding_time(round_seconds: float, joining_rows: int, decoding_rows: int) -> float:
+    """A step's time for encoding: as long as its rounds took (round_seconds; 0 when no row decodes: ENCODING_SLICE),
+    times the rows waiting for their prompts over the rows decoding where those are more (row for row), up to
+    ENCODING_SHARE_MOST times."""
+    if not round_seconds:
+        return ENCODING_SLICE
+    return max(round_seconds, 1e-3) * min(ENCODING_SHARE_MOST, max(1.0, joining_rows / max(1, decoding_rows)))
 
 
 def size_class(prompt_length: int, max_tokens: int) -> tuple[int, int]:
@@ -178,7 +192,8 @@ class Engine:
         self.warm = warm or (lambda: warm_up(models, models.tokenizer.encode("warm up"), defaults))
         self.ready = False  # warmed up
         self.waiting: list[Job] = []
-        self.arrivals = 0  # submissions so far: one that comes while prompts are encoded ends the step's encoding
+        self.arrivals = 0  # submissions that could start at once: one that comes ends the step's encoding
+        self.encoding_rate = None  # flops a second its encodings of several prompts have run at, lately
         self.lock = threading.Condition()
         self.batches: dict = {}  # drafting kind -> its batch; ("alone", id) -> a batch of one replayed job
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
@@ -198,8 +213,21 @@ class Engine:
             if len(self.waiting) + len(jobs) > self.max_queue:
                 raise QueueFull()
             self.waiting += jobs
-            self.arrivals += 1
+            if any(self.could_start(job) for job in jobs):
+                self.arrivals += 1
             self.lock.notify()
+
+    def could_start(self, job: Job) -> bool:
+        """Whether a job that comes now could take a row at the next step: a free row, no encoding of its class under
+        way (take_waiting holds it for that), and room in the cache budget. (Read from the event loop's thread: the
+        engine's state as it stands, an estimate.)"""
+        if self.max_batch - self.active <= 0 or self.class_of(job) in self.encoding_classes():
+            return False
+        return self.budget is None or self.budget.fits(self.budget.footprint(job.request))
+
+    def encoding_classes(self) -> set:
+        """The classes of the jobs from the queue being encoded (jobs of these wait for them to end)."""
+        return {(joining.kind, joining.size) for joining in list(self.joining) if joining.queued}
 
     @property
     def active(self) -> int:
@@ -264,8 +292,11 @@ class Engine:
         for job in taken:
             together.setdefault(self.class_of(job), []).append(job)
         for (kind, _), jobs in together.items():
-            encoding = self.batch_of(kind, jobs[0]).encoding([job.request for job in jobs])
-            self.joining.append(Joining(kind, jobs, encoding, queued=True))
+            batch = self.batch_of(kind, jobs[0])
+            length = max(len(job.request.source) for job in jobs)
+            encoders = {id(model.encoder): model for model in batch.models}.values()  # (a shared encoder runs once)
+            flops = len(jobs) * sum(encoding_flops(model, length) for model in encoders)
+            self.joining.append(Joining(kind, jobs, batch.encoding([job.request for job in jobs]), True, flops))
 
     def batch_of(self, kind, job: Job):
         """The batch of a drafting kind (an isolated job's kind: a batch of one), made if there is none: the
@@ -284,7 +315,9 @@ class Engine:
         no row decoding, ENCODING_SLICE, so that the queue is read between.
         The smaller sizes go first (size_class), the oldest first within a
         size, and the oldest of all gets a piece every step whatever comes
-        after it; each joins its batch once encoded."""
+        after it; each joins its batch once encoded. An encoding that the
+        speed of the last ones says fits in what is left of the step runs at
+        once (its work in pieces takes longer), the others a piece at a time."""
         for joining in [joining for joining in self.joining if all(job.cancelled for job in joining.jobs)]:
             self.joining.remove(joining)  # every client left while it was encoded
             for job in joining.jobs:
@@ -292,10 +325,7 @@ class Engine:
                 self.record_end(job, "abort")
         if not self.joining:
             return
-        # Rows waiting for their prompts get time against the rows decoding, row for row.
-        waiting = sum(len(joining.jobs) for joining in self.joining)
-        budget = max(self.round_seconds, 1e-3) * max(1.0, waiting / max(1, len(self.jobs))) if self.round_seconds \
-            else ENCODING_SLICE
+        budget = encoding_time(self.round_seconds, sum(len(joining.jobs) for joining in self.joining), len(self.jobs))
         started, oldest, arrivals = time.perf_counter(), self.joining[0], self.arrivals
         for joining in sorted(self.joining, key=lambda joining: joining.size):  # (stable: the oldest of a size first)
             # A job that came meanwhile (it may be a short prompt, which goes first), or rows that joined an idle
@@ -306,7 +336,7 @@ class Engine:
             if left <= 0 and joining is not oldest:
                 continue
             try:
-                if joining.encoding.advance(left, lambda: self.arrivals != arrivals):
+                if self.encoded(joining, left, lambda: self.arrivals != arrivals):
                     type(joining.jobs[0]).encoded(self.models, joining.encoding.caches[0], joining.jobs)
                     self.batch_of(joining.kind, joining.jobs[0]).join([job.request for job in joining.jobs],
                                                                       joining.encoding)
@@ -321,6 +351,20 @@ class Engine:
                     job.fail(f"encoding failed: {e}")
                     self.record_end(job, "error")
         self.metrics.parts["encoding"].inc(time.perf_counter() - started)
+
+    def encoded(self, joining: Joining, seconds: float, interrupted: Callable[[], bool]) -> bool:
+        """Encode for about `seconds`: all at once if none of it has run and the speed of the last encodings says
+        it fits, else in pieces (Encoding.advance); True once done. Learns the speed from encodings of several
+        prompts (one alone reads every weight for itself, and runs at once anyway: Encoding.small)."""
+        encoding = joining.encoding
+        if not encoding.spent and self.encoding_rate and joining.flops / self.encoding_rate <= seconds:
+            encoding.finish()
+        elif not encoding.advance(seconds, interrupted):
+            return False
+        if len(joining.jobs) > 1 and encoding.spent > 0.005:
+            rate = joining.flops / encoding.spent
+            self.encoding_rate = rate if self.encoding_rate is None else 0.7 * self.encoding_rate + 0.3 * rate
+        return True
 
     def take_waiting(self) -> list[Job]:
         """The jobs that get a row now, in the order they came; those whose
@@ -342,36 +386,16 @@ class Engine:
             # encoded with the others that came meanwhile: prompts encode far faster together (the weights read
             # once for all of them), and under load the groups grow with it. Audio files' next windows, which follow
             # one another, hold nobody.
-            encoding = {(joining.kind, joining.size) for joining in self.joining if joining.queued}
+            encoding = self.encoding_classes()
             held = [job for job in kept if self.class_of(job) in encoding]
-            taken, left = self.room_for([job for job in kept if job not in held], self.max_batch - self.active)
+            free, candidates = self.max_batch - self.active, [job for job in kept if job not in held]
+            taken, left = self.budget.room_for(candidates, free) if self.budget else (candidates[:free], candidates[free:])
             self.waiting = [job for job in kept if job in held or job in left]
         return taken
 
     def class_of(self, job: Job) -> tuple:
         """The drafting kind and size of a job (size_class): jobs of a class encode together."""
         return job.request.settings.kind(self.models), size_class(len(job.request.source), job.request.settings.max_tokens)
-
-    def room_for(self, jobs: list[Job], free: int) -> tuple[list[Job], list[Job]]:
-        """(taken, left waiting): in order, the jobs there are rows for, and room
-        in the cache budget for; a later job that fits may pass one that waits
-        for room, until budget.PASSES have passed it."""
-        if self.budget is None:
-            return jobs[:free], jobs[free:]
-        taken, left, waiting = [], [], None  # waiting: the first job left for want of room
-        for job in jobs:
-            footprint = self.budget.footprint(job.request)
-            if len(taken) < free and (waiting is None or waiting.passed < PASSES) and self.budget.fits(footprint):
-                self.budget.take(id(job), footprint)
-                taken.append(job)
-                if waiting is not None:
-                    waiting.passed += 1
-            else:
-                left.append(job)
-                if waiting is None and len(taken) < free:
-                    waiting = job
-        return taken, left
-
 
     def drop_cancelled(self, batch) -> None:
         gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}

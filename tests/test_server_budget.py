@@ -120,12 +120,12 @@ def test_a_job_waiting_for_room_is_passed_by_jobs_that_fit_but_not_for_ever(demo
     budget = engine.budget
     budget.limit = budget.bytes([budget.footprint(large.request)], [])  # the large one alone, or many small ones
     budget.held[id(running)] = budget.footprint(running.request)
-    taken, left = engine.room_for([large, *small], 64)
+    taken, left = budget.room_for([large, *small], 64)
     assert taken == small[:PASSES] and left == [large, *small[PASSES:]] and large.passed == PASSES
-    taken, left = engine.room_for(left, 64)
+    taken, left = budget.room_for(left, 64)
     assert taken == [] and left == [large, *small[PASSES:]]  # nothing passes it now
     budget.held = {}  # the running job and the small ones ended
-    taken, left = engine.room_for(left, 64)
+    taken, left = budget.room_for(left, 64)
     assert taken[0] is large
 
 

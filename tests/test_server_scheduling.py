@@ -9,7 +9,7 @@ import pytest
 from loading import load
 from options import Settings
 from rows import Encoding, Request
-from serving.engine import Engine, Job, Joining, size_class
+from serving.engine import ENCODING_SHARE_MOST, ENCODING_SLICE, Engine, Job, Joining, encoding_time, size_class
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,3 +77,55 @@ def test_a_job_that_comes_ends_the_steps_encoding_after_the_piece_in_hand(models
         pass
     assert [a.tolist() for a in interrupted.caches[0].cross_keys_values[0]] == \
         [a.tolist() for a in whole.caches[0].cross_keys_values[0]]
+
+
+def test_only_a_job_that_could_start_now_ends_the_steps_encoding(models):
+    """A job counts as an arrival (which ends the step's encoding) when it could take a row at the next step: not
+    when its class is being encoded (it waits for that), nor when no row is free."""
+    engine = Engine(models, Settings(), max_batch=4, max_queue=64)
+    engine.submit([job(50, 100) for _ in range(2)])
+    assert engine.arrivals == 1
+    engine.admit()  # their class is being encoded now
+    engine.submit([job(50, 100)])
+    assert engine.arrivals == 1
+    engine.submit([job(50, 5)])  # another class, and rows are free
+    assert engine.arrivals == 2
+    engine.admit()  # four rows taken: two being encoded, the short one, and none left for the held one
+    engine.submit([job(50, 5000)])
+    assert engine.active == 3 and engine.arrivals == 3
+    engine.admit()
+    engine.submit([job(50, 5)])  # no row is free
+    assert engine.active == 4 and engine.arrivals == 3
+
+
+def test_an_encoding_the_last_ones_speed_says_fits_runs_at_once_and_the_speed_is_learnt(models):
+    """With no speed known, several prompts encode a piece at a time; an encoding whose work at the learnt speed
+    fits the time given runs whole in one call, and one that would not goes in pieces; the caches are the same."""
+    def joining(engine, max_tokens):  # (a class of its own each: jobs of a class being encoded wait for it)
+        engine.submit([job(50, max_tokens), job(40, max_tokens), job(30, max_tokens)])
+        engine.admit()
+        return engine.joining[-1]
+
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    first = joining(engine, 100)
+    assert not engine.encoded(first, 0.0, lambda: False)  # one piece
+    while not engine.encoded(first, 0.0, lambda: False):
+        pass
+    assert engine.encoding_rate == pytest.approx(first.flops / first.encoding.spent)
+    fast = joining(engine, 1000)
+    engine.encoding_rate = fast.flops / 1e-5  # ten microseconds' work
+    assert engine.encoded(fast, 1e-4, lambda: False)
+    slow = joining(engine, 5000)
+    engine.encoding_rate = slow.flops / 1e-3
+    assert not engine.encoded(slow, 1e-4, lambda: False)
+    assert [a.tolist() for a in fast.encoding.caches[0].cross_keys_values[-1]] == \
+        [a.tolist() for a in first.encoding.caches[0].cross_keys_values[-1]]
+
+
+def test_a_steps_encoding_takes_the_rounds_time_row_for_row_within_a_bound():
+    """Rows waiting for their prompts get as long as the rounds took, times their count over the rows decoding where
+    that is more, up to ENCODING_SHARE_MOST times; with no row decoding, a slice."""
+    assert encoding_time(0.2, 2, 8) == 0.2
+    assert encoding_time(0.2, 16, 8) == pytest.approx(0.4)
+    assert encoding_time(0.2, 60, 1) == pytest.approx(0.2 * ENCODING_SHARE_MOST)
+    assert encoding_time(0.0, 60, 0) == ENCODING_SLICE
