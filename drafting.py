@@ -109,6 +109,7 @@ class DraftCost:
         self.floors = {}  # (rows, draft steps) -> [the round seconds' floor, rounds seen]
         self.slope = None
         self.tokens = self.seconds = 0.0  # decayed sums over rounds
+        self.idle = 0  # rounds in a row that drafted nothing (AutoDraft.idle_most)
 
     def floor(self, previous: float | None, seconds: float) -> float:
         if previous is None or seconds < previous:
@@ -191,6 +192,14 @@ def decide(reach: list[float], rates: list[float], limits: list[int], made: int,
     return False, worth(last, d - cost.step_seconds, cost.speed)
 
 
+def first_worth(rates: list[float], limits: list[int], cost: DraftCost) -> bool:
+    """Whether a round should draft at all: its first draft adds each row's a (P is 1 before any draft), against
+    R * d, as `decide` weighs every later one. Where a verify pass costs in proportion to the positions it scores (a
+    CPU at a large batch), a first draft can cost more than it adds: the round then decodes as regular decoding
+    does."""
+    return worth(sum(a for a, limit in zip(rates, limits) if limit >= 1), cost.per_draft, cost.speed)
+
+
 class AutoDraft:
     """num_draft="auto": each round the batch drafts one more token while
     that token is worth its cost (`decide`). So drafting goes further after
@@ -201,11 +210,14 @@ class AutoDraft:
 
     This is what auto has learnt of one pair: a `Calibration` for each
     setting rows ran at, whatever batch they shared, and a `DraftCost` for
-    each batch size, timed on one clock. One draft a round at least, `cap`
-    at most. `python -m bench drafting` measures it against each fixed
+    each batch size, timed on one clock. `cap` drafts a round at most, and
+    none when even one is not worth its cost (`first_worth`), but never
+    more than `idle_most` rounds in a row: a round that drafts keeps what
+    auto knows of the draft (its acceptance, its cost) up to date. `python -m bench drafting` measures it against each fixed
     num-draft (docs/PERFORMANCE.md)."""
 
     cap = 8
+    idle_most = 8
     settings_kept = 64  # calibrations kept, the least recently used dropped (a server's clients choose any delta)
 
     def __init__(self, clock=time.perf_counter):
@@ -288,13 +300,15 @@ class DraftModel:
         rows' RowPenalties, output counts and tokens, Batch.tokens) applies to each draft's logits
         what the target's will get there: its logits are the distribution
         the drafts were drawn from."""
+        rates = [row.drafting.calibration.pass_rate for row in rows] if self.auto else []
+        if self.auto and not self.drafts_now(rates, limits):
+            return Proposal(mx.zeros((len(rows), 0), mx.int32), None, [0] * len(rows), [0] * len(rows))
         lengths = [len(row.drafting.tokens) for row in rows]
         width = max(lengths)
         inputs = mx.array([row.drafting.tokens + [0] * (width - n) for row, n in zip(rows, lengths)])
         drafts, logits, confidences, steps = [], [], [], 0
         eos = self.model.args.eos_token_id
         reach = [1.0] * len(rows)  # P(row), from the confidences read so far
-        rates = [row.drafting.calibration.pass_rate for row in rows] if self.auto else []
         last_read = self.clock()
         for i in range(max(limits)):
             scores = self.model.decode(inputs, cache)
@@ -334,6 +348,14 @@ class DraftModel:
         limits = [min(limit, len(drafts)) for limit in limits]
         return Proposal(mx.stack(drafts, axis=1), mx.stack(logits, axis=1), limits, limits, steps, tuple(confidences))
 
+    def drafts_now(self, rates: list[float], limits: list[int]) -> bool:
+        """Whether auto drafts this round (AutoDraft: `first_worth`, or `idle_most` rounds drafted nothing)."""
+        if first_worth(rates, limits, self.cost) or self.cost.idle >= self.auto.idle_most:
+            self.cost.idle = 0
+            return True
+        self.cost.idle += 1
+        return False
+
     def settle(self, rows, proposal: Proposal, new_tokens: list[list[int]], accepted: list[int],
                cache: DecoderCache, seconds: float, warm: bool) -> None:
         """After the target judged the drafts: each row's unseen tokens, what
@@ -352,8 +374,8 @@ class DraftModel:
                     (list(confidences[:limit]), taken))
             for calibration, rounds in judged.values():
                 calibration.learn(rounds)
-            if warm:
-                self.cost.round(len(rows), proposal.steps, sum(accepted) + len(rows), seconds)
+        if self.auto and warm:  # a round of no drafts too: the floor each round length's cost is measured from
+            self.cost.round(len(rows), proposal.steps, sum(accepted) + len(rows), seconds)
         if k:
             cache.trim([k - 1 - min(taken, k - 1) for taken in accepted])
 

@@ -292,11 +292,15 @@ class Engine:
         for job in taken:
             together.setdefault(self.class_of(job), []).append(job)
         for (kind, _), jobs in together.items():
-            batch = self.batch_of(kind, jobs[0])
-            length = max(len(job.request.source) for job in jobs)
-            encoders = {id(model.encoder): model for model in batch.models}.values()  # (a shared encoder runs once)
-            flops = len(jobs) * sum(encoding_flops(model, length) for model in encoders)
-            self.joining.append(Joining(kind, jobs, batch.encoding([job.request for job in jobs]), True, flops))
+            self.start_encoding(kind, jobs, queued=True)
+
+    def start_encoding(self, kind, jobs: list[Job], queued: bool = False) -> None:
+        """The jobs' prompts, encoded together (Joining) to join the kind's batch; `queued`: they came from the queue."""
+        batch = self.batch_of(kind, jobs[0])
+        length = max(len(job.request.source) for job in jobs)
+        encoders = {id(model.encoder): model for model in batch.models}.values()  # (a shared encoder runs once)
+        flops = len(jobs) * sum(encoding_flops(model, length) for model in encoders)
+        self.joining.append(Joining(kind, jobs, batch.encoding([job.request for job in jobs]), queued, flops))
 
     def batch_of(self, kind, job: Job):
         """The batch of a drafting kind (an isolated job's kind: a batch of one), made if there is none: the
@@ -460,8 +464,7 @@ class Engine:
             if job.error is None:
                 together.setdefault(job.request.settings.kind(self.models), []).append(job)
         for next_kind, jobs in together.items():
-            encoding = self.batch_of(next_kind, jobs[0]).encoding([job.request for job in jobs])
-            self.joining.append(Joining(next_kind, jobs, encoding))
+            self.start_encoding(next_kind, jobs)
         for job in touched.values():
             if job.error is None:
                 job.publish()
@@ -494,5 +497,4 @@ class Engine:
         job.request = job.again()
         if self.budget is not None:
             self.budget.encoding.add(id(job))  # encoded again: its working memory counts again until it joins
-        kind = ("alone", id(job.request))
-        self.joining.append(Joining(kind, [job], self.batch_of(kind, job).encoding([job.request])))
+        self.start_encoding(("alone", id(job.request)), [job])

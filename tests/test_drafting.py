@@ -90,10 +90,13 @@ def test_sampling_with_looked_up_drafts_follows_the_target_distribution(tiny_voc
 
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
-def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, temp, top_p):
+def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, temp, top_p, monkeypatch):
     """auto drafts as many tokens as the draft's confidences make worth it;
     the first token's distribution, and the second's given the most frequent
-    first, are still the target's."""
+    first, are still the target's. (Every round drafts one at least here: on
+    these tiny models a draft step costs a target step, so auto would draft
+    in one round of nine only.)"""
+    monkeypatch.setattr(AutoDraft, "idle_most", 0)
     (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
     prompt = [5, 3, 6, 1]
     models, settings = Models(target, draft), Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft="auto")
@@ -192,6 +195,35 @@ def test_auto_can_draft_a_single_token_a_round(pair):
     cheap, dear = learnt([(4, 1)] * 20), learnt([(4, 1)] * 20, step=0.003)
     assert drafts_taken(cheap, draft, prompt) >= 2
     assert drafts_taken(dear, draft, prompt) == 1
+
+
+def test_auto_drafts_nothing_in_a_round_whose_first_draft_is_not_worth_its_cost(pair):
+    """One draft in eleven passes: a first draft adds 0.09 tokens. At three tenths of a token's time a draft, auto
+    drafts none (the round decodes as regular decoding does), until AutoDraft.idle_most rounds in a row have drafted
+    nothing, when one drafts, so that what auto knows of the draft stays up to date; at a twentieth, it drafts."""
+    draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
+    rejected = [(4, 0)] * 18 + [(4, 1)] * 2
+    dear, cheap = learnt(rejected, step=0.003), learnt(rejected, step=0.0005)
+    (cache,) = encode_for([draft], [prompt])
+    drafter = DraftModel(draft, dear)
+    row = Row(Request(prompt, AUTO), (0.0, 0.0), (0, 0))
+    drafter.start(row, (draft.args.decoder_start_token_id,))
+    taken = [drafter.propose([row], [AutoDraft.cap], RowSampling([Sampling()]), None, cache).drafts.shape[1]
+             for _ in range(AutoDraft.idle_most + 1)]
+    assert taken[:-1] == [0] * AutoDraft.idle_most and taken[-1] >= 1
+    assert drafts_taken(cheap, draft, prompt) >= 1
+
+
+def test_greedy_auto_with_rounds_of_no_drafts_equals_regular(pair):
+    """A draft that is rarely right and dear: most of auto's rounds draft nothing, and the output is regular
+    decoding's, token for token."""
+    target, checkpoint = pair["target"], pair["checkpoint"]
+    models = Models(target, pair["drafts"]["unrelated"])
+    models.learned.drafting = learnt([(4, 0)] * 18 + [(4, 1)] * 2, step=0.003)
+    stats = Stats()
+    out = decode(models, checkpoint.prompt_ids, Settings(max_tokens=64, num_draft="auto"), stats)
+    assert out == regular(target, checkpoint.prompt_ids, 64)
+    assert stats.drafted > 0 and stats.drafts_per_round < 0.5
 
 
 def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
