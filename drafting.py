@@ -135,10 +135,11 @@ class DraftCost:
 
     def fit_slope(self) -> None:
         """The slope through the floors of the batch size (rows) with the most
-        rounds behind two or more trusted lengths."""
+        rounds behind two or more trusted lengths of one draft or more (a
+        round of none skips the draft's call and catch-up: first_draft)."""
         by_rows = {}
         for (rows, steps), (seconds, count) in self.floors.items():
-            if count >= self.trusted:
+            if count >= self.trusted and steps:
                 by_rows.setdefault(rows, []).append((steps, seconds, min(count, self.most_weight)))
         fits = [points for points in by_rows.values() if len(points) >= 2]
         if not fits:
@@ -155,6 +156,18 @@ class DraftCost:
         if self.step_seconds is None:
             return None
         return self.step_seconds if self.slope is None else max(self.slope, self.step_seconds)
+
+    @property
+    def first_draft(self) -> float | None:
+        """What drafting at all adds to a round: a round of one draft's floor over a round of none's, for the batch
+        size with the most rounds of both; per_draft until both are trusted."""
+        pairs = [(self.floors[(rows, 1)], floor) for (rows, steps), floor in self.floors.items()
+                 if not steps and (rows, 1) in self.floors]
+        pairs = [(one, none) for one, none in pairs if min(one[1], none[1]) >= self.trusted]
+        if not pairs:
+            return self.per_draft
+        one, none = max(pairs, key=lambda pair: pair[0][1] + pair[1][1])
+        return max(one[0] - none[0], self.step_seconds or 0.0)
 
     @property
     def speed(self) -> float | None:  # R
@@ -194,10 +207,10 @@ def decide(reach: list[float], rates: list[float], limits: list[int], made: int,
 
 def first_worth(rates: list[float], limits: list[int], cost: DraftCost) -> bool:
     """Whether a round should draft at all: its first draft adds each row's a (P is 1 before any draft), against
-    R * d, as `decide` weighs every later one. Where a verify pass costs in proportion to the positions it scores (a
-    CPU at a large batch), a first draft can cost more than it adds: the round then decodes as regular decoding
-    does."""
-    return worth(sum(a for a, limit in zip(rates, limits) if limit >= 1), cost.per_draft, cost.speed)
+    R times what drafting at all costs (DraftCost.first_draft), as `decide` weighs every later one. Where a verify
+    pass costs in proportion to the positions it scores (a CPU at a large batch), a first draft can cost more than
+    it adds: the round then decodes as regular decoding does."""
+    return worth(sum(a for a, limit in zip(rates, limits) if limit >= 1), cost.first_draft, cost.speed)
 
 
 class AutoDraft:

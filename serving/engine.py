@@ -297,10 +297,11 @@ class Engine:
     def start_encoding(self, kind, jobs: list[Job], queued: bool = False) -> None:
         """The jobs' prompts, encoded together (Joining) to join the kind's batch; `queued`: they came from the queue."""
         batch = self.batch_of(kind, jobs[0])
-        length = max(len(job.request.source) for job in jobs)
+        encoding = batch.encoding([job.request for job in jobs])
         encoders = {id(model.encoder): model for model in batch.models}.values()  # (a shared encoder runs once)
-        flops = len(jobs) * sum(encoding_flops(model, length) for model in encoders)
-        self.joining.append(Joining(kind, jobs, batch.encoding([job.request for job in jobs]), queued, flops))
+        # (a prompt sent several times, as n copies, is encoded once: Encoding.lengths has each once)
+        flops = len(encoding.lengths) * sum(encoding_flops(model, max(encoding.lengths)) for model in encoders)
+        self.joining.append(Joining(kind, jobs, encoding, queued, flops))
 
     def batch_of(self, kind, job: Job):
         """The batch of a drafting kind (an isolated job's kind: a batch of one), made if there is none: the
@@ -358,14 +359,15 @@ class Engine:
 
     def encoded(self, joining: Joining, seconds: float, interrupted: Callable[[], bool]) -> bool:
         """Encode for about `seconds`: all at once if none of it has run and the speed of the last encodings says
-        it fits, else in pieces (Encoding.advance); True once done. Learns the speed from encodings of several
-        prompts (one alone reads every weight for itself, and runs at once anyway: Encoding.small)."""
+        it fits (then a job that comes waits for all of it), else in pieces (Encoding.advance); True once done.
+        Learns the speed from encodings of several distinct prompts (one alone reads every weight for itself, and
+        runs at once anyway: Encoding.small)."""
         encoding = joining.encoding
         if not encoding.spent and self.encoding_rate and joining.flops / self.encoding_rate <= seconds:
             encoding.finish()
         elif not encoding.advance(seconds, interrupted):
             return False
-        if len(joining.jobs) > 1 and encoding.spent > 0.005:
+        if len(encoding.lengths) > 1 and encoding.spent > 0.005:
             rate = joining.flops / encoding.spent
             self.encoding_rate = rate if self.encoding_rate is None else 0.7 * self.encoding_rate + 0.3 * rate
         return True

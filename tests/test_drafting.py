@@ -292,6 +292,20 @@ def test_auto_does_not_price_drafts_by_one_slow_round():
     assert cost.per_draft == pytest.approx(0.0006, rel=0.05)
 
 
+def test_what_drafting_at_all_costs_is_a_round_of_one_drafts_floor_over_a_round_of_nones():
+    """A round of no drafts skips the draft's call (and its catch-up on the tokens it has not seen): the first draft
+    costs what separates rounds of one draft from rounds of none, and every later one the slope through the lengths
+    that draft, which rounds of none do not bend."""
+    cost = DraftCost()
+    cost.draft_step(0.001)
+    for _ in range(DraftCost.trusted):
+        for steps, seconds in [(0, 0.010), (1, 0.016), (2, 0.018), (3, 0.020)]:
+            cost.round(4, steps, 4 + steps, seconds)
+    assert cost.per_draft == pytest.approx(0.002)
+    assert cost.first_draft == pytest.approx(0.006)
+    assert DraftCost().first_draft is None  # nothing timed yet
+
+
 def rounds_timed(auto: AutoDraft) -> int:
     return sum(count for _, count in auto.cost(1).floors.values())
 

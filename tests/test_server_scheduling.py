@@ -90,7 +90,7 @@ def test_only_a_job_that_could_start_now_ends_the_steps_encoding(models):
     assert engine.arrivals == 1
     engine.submit([job(50, 5)])  # another class, and rows are free
     assert engine.arrivals == 2
-    engine.admit()  # four rows taken: two being encoded, the short one, and none left for the held one
+    engine.admit()  # three rows taken: two being encoded and the short one; the held job waits, a row is free
     engine.submit([job(50, 5000)])
     assert engine.active == 3 and engine.arrivals == 3
     engine.admit()
@@ -120,6 +120,22 @@ def test_an_encoding_the_last_ones_speed_says_fits_runs_at_once_and_the_speed_is
     assert not engine.encoded(slow, 1e-4, lambda: False)
     assert [a.tolist() for a in fast.encoding.caches[0].cross_keys_values[-1]] == \
         [a.tolist() for a in first.encoding.caches[0].cross_keys_values[-1]]
+
+
+def test_an_encodings_work_counts_a_prompt_sent_several_times_once(models):
+    """n copies of a prompt are encoded once (Encoding): their work is one prompt's, and the engine learns no speed
+    from them (it would take them for n prompts encoded in the time of one)."""
+    from generate import encoding_flops
+
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    copies = [job(50, 100) for _ in range(4)]
+    engine.submit(copies)
+    engine.admit()
+    (joining,) = engine.joining
+    assert joining.flops == encoding_flops(models.target, 50)
+    while not engine.encoded(joining, 0.0, lambda: False):
+        pass
+    assert engine.encoding_rate is None
 
 
 def test_a_steps_encoding_takes_the_rounds_time_row_for_row_within_a_bound():
