@@ -226,8 +226,9 @@ class AutoDraft:
     each batch size, timed on one clock. `cap` drafts a round at most, and
     none when even one is not worth its cost (`first_worth`), but never
     more than `idle_most` rounds in a row: a round that drafts keeps what
-    auto knows of the draft (its acceptance, its cost) up to date. `python -m bench drafting` measures it against each fixed
-    num-draft (docs/PERFORMANCE.md)."""
+    auto knows of the draft (its acceptance, its cost) up to date.
+    `python -m bench drafting` measures it against each fixed num-draft
+    (docs/PERFORMANCE.md)."""
 
     cap = 8
     idle_most = 8
