@@ -221,9 +221,8 @@ class Engine:
         """Whether a job that comes now could take a row at the next step: a free row, no encoding of its class under
         way (take_waiting holds it for that), and room in the cache budget. (Read from the event loop's thread: the
         engine's state as it stands, an estimate.)"""
-        if self.max_batch - self.active <= 0 or self.class_of(job) in self.encoding_classes():
-            return False
-        return self.budget is None or self.budget.fits(self.budget.footprint(job.request))
+        return self.max_batch - self.active > 0 and self.class_of(job) not in self.encoding_classes() and \
+            (self.budget is None or self.budget.fits(self.budget.footprint(job.request)))
 
     def encoding_classes(self) -> set:
         """The classes of the jobs from the queue being encoded (jobs of these wait for them to end)."""
@@ -295,11 +294,11 @@ class Engine:
             self.start_encoding(kind, jobs, queued=True)
 
     def start_encoding(self, kind, jobs: list[Job], queued: bool = False) -> None:
-        """The jobs' prompts, encoded together (Joining) to join the kind's batch; `queued`: they came from the queue."""
+        """The jobs' prompts, encoded together (Joining) to join the kind's batch; `queued`: they came from the queue.
+        Its work counts each prompt once (n copies of one are encoded once: Encoding.lengths)."""
         batch = self.batch_of(kind, jobs[0])
         encoding = batch.encoding([job.request for job in jobs])
         encoders = {id(model.encoder): model for model in batch.models}.values()  # (a shared encoder runs once)
-        # (a prompt sent several times, as n copies, is encoded once: Encoding.lengths has each once)
         flops = len(encoding.lengths) * sum(encoding_flops(model, max(encoding.lengths)) for model in encoders)
         self.joining.append(Joining(kind, jobs, encoding, queued, flops))
 
@@ -320,9 +319,8 @@ class Engine:
         no row decoding, ENCODING_SLICE, so that the queue is read between.
         The smaller sizes go first (size_class), the oldest first within a
         size, and the oldest of all gets a piece every step whatever comes
-        after it; each joins its batch once encoded. An encoding that the
-        speed of the last ones says fits in what is left of the step runs at
-        once (its work in pieces takes longer), the others a piece at a time."""
+        after it; each joins its batch once encoded (at once or in pieces:
+        `encoded`)."""
         for joining in [joining for joining in self.joining if all(job.cancelled for job in joining.jobs)]:
             self.joining.remove(joining)  # every client left while it was encoded
             for job in joining.jobs:
