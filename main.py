@@ -380,6 +380,9 @@ def listen(args) -> int:
         raise UsageError("--audio needs --model: a converted Whisper (python convert.py --model openai/whisper-small)")
     if args.task is not None and args.task not in TASKS:
         raise UsageError(f"--task with --audio is transcribe or translate, not {args.task!r}")
+    if args.compare or args.interactive or args.sweep:
+        raise UsageError("--compare, --interactive and --sweep take text prompts, not --audio: to compare, run the "
+                         "files with and without --regular-decode")
     if args.json and (args.output_format or args.output_dir):
         raise UsageError("--json prints verbose_json: drop it to choose --output-format or --output-dir")
     if args.output_dir is not None and not Path(args.output_dir).is_dir():

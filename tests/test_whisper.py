@@ -430,6 +430,9 @@ def test_the_command_line_transcribes_files_and_prints_openais_verbose_json(spok
     assert error.count("\n") == 1
     assert main.main(["--audio", str(path)]) == 2
     assert "--audio needs --model" in capsys.readouterr().err
+    for mode in ("--compare", "--interactive", "--sweep"):  # text modes: refused, not silently ignored
+        assert main.main(["--model", str(root / "mlx"), "--audio", str(path), mode]) == 2
+        assert "take text prompts, not --audio" in capsys.readouterr().err
 
 
 def test_a_draft_that_keeps_its_targets_encoder_decodes_on_the_targets_encoder_output(pair, features, monkeypatch):
