@@ -36,8 +36,8 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str,
     """Softmax attention of queries (B, H, L, D) over keys and values
     (B, H, S, D), plus an additive bias: (B or 1, H or 1, L, S) for "self"
     and "cross" (None: no bias), and for "prompt" a function bias_of(first,
-    last) giving rows first..last-1 of it, whose blocks take the `lanes` in
-    turn. Returns (B, H, L, D).
+    last) giving rows first..last-1 of it (or None), whose blocks take the
+    `lanes` in turn. Returns (B, H, L, D).
 
     On the CPU path, the decoder's self-attention takes MLX's softmax (its
     keys grow step by step: a rule on their count would switch in a verify
@@ -97,7 +97,8 @@ def attend_in_blocks(queries, keys, values, bias_of, lanes: tuple) -> mx.array:
     rows = {}  # first row -> that block's output, head group by head group
     for i, (a, b, h, g) in enumerate(attention_blocks(L, H, keys.shape[2])):
         with cpu.lane(lanes, i):  # the slices too: a block's every operation on its own lane
-            q, k, v, bias = queries[:, h:g, a:b], keys[:, h:g], values[:, h:g], bias_of(a, b)[:, h:g]
+            q, k, v, bias = queries[:, h:g, a:b], keys[:, h:g], values[:, h:g], bias_of(a, b)
+            bias = None if bias is None else bias[:, h:g]
             if on_cpu:
                 out = softmax_attention(q, k, v, bias, own=True, summing_column=True)
             else:
@@ -125,7 +126,7 @@ def softmax_attention(queries, keys, values, bias, own: bool, summing_column: bo
     scores = queries @ transposed if bias is None else mx.addmm(bias, queries, transposed)
     if not own:
         return mx.softmax(scores, axis=-1, precise=True) @ values
-    weights = exp_below_zero(scores - scores.max(axis=-1, keepdims=True))
+    weights = exp_below_top(scores, scores.max(axis=-1, keepdims=True))
     if summing_column:
         out = weights @ values
         return out[..., :-1] / out[..., -1:]
@@ -154,11 +155,12 @@ _EXP2_TERMS = [math.log(2) ** k / math.factorial(k) for k in range(7)]
 # shapeless: MLX's shapeless tracing adds broadcasts that cut the graph again.
 
 
-def _scaled_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
-    """y = x / ln 2, and the float bits of 2**n; below x = -87 (where float32
-    runs out of exponents) the bits of 0, as MLX's exp gives. In float32
-    whatever x's type: half precision would lose digits in y."""
-    y = mx.maximum(x.astype(mx.float32), -87.0) * (1 / math.log(2))
+def _scaled_and_exponent_bits(x: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """y = (x - top) / ln 2, and the float bits of 2**n; below x - top = -87
+    (where float32 runs out of exponents) the bits of 0, as MLX's exp gives.
+    In float32 whatever x's type: half precision would lose digits in y."""
+    x = x.astype(mx.float32) if top is None else x.astype(mx.float32) - top.astype(mx.float32)
+    y = mx.maximum(x, -87.0) * (1 / math.log(2))
     n = (y - 0.5).astype(mx.int32)  # the integer nearest y (y <= 0: the cast rounds toward zero)
     return y, mx.where(x >= -87.0, (n + 127) << 23, 0)
 
@@ -172,8 +174,10 @@ def _times_exp2_fraction(y: mx.array, power_of_two: mx.array) -> mx.array:
     return (c[0] + c[1] * f + f2 * (c[2] + c[3] * f) + (f2 * f2) * (c[4] + c[5] * f + f2 * c[6])) * power_of_two
 
 
-# Without a C++ compiler (MLX's CPU compile runs g++), MLX evaluates them op by op.
+# Without a C++ compiler (MLX's CPU compile runs g++), MLX evaluates them op by op. The first half also comes with
+# the subtraction of each row's maximum in its loop: one pass over the scores less.
 _compiled_halves = (mx.compile(_scaled_and_exponent_bits), mx.compile(_times_exp2_fraction))
+_compiled_below_top = mx.compile(lambda x, top: _scaled_and_exponent_bits(x, top))
 
 
 def _exp_below_zero(x: mx.array) -> mx.array:
@@ -193,3 +197,17 @@ def exp_below_zero(x: mx.array) -> mx.array:
 @exp_below_zero.vjp
 def _exp_below_zero_vjp(primals, cotangent, output):
     return cotangent * output
+
+
+@mx.custom_function
+def exp_below_top(x: mx.array, top: mx.array) -> mx.array:
+    """exp(x - top) for x <= top, top (..., 1) each row's maximum (or more) along the last axis: exp_below_zero with
+    the subtraction in its first loop."""
+    y, bits = _compiled_below_top(x, top)
+    return _compiled_halves[1](y, bits.view(mx.float32)).astype(x.dtype)
+
+
+@exp_below_top.vjp
+def _exp_below_top_vjp(primals, cotangent, output):
+    along = cotangent * output
+    return along, -along.sum(axis=-1, keepdims=True)

@@ -26,7 +26,7 @@ import cpu  # must precede mlx.core: picks a fast BLAS on Linux
 import mlx.core as mx
 import mlx.nn as nn
 
-from attention import attend
+from attention import attend, exp_below_zero
 from cache import DecoderCache, write
 
 
@@ -74,13 +74,68 @@ class ModelArgs:
         return cls(**args)
 
 
+# The CPU path's activations. There MLX's erf, tanh and sigmoid are a library call per element: a GELU over an encoder
+# layer's FFN cost as much as its products (Whisper small's shapes). Built of multiplies and adds, which MLX's CPU
+# compile fuses into one loop, they cost a fraction of that, equal to float32 precision (tests/test_model.py): erf
+# as a rational function of x² (Eigen's, odd numerator over even denominator, on [-4, 4], where erf reaches 1 in
+# float32), the sigmoid from attention.py's exponential of -|x|. In float32 whatever the input's type: the
+# coefficients' span would be lost in half precision.
+_ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+                  -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # of x**13 down to x**1
+_ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+                    -1.42647390514189e-02)  # of x**8 down to x**0
+
+
+@mx.compile
+def _gelu_by_rational_erf(x: mx.array) -> mx.array:
+    x32 = x.astype(mx.float32)
+    z = mx.clip(x32 * (1 / math.sqrt(2)), -4.0, 4.0)
+    y = z * z
+    y2 = y * y
+    a, b = _ERF_NUMERATOR, _ERF_DENOMINATOR
+    # both polynomials in y, evaluated in pairs (Estrin's order): a shallow graph fuses whole
+    numerator = ((a[0] * y + a[1]) * y2 + (a[2] * y + a[3])) * (y2 * y) + ((a[4] * y + a[5]) * y + a[6])
+    denominator = (b[0] * y + b[1]) * (y2 * y) + (b[2] * y + b[3]) * y + b[4]
+    return (0.5 * x32 * (1 + z * numerator / denominator)).astype(x.dtype)
+
+
+@mx.compile
+def _tanh_gelu_argument(x: mx.array) -> mx.array:
+    """2 sqrt(2 / pi) (x + 0.044715 x**3): the tanh approximation's 0.5 (1 + tanh(u)) is sigmoid(2u)."""
+    x = x.astype(mx.float32)
+    return (2 * math.sqrt(2 / math.pi)) * (x + 0.044715 * x * x * x)
+
+
+def _sigmoid_on_cpu(x: mx.array) -> mx.array:
+    small = exp_below_zero(-mx.abs(x))  # e**-|x|, never overflows
+    return mx.where(x >= 0, 1.0, small) / (1 + small)
+
+
+def gelu(x: mx.array) -> mx.array:
+    """The exact (erf) GELU, as Hugging Face's "gelu"."""
+    return _gelu_by_rational_erf(x) if cpu.in_use() else nn.gelu(x)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GELU's tanh approximation, as Hugging Face's "gelu_new"."""
+    if not cpu.in_use():
+        return nn.gelu_approx(x)
+    return (x.astype(mx.float32) * _sigmoid_on_cpu(_tanh_gelu_argument(x))).astype(x.dtype)
+
+
+def silu(x: mx.array) -> mx.array:
+    if not cpu.in_use():
+        return nn.silu(x)
+    return (x.astype(mx.float32) * _sigmoid_on_cpu(x.astype(mx.float32))).astype(x.dtype)
+
+
 _ACTIVATIONS = {
     "relu": nn.relu,
-    "gelu": nn.gelu,  # exact (erf) GELU, as Hugging Face's "gelu"
-    "gelu_new": nn.gelu_approx,  # tanh approximation
-    "gelu_pytorch_tanh": nn.gelu_approx,
-    "silu": nn.silu,
-    "swish": nn.silu,  # Marian's name for it
+    "gelu": gelu,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "silu": silu,
+    "swish": silu,  # Marian's name for it
 }
 
 
@@ -375,10 +430,9 @@ class Encoder(Stack):
         heads = self.args.num_heads
 
         def biases(relative: RelativePositionBias | None):
-            """bias_of(first, last), the bias of rows first..last-1 of every head (B or 1, heads, rows, L)."""
-            if relative is None:  # absolute positions: the padding alone
-                no_padding = mx.zeros((1, 1, 1, L), x.dtype)
-                return lambda a, b: mx.broadcast_to(no_padding if padding is None else padding, (B, heads, b - a, L))
+            """bias_of(first, last), the bias of rows first..last-1 of every head (B or 1, heads, rows, L), or None."""
+            if relative is None:  # absolute positions: the padding alone, or no bias (the scores' product adds none)
+                return lambda a, b: None if padding is None else mx.broadcast_to(padding, (B, heads, b - a, L))
             by_distance = relative.by_distance(L)
 
             def bias_of(first: int, last: int) -> mx.array:
@@ -435,7 +489,7 @@ class AudioStem(nn.Module):
         self.conv2 = nn.Conv1d(args.d_model, args.d_model, kernel_size=3, stride=2, padding=1)
 
     def __call__(self, frames: mx.array) -> mx.array:
-        return nn.gelu(self.conv2(nn.gelu(self.conv1(frames))))
+        return gelu(self.conv2(gelu(self.conv1(frames))))
 
 
 class EncoderDecoder(nn.Module):

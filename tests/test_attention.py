@@ -6,7 +6,8 @@ import pytest
 import attention
 import cpu
 import mlx.core as mx
-from attention import OWN_SOFTMAX_FROM, ROWS_PER_BLOCK, SCORES_PER_BLOCK, attend, attention_blocks, exp_below_zero
+from attention import (OWN_SOFTMAX_FROM, ROWS_PER_BLOCK, SCORES_PER_BLOCK, attend, attention_blocks, exp_below_top,
+                       exp_below_zero)
 from conftest import ROOT
 from loading import load_model
 from model import ROWS_PER_CHUNK, row_chunks
@@ -55,6 +56,29 @@ def test_our_exp_below_zero_is_exp_to_float32_precision():
     assert np.allclose(np.array(gradient), np.exp([-1.0, -2.0]), rtol=1e-6)
 
 
+
+def test_exp_below_top_is_exp_of_the_difference_and_softmax_has_its_gradient():
+    """exp(x - top) as exp_below_zero(x - top) gives it, padding (-inf) to 0; and a softmax built on it, with top the
+    rows' maximum, has the softmax's gradient (the maximum's share cancels)."""
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.normal(0, 8, (6, 300)).astype(np.float32))
+    x = mx.where(mx.arange(300) < 280, x, -mx.inf)  # padded keys
+    top = x.max(axis=-1, keepdims=True)
+    assert np.array_equal(np.array(exp_below_top(x, top)), np.array(exp_below_zero(x - top)))
+
+    def ours(v):
+        weights = exp_below_top(v, v.max(axis=-1, keepdims=True))
+        return weights / weights.sum(axis=-1, keepdims=True)
+
+    probe = mx.array(rng.normal(0, 1, (6, 300)).astype(np.float32))
+    for name, soft in (("ours", ours), ("mlx", lambda v: mx.softmax(v, axis=-1, precise=True))):
+        gradient = mx.grad(lambda v, soft=soft: (soft(v) * probe[:, :280]).sum())(x[:, :280])
+        if name == "ours":
+            mine = np.array(gradient)
+        else:
+            np.testing.assert_allclose(mine, np.array(gradient), atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def attention_inputs():
     rng = np.random.default_rng(0)
@@ -79,8 +103,8 @@ def test_every_kind_of_attention_equals_the_fused_kernel(attention_inputs, padde
         bias = bias + mx.where(mx.arange(1100) < 1000, 0.0, -mx.inf)[None, None, None, :]
     assert 4 * 1100 >= OWN_SOFTMAX_FROM  # many enough keys for cross-attention's rule to take our path
     fused = np.array(mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias))
-    calls, real = [], attention.exp_below_zero
-    monkeypatch.setattr(attention, "exp_below_zero", lambda x: calls.append(1) or real(x))
+    calls, real = [], attention.exp_below_top
+    monkeypatch.setattr(attention, "exp_below_top", lambda x, top: calls.append(1) or real(x, top))
     if kind == "prompt":
         monkeypatch.setattr(attention, "attention_blocks", lambda rows, heads, _: [
             (a, min(a + 8, rows), h, h + 1) for a in range(0, rows, 8) for h in range(heads)])

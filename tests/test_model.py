@@ -265,3 +265,25 @@ def test_encoding_in_blocks_of_queries_equals_transformers_with_padding(unit_sca
     for row in range(2):
         valid = mask[row].astype(bool)
         assert_as_near_as_transformers(ours[row][valid], theirs[row][valid], exact[row][valid], f"row {row}'s encoding")
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "silu"])
+def test_cpu_path_activations_equal_torchs_to_float32_precision(name):
+    """The CPU path's GELUs and SiLU (rational erf, attention.py's exponential: model.py) against PyTorch's in float64,
+    over the range activations take: within a float32 rounding or two of the value's scale, in every dtype they are
+    given back in, and with the exact function's gradient (training runs through them)."""
+    import model
+
+    ours = model._ACTIVATIONS[name]
+    exact = {"gelu": lambda t: torch.nn.functional.gelu(t), "gelu_new": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+             "silu": torch.nn.functional.silu}[name]
+    x = np.linspace(-20, 20, 400_001).astype(np.float32)
+    x64 = torch.from_numpy(x).double()
+    error = np.abs(np.array(ours(mx.array(x)), np.float64) - exact(x64).numpy()) / np.maximum(1.0, np.abs(x))
+    assert error.max() < 3e-7, (name, x[error.argmax()], error.max())
+    for dtype in (mx.float16, mx.bfloat16):
+        assert ours(mx.array(x[:10]).astype(dtype)).dtype == dtype
+    points = torch.tensor([-3.0, -1.0, -0.1, 0.0, 0.5, 2.0, 6.0], dtype=torch.float64, requires_grad=True)
+    exact(points).sum().backward()
+    gradient = mx.grad(lambda v: ours(v).sum())(mx.array(points.detach().numpy().astype(np.float32)))
+    np.testing.assert_allclose(np.array(gradient), points.grad.numpy(), atol=2e-6)
