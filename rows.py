@@ -134,10 +134,11 @@ class Encoding:
         started = time.perf_counter()
         while self.caches is None:
             try:
-                piece = self.next if self.next is not None else next(self.work)
+                # (made in there too: making a piece may evaluate some of the work, as a cache's rows kept do)
                 with cpu.many_rows():
+                    piece = self.next if self.next is not None else next(self.work)
                     mx.eval(piece)
-                self.next = next(self.work)  # made now: done is known at once, not a step later
+                    self.next = next(self.work)  # made now: done is known at once, not a step later
             except StopIteration as done:
                 self.caches = done.value
             if time.perf_counter() - started >= seconds or interrupted():
