@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ct2-worker", help=argparse.SUPPRESS)
     parser.add_argument("--whisper-worker", help=argparse.SUPPRESS)
     parser.add_argument("--whisper-reference", default="transformers", help=argparse.SUPPRESS)
+    parser.add_argument("--references", help="whisper: only these references beside transformers (mlx-whisper, "
+                        "faster-whisper; mlx-whisper on a CPU takes most of the run's time)")
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--decode-worker", help=argparse.SUPPRESS)

@@ -236,7 +236,9 @@ def run_whisper(args) -> dict:
     for shape in shapes:
         hf, mlx = checkpoint(args.dir, shape)
         models = load(str(mlx), one_row=True)  # one file: one row, as main.py
-        folders = {reference: reference_folder(hf, reference) for reference in REFERENCES}
+        chosen = [r for r in REFERENCES if r == "transformers" or args.references is None
+                  or r.split()[0] in args.references.split(",")]
+        folders = {reference: reference_folder(hf, reference) for reference in chosen}
         workers = {reference: Worker("--whisper-worker", str(folder), "--whisper-reference", reference)
                    for reference, folder in folders.items() if folder is not None}
         versions |= {reference.split()[0]: worker.version for reference, worker in workers.items()}
