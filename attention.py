@@ -209,5 +209,9 @@ def exp_below_top(x: mx.array, top: mx.array) -> mx.array:
 
 @exp_below_top.vjp
 def _exp_below_top_vjp(primals, cotangent, output):
+    x, top = primals
     along = cotangent * output
-    return along, -along.sum(axis=-1, keepdims=True)
+    # top's share: summed over the axes it was broadcast along (its own shape, whatever its rank)
+    broadcast = tuple(axis for axis in range(along.ndim)
+                      if axis < along.ndim - top.ndim or top.shape[axis - (along.ndim - top.ndim)] == 1 != along.shape[axis])
+    return along, (-along.sum(axis=broadcast, keepdims=True)).reshape(top.shape)

@@ -107,6 +107,7 @@ def _tanh_gelu_argument(x: mx.array) -> mx.array:
 
 
 def _sigmoid_on_cpu(x: mx.array) -> mx.array:
+    """(Its gradient at exactly 0 is 0, abs's there, not 1/4: SiLU and the tanh GELU multiply it by x, which is 0.)"""
     small = exp_below_zero(-mx.abs(x))  # e**-|x|, never overflows
     return mx.where(x >= 0, 1.0, small) / (1 + small)
 

@@ -43,8 +43,8 @@ def test_encoder_output_matches_transformers(unit_scale_checkpoint, checkpoint_b
             return m.get_encoder()(input_ids=torch.tensor([checkpoint.prompt_ids])).last_hidden_state.numpy()
 
     exact = encoded(in_float64(checkpoint.hf_model))
-    theirs = farthest_float32(checkpoint.hf_model, encoded, exact) if scale == "chaotic" else encoded(checkpoint.hf_model)
-    assert_as_near_as_transformers(np.array(ours), theirs, exact, "encoder output")
+    chance = farthest_float32(checkpoint.hf_model, encoded, exact) if scale == "chaotic" else None
+    assert_as_near_as_transformers(np.array(ours), encoded(checkpoint.hf_model), exact, "encoder output", chance=chance)
 
 
 @pytest.mark.parametrize("scale", ["unit", "chaotic"])
@@ -54,9 +54,10 @@ def test_decoder_logits_match_transformers(unit_scale_checkpoint, checkpoint_by_
     decoder_ids = [0] + reference_greedy(checkpoint.hf_model, checkpoint.prompt_ids, 24)
     cache = model.make_cache(model.encode(mx.array([checkpoint.prompt_ids])))
     exact = hf_logits(checkpoint, decoder_ids, in_float64(checkpoint.hf_model))
-    theirs = farthest_float32(checkpoint.hf_model, lambda m: hf_logits(checkpoint, decoder_ids, m), exact) \
-        if scale == "chaotic" else hf_logits(checkpoint, decoder_ids)
-    assert_as_near_as_transformers(np.array(model.decode(mx.array([decoder_ids]), cache)), theirs, exact)
+    chance = farthest_float32(checkpoint.hf_model, lambda m: hf_logits(checkpoint, decoder_ids, m), exact) \
+        if scale == "chaotic" else None
+    assert_as_near_as_transformers(np.array(model.decode(mx.array([decoder_ids]), cache)), hf_logits(checkpoint, decoder_ids),
+                                   exact, chance=chance)
 
 
 def incremental_and_full_logits(checkpoint) -> tuple[list[np.ndarray], np.ndarray]:
