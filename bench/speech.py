@@ -232,15 +232,15 @@ def run_whisper(args) -> dict:
     from loading import load
 
     shapes = args.shapes.split(",") if args.shapes else ["tiny", "small"]
+    asked = None if args.references is None else {name.strip() for name in args.references.split(",")}
+    if asked is not None and asked - {"mlx-whisper", "faster-whisper"}:  # before any checkpoint is built
+        raise SystemExit(f"--references: unknown {', '.join(sorted(asked - {'mlx-whisper', 'faster-whisper'}))} "
+                         "(mlx-whisper, faster-whisper)")
+    chosen = [r for r in REFERENCES if r == "transformers" or asked is None or r.split()[0] in asked]
     files, rows, versions = speech(args.dir / "whisper-speech"), [], {}
     for shape in shapes:
         hf, mlx = checkpoint(args.dir, shape)
         models = load(str(mlx), one_row=True)  # one file: one row, as main.py
-        asked = None if args.references is None else {name.strip() for name in args.references.split(",")}
-        if asked is not None and asked - {"mlx-whisper", "faster-whisper"}:
-            raise SystemExit(f"--references: unknown {', '.join(sorted(asked - {'mlx-whisper', 'faster-whisper'}))} "
-                             "(mlx-whisper, faster-whisper)")
-        chosen = [r for r in REFERENCES if r == "transformers" or asked is None or r.split()[0] in asked]
         folders = {reference: reference_folder(hf, reference) for reference in chosen}
         workers = {reference: Worker("--whisper-worker", str(folder), "--whisper-reference", reference)
                    for reference, folder in folders.items() if folder is not None}
