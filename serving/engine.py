@@ -1,14 +1,13 @@
 """The thread that owns MLX: requests wait in a bounded queue, join free rows between rounds, and leave when done.
 
-Each prompt of a request is a `Job`: the engine's `Request` (its ids and
-Settings), the `TextStream` that turns its tokens into text, and the queue of
-pieces it sends back to the request's event loop. Rows of one drafting kind
-(Settings.kind) share a batch made by batches.batch_for, and batches of
-different kinds take rounds in turn.
+Each prompt of a request is a `Job`: the engine's `Request` (its ids and Settings), the `TextStream` that turns its
+tokens into text, and the queue of pieces it sends back to the request's event loop. Rows of one drafting kind
+(Settings.kind) share a batch made by batches.batch_for, and batches of different kinds take rounds in turn.
 """
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -116,8 +115,8 @@ class Job:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
     def publish(self) -> None:
-        """After a round: the text that can go out (one piece a round,
-        however many tokens it took), and the end once it has come."""
+        """After a round: the text that can go out (one piece a round, however many tokens it took), and the end once it
+        has come."""
         if self.sent_end:
             return
         ready, finish = self.stream.take(), self.stream.finish_reason
@@ -177,11 +176,9 @@ def size_class(prompt_length: int, max_tokens: int) -> tuple[int, int]:
 
 
 class Engine:
-    """What the thread that owns MLX (the main thread) runs. Jobs wait in a
-    bounded queue; between rounds they join free rows (encoded together, by
-    drafting kind), and finished or cancelled rows leave. An exception in a
-    round fails that batch's jobs only. `draining` turns new jobs away while
-    the ones taken finish."""
+    """What the thread that owns MLX (the main thread) runs. Jobs wait in a bounded queue; between rounds they join free
+    rows (encoded together, by drafting kind), and finished or cancelled rows leave. An exception in a round fails that
+    batch's jobs only. `draining` turns new jobs away while the ones taken finish."""
 
     def __init__(self, models: Models, defaults: Settings, max_batch: int, max_queue: int, name: str = "model",
                  warm: Callable | None = None, metrics_prefix: str = PREFIX, budget: Budget | None = None):
@@ -310,17 +307,13 @@ class Engine:
         return self.batches[kind]
 
     def encode(self) -> None:
-        """Encoding takes a step's time in turn with decoding: while rows
-        decode, as long as their rounds took (a piece at least), times the
-        rows being encoded over the rows decoding where they are more: a
-        long prompt slows the decoding rows down, and does not stop them for
-        its whole encoding, while the rows waiting for their prompts (room
-        the batch is not using) get them as soon as their share allows; with
-        no row decoding, ENCODING_SLICE, so that the queue is read between.
-        The smaller sizes go first (size_class), the oldest first within a
-        size, and the oldest of all gets a piece every step whatever comes
-        after it; each joins its batch once encoded (at once or in pieces:
-        `encoded`)."""
+        """Encoding takes a step's time in turn with decoding: while rows decode, as long as their rounds took (a piece
+        at least), times the rows being encoded over the rows decoding where they are more: a long prompt slows the
+        decoding rows down, and does not stop them for its whole encoding, while the rows waiting for their prompts
+        (room the batch is not using) get them as soon as their share allows; with no row decoding, ENCODING_SLICE, so
+        that the queue is read between. The smaller sizes go first (size_class), the oldest first within a size, and the
+        oldest of all gets a piece every step whatever comes after it; each joins its batch once encoded (at once or in
+        pieces: `encoded`)."""
         for joining in [joining for joining in self.joining if all(job.cancelled for job in joining.jobs)]:
             self.joining.remove(joining)  # every client left while it was encoded
             for job in joining.jobs:
@@ -331,9 +324,10 @@ class Engine:
         budget = encoding_time(self.round_seconds, sum(len(joining.jobs) for joining in self.joining), len(self.jobs))
         started, oldest, arrivals = time.perf_counter(), self.joining[0], self.arrivals
         for joining in sorted(self.joining, key=lambda joining: joining.size):  # (stable: the oldest of a size first)
-            # A job that came meanwhile (it may be a short prompt, which goes first), or rows that joined an idle
-            # engine (they decode now), end the step's encoding: the oldest still gets its piece.
-            if self.arrivals != arrivals or (not self.round_seconds and self.jobs):
+            # A job that came meanwhile (it may be a short prompt, which goes first), rows that joined an idle engine
+            # (they decode now), or a row that ends before what is left to encode (one that joined this step, maybe),
+            # end the step's encoding: the oldest still gets its piece.
+            if self.arrivals != arrivals or (not self.round_seconds and self.jobs) or self.rows_end_first():
                 budget = 0.0
             left = budget - (time.perf_counter() - started)
             if left <= 0 and joining is not oldest:
@@ -355,6 +349,16 @@ class Engine:
                     self.record_end(job, "error")
         self.metrics.parts["encoding"].inc(time.perf_counter() - started)
 
+    def rows_end_first(self) -> bool:
+        """Whether a decoding row can end (at the tokens a round the rows have made) before what the prompts being
+        encoded have left (at the last encodings' speed): a row that ends soon, a short request's, goes first."""
+        rows = [row for batch in self.batches.values() for row in batch.rows]
+        if not rows or not self.encoding_rate or not self.round_seconds:
+            return False
+        left = sum(max(0.0, joining.flops / self.encoding_rate - joining.encoding.spent) for joining in self.joining)
+        per_round = max(1.0, sum(row.produced for row in rows) / max(1, sum(row.stats.target_calls for row in rows)))
+        return math.ceil(min(row.settings.max_tokens - row.produced for row in rows) / per_round) * self.round_seconds < left
+
     def encoded(self, joining: Joining, seconds: float, interrupted: Callable[[], bool]) -> bool:
         """Encode for about `seconds`: all at once if none of it has run and the speed of the last encodings says
         it fits (then a job that comes waits for all of it), else in pieces (Encoding.advance); True once done.
@@ -371,9 +375,8 @@ class Engine:
         return True
 
     def take_waiting(self) -> list[Job]:
-        """The jobs that get a row now, in the order they came; those whose
-        client left while they waited leave the queue (waiting, if there are
-        none, for one to come)."""
+        """The jobs that get a row now, in the order they came; those whose client left while they waited leave the
+        queue (waiting, if there are none, for one to come)."""
         with self.lock:
             if not self.waiting and not self.active:  # (rows being encoded count as active)
                 started = time.perf_counter()
@@ -412,9 +415,8 @@ class Engine:
                 self.record_end(job, job.stream.finish_reason or "abort")
 
     def round(self, kind, batch) -> None:
-        """A round of one batch: each event's token to its job's text, and
-        each job that moved publishes once. A round that fails leaves its
-        rows' jobs to `isolate`."""
+        """A round of one batch: each event's token to its job's text, and each job that moved publishes once. A round
+        that fails leaves its rows' jobs to `isolate`."""
         tokens, touched, started, following = 0, {}, time.perf_counter(), []
         try:
             for request, token, finish in batch.round():
@@ -472,10 +474,8 @@ class Engine:
         self.metrics.generation_tokens.inc(tokens)
 
     def going_on(self, job: Job, finish: str) -> list[Job]:
-        """A job whose request ended: [job] when it goes on with another (an
-        audio file's next window), else [] and its end counted. A job whose
-        client left goes no further; one whose next request cannot be made
-        fails alone."""
+        """A job whose request ended: [job] when it goes on with another (an audio file's next window), else [] and its
+        end counted. A job whose client left goes no further; one whose next request cannot be made fails alone."""
         try:
             if not job.cancelled and job.follow() is not None:
                 return [job]
@@ -490,10 +490,9 @@ class Engine:
         return []
 
     def isolate(self, job: Job) -> None:
-        """A job whose batch failed decodes again from its start in a batch of
-        its own, on its own random stream, its text's tokens decided again
-        (and checked) before any new one goes out: if it fails alone, it was
-        the cause; the others go on as they would have."""
+        """A job whose batch failed decodes again from its start in a batch of its own, on its own random stream, its
+        text's tokens decided again (and checked) before any new one goes out: if it fails alone, it was the cause; the
+        others go on as they would have."""
         job.request = job.again()
         if self.budget is not None:
             self.budget.encoding.add(id(job))  # encoded again: its working memory counts again until it joins

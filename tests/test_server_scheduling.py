@@ -145,3 +145,22 @@ def test_a_steps_encoding_takes_the_rounds_time_row_for_row_within_a_bound():
     assert encoding_time(0.2, 16, 8) == pytest.approx(0.4)
     assert encoding_time(0.2, 60, 1) == pytest.approx(0.2 * ENCODING_SHARE_MOST)
     assert encoding_time(0.0, 60, 0) == ENCODING_SLICE
+
+
+@pytest.mark.parametrize("left_seconds, one_piece", [(100.0, True), (1.0, False)])
+def test_a_row_that_ends_before_what_is_left_to_encode_goes_first(models, left_seconds, one_piece):
+    """A short request decoding while eight long ones' prompts are encoded: when its 5 tokens (5 rounds of 1 s) end
+    before what the encoding has left (100 s at the learnt speed), the step's encoding is one piece, and the short row
+    gets its round; when they would not (1 s left), the encoding takes its share, the rounds' time 8 times over."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    longs, short = [job(50 + i, 500) for i in range(8)], job(50, 5)
+    engine.submit([*longs, short])
+    engine.admit()
+    engine.encode()  # the short prompt, at once: it decodes now; the long ones' encoding has had a piece
+    (encoding,) = engine.joining
+    assert list(engine.jobs.values()) == [short] and encoding.jobs == longs and not encoding.encoding.caches
+    engine.round_seconds, engine.encoding_rate = 1.0, encoding.flops / left_seconds
+    spent = encoding.encoding.spent
+    engine.encode()
+    assert engine.rows_end_first() == one_piece
+    assert (engine.joining == [encoding]) == one_piece and encoding.encoding.spent > spent
