@@ -45,9 +45,8 @@ class NeverFits(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One prompt of one HTTP request: what the engine decodes for it, and
-    the pieces of text it sends back to the request's event loop: (text,
-    finish reason, tokens settled so far) a round, then None."""
+    """One prompt of one HTTP request: what the engine decodes for it, and the pieces of text it sends back to the
+    request's event loop: (text, finish reason, tokens settled so far) a round, then None."""
 
     request: Request
     stream: TextStream
@@ -64,9 +63,8 @@ class Job:
     passed: int = 0  # later jobs taken while it waited for room in the cache budget (Budget.room_for)
 
     def accept(self, token: int | None, finish: str | None) -> bool:
-        """A decided token into its text; while it replays (Engine.isolate), the
-        tokens its text has already are checked, not added. False: the replay
-        decided another token than the text has, and cannot go on."""
+        """A decided token into its text; while it replays (Engine.isolate), the tokens its text has already are
+        checked, not added. False: the replay decided another token than the text has, and cannot go on."""
         if self.replay and token is not None:
             if token != self.replay.pop(0):
                 return False
@@ -115,8 +113,7 @@ class Job:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
     def publish(self) -> None:
-        """After a round: the text that can go out (one piece a round, however many tokens it took), and the end once it
-        has come."""
+        """After a round: the text that can go out (one piece a round, however many tokens it took), and its end."""
         if self.sent_end:
             return
         ready, finish = self.stream.take(), self.stream.finish_reason
@@ -322,14 +319,15 @@ class Engine:
         if not self.joining:
             return
         budget = encoding_time(self.round_seconds, sum(len(joining.jobs) for joining in self.joining), len(self.jobs))
-        started, oldest, arrivals = time.perf_counter(), self.joining[0], self.arrivals
+        started, oldest, arrivals, soonest = time.perf_counter(), self.joining[0], self.arrivals, self.soonest_end()
         for joining in sorted(self.joining, key=lambda joining: joining.size):  # (stable: the oldest of a size first)
-            # A job that came meanwhile (it may be a short prompt, which goes first), rows that joined an idle engine
-            # (they decode now), or a row that ends before what is left to encode (one that joined this step, maybe),
-            # end the step's encoding: the oldest still gets its piece.
-            if self.arrivals != arrivals or (not self.round_seconds and self.jobs) or self.rows_end_first():
+            # A job that came meanwhile (it may be a short prompt, which goes first), or rows that joined an idle
+            # engine (they decode now), end the step's encoding: the oldest still gets its piece.
+            if self.arrivals != arrivals or (not self.round_seconds and self.jobs):
                 budget = 0.0
             left = budget - (time.perf_counter() - started)
+            if self.encoding_left(joining) > soonest:  # a row ends first (shortest remaining first): at most a piece
+                left = min(left, 0.0)
             if left <= 0 and joining is not oldest:
                 continue
             try:
@@ -341,6 +339,7 @@ class Engine:
                     self.joining.remove(joining)  # after the join: the jobs count as running throughout
                     for job in joining.jobs if self.budget is not None else ():
                         self.budget.encoded(id(job), job.request)
+                    soonest = self.soonest_end()  # (a short request's row may have joined)
             except Exception as e:  # encoding failed: these jobs only
                 log.exception("encoding failed")
                 self.joining.remove(joining)
@@ -349,15 +348,19 @@ class Engine:
                     self.record_end(job, "error")
         self.metrics.parts["encoding"].inc(time.perf_counter() - started)
 
-    def rows_end_first(self) -> bool:
-        """Whether a decoding row can end (at the tokens a round the rows have made) before what the prompts being
-        encoded have left (at the last encodings' speed): a row that ends soon, a short request's, goes first."""
-        rows = [row for batch in self.batches.values() for row in batch.rows]
-        if not rows or not self.encoding_rate or not self.round_seconds:
-            return False
-        left = sum(max(0.0, joining.flops / self.encoding_rate - joining.encoding.spent) for joining in self.joining)
-        per_round = max(1.0, sum(row.produced for row in rows) / max(1, sum(row.stats.target_calls for row in rows)))
-        return math.ceil(min(row.settings.max_tokens - row.produced for row in rows) / per_round) * self.round_seconds < left
+    def soonest_end(self) -> float:
+        """Seconds until a decoding row can end: its tokens left, at the tokens a round its batch's rows have made,
+        times the last step's rounds' time (inf until those and an encoding speed are known)."""
+        if not self.encoding_rate or not self.round_seconds:
+            return math.inf
+        rounds = math.inf
+        for batch in self.batches.values():
+            per_round = max(1.0, sum(r.produced for r in batch.rows) / max(1, sum(r.stats.target_calls for r in batch.rows)))
+            rounds = min([rounds, *(math.ceil((row.settings.max_tokens - row.produced) / per_round) for row in batch.rows)])
+        return rounds * self.round_seconds
+
+    def encoding_left(self, joining: Joining) -> float:  # at the last encodings' speed (0 until one is known)
+        return max(0.0, joining.flops / self.encoding_rate - joining.encoding.spent) if self.encoding_rate else 0.0
 
     def encoded(self, joining: Joining, seconds: float, interrupted: Callable[[], bool]) -> bool:
         """Encode for about `seconds`: all at once if none of it has run and the speed of the last encodings says
@@ -389,10 +392,8 @@ class Engine:
                     self.record_end(job, "abort")
                 else:
                     kept.append(job)
-            # A job whose class is being encoded (jobs taken from the queue) waits for that encoding to end, to be
-            # encoded with the others that came meanwhile: prompts encode far faster together (the weights read
-            # once for all of them), and under load the groups grow with it. Audio files' next windows, which follow
-            # one another, hold nobody.
+            # A job whose class is being encoded (jobs from the queue; audio files' next windows hold nobody) waits
+            # for it to end, to encode with those that came meanwhile: faster together (the weights read once).
             encoding = self.encoding_classes()
             held = [job for job in kept if self.class_of(job) in encoding]
             free, candidates = self.max_batch - self.active, [job for job in kept if job not in held]

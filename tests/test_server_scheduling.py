@@ -147,11 +147,19 @@ def test_a_steps_encoding_takes_the_rounds_time_row_for_row_within_a_bound():
     assert encoding_time(0.0, 60, 0) == ENCODING_SLICE
 
 
-@pytest.mark.parametrize("left_seconds, one_piece", [(100.0, True), (1.0, False)])
-def test_a_row_that_ends_before_what_is_left_to_encode_goes_first(models, left_seconds, one_piece):
-    """A short request decoding while eight long ones' prompts are encoded: when its 5 tokens (5 rounds of 1 s) end
-    before what the encoding has left (100 s at the learnt speed), the step's encoding is one piece, and the short row
-    gets its round; when they would not (1 s left), the encoding takes its share, the rounds' time 8 times over."""
+def with_steps_seconds(engine: Engine) -> list:
+    """The seconds each encoding is given (Engine.encoded's), in order, as the engine runs."""
+    given, encoded = [], engine.encoded
+    engine.encoded = lambda joining, seconds, interrupted: given.append((joining, seconds)) or encoded(joining, seconds,
+                                                                                                       interrupted)
+    return given
+
+
+@pytest.mark.parametrize("left_seconds, held", [(100.0, True), (1.0, False)])
+def test_an_encoding_a_row_would_wait_for_gets_one_piece_a_step(models, left_seconds, held):
+    """A short request decoding while eight long ones' prompts are encoded: when its 5 tokens (5 rounds of 1 s at
+    most) end before what that encoding has left (100 s at the learnt speed), the encoding gets no time, so one piece
+    (shortest remaining first); when they would not (1 s left), its share: 8 rounds' time, all it needs here."""
     engine = Engine(models, Settings(), max_batch=64, max_queue=64)
     longs, short = [job(50 + i, 500) for i in range(8)], job(50, 5)
     engine.submit([*longs, short])
@@ -160,7 +168,29 @@ def test_a_row_that_ends_before_what_is_left_to_encode_goes_first(models, left_s
     (encoding,) = engine.joining
     assert list(engine.jobs.values()) == [short] and encoding.jobs == longs and not encoding.encoding.caches
     engine.round_seconds, engine.encoding_rate = 1.0, encoding.flops / left_seconds
-    spent = encoding.encoding.spent
+    assert engine.soonest_end() == 5.0 and (engine.encoding_left(encoding) > 5.0) == held
+    given = with_steps_seconds(engine)
     engine.encode()
-    assert engine.rows_end_first() == one_piece
-    assert (engine.joining == [encoding]) == one_piece and encoding.encoding.spent > spent
+    assert [joining for joining, _ in given] == [encoding] and (given[0][1] <= 0) == held
+    assert (engine.joining == [encoding]) == held
+
+
+def test_a_short_prompt_is_not_held_back_with_a_long_encoding_a_row_waits_for(models):
+    """What a row that ends soon holds back is an encoding with more left than the row's time (100 s against 50),
+    not a short prompt that came meanwhile (12 s): that one is encoded at once and joins, and the long one, the
+    oldest, gets its piece."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    longs, short = [job(50 + i, 500) for i in range(8)], job(50, 5)
+    engine.submit([*longs, short])
+    engine.admit()
+    engine.encode()
+    (encoding,) = engine.joining
+    engine.round_seconds, engine.encoding_rate = 10.0, encoding.flops / 100.0
+    later = job(40, 5)
+    engine.submit([later])
+    engine.admit()
+    assert engine.encoding_left(engine.joining[-1]) < engine.soonest_end() == 50.0 < engine.encoding_left(encoding)
+    given = with_steps_seconds(engine)
+    engine.encode()
+    assert [joining.jobs for joining, _ in given] == [[later], longs] and given[0][1] > 0 >= given[1][1]
+    assert list(engine.jobs.values()) == [short, later] and engine.joining == [encoding]
