@@ -13,10 +13,11 @@ circle.
 from dataclasses import replace
 from typing import Iterator
 
+from autodraft import AutoDraft
 from beams import BeamBatch
 from decoder import RegularBatch, SpeculativeBatch
 from rows import Batch, Event, Request
-from drafting import AutoDraft, DraftModel, LookupDrafter
+from drafting import DraftModel, LookupDrafter
 from options import Decoding, Settings
 
 
@@ -38,7 +39,7 @@ def batch_for(models, settings: Settings, batch_size: int) -> Batch:
         auto = None
         if kind.how is Decoding.AUTO_DRAFT:
             auto = models.learned.drafting = models.learned.drafting or AutoDraft()
-        drafter = DraftModel(models.draft, auto, batch_size)
+        drafter = DraftModel(models.draft, auto)
     return SpeculativeBatch(models.target, drafter, batch_size)
 
 

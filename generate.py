@@ -171,7 +171,7 @@ def one_prompt(models: Models, prompt: str, form: PromptForm = PromptForm()) -> 
 
 def stream_generate(models: Models, prompt: str, **options) -> Iterator[Response]:
     """Yield a Response as each token is decided. Options, all keywords:
-    max_tokens=100, num_draft=5 (or "auto": see drafting.AutoDraft),
+    max_tokens=100, num_draft=5 (or "auto": see autodraft.AutoDraft),
     delta=0.0, temp=0.0, top_k=0, top_p=1.0, seed=None (the same seed, the
     same draws for the same prompt; None: drawn from MLX's generator),
     speculative=True (False: the target alone, even with a draft),

@@ -252,7 +252,7 @@ def load_tokenizer(folder: str | Path):
 @dataclass
 class Learned:
     """What decoding learns of a pair from one generation to the next:
-    `drafting`, what num-draft auto has learnt (drafting.AutoDraft, made when
+    `drafting`, what num-draft auto has learnt (autodraft.AutoDraft, made when
     auto first runs); `encoding_rate`, the flops a second a prompt was last
     encoded at (generate.encoding_seconds), None until a prompt takes long
     enough to tell."""

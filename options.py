@@ -17,7 +17,7 @@ from errors import OptionError
 from rules import BadWords
 from sampling import Penalties, Sampling
 
-AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth it (drafting.AutoDraft)
+AUTO = "auto"  # num_draft: as many drafts as the draft's confidence makes worth it (autodraft.AutoDraft)
 # Drafts a round for a seeded request with num_draft auto whose answer depends on its draft length (sampling, or
 # delta > 0): what auto learnt would change which draws decide each token, so such a request drafts this many.
 SEEDED_AUTO_DRAFTS = 5

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import cpu  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
+from autodraft import AutoDraft
 from cache import DecoderCache, KVCache
-from drafting import AutoDraft
 from options import AUTO, Opening
 from rows import Request
 

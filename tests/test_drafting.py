@@ -16,7 +16,8 @@ from support import chi_square_passes, decode, decode_batch, regular
 import main
 import mlx.core as mx
 from rows import Request, Row, encode_for
-from drafting import AutoDraft, DraftCost, DraftModel, PromptLookup
+from autodraft import AutoDraft, DraftCost, first_worth, worth
+from drafting import DraftModel, PromptLookup
 from errors import OptionError
 from generate import generate
 from interactive import Session
@@ -214,6 +215,19 @@ def test_auto_drafts_nothing_in_a_round_whose_first_draft_is_not_worth_its_cost(
     assert drafts_taken(cheap, draft, prompt) >= 1
 
 
+def test_rounds_that_draft_only_to_keep_auto_current_come_half_as_often_each_time(pair):
+    """Where no first draft is worth its cost (a CPU at a large batch), the rounds that draft regardless cost what
+    they measure: each that finds drafting still not worth it doubles the wait for the next, up to
+    AutoDraft.idle_longest rounds; a round that drafts because it pays starts the count over."""
+    auto = learnt([(4, 0)] * 18 + [(4, 1)] * 2, step=0.003)
+    drafter, cost = DraftModel(pair["drafts"]["close"], auto), auto.cost(1)
+    drafted = [i for i in range(300) if drafter.drafts_now([0.09], [AutoDraft.cap], cost)]
+    gaps = [later - earlier - 1 for earlier, later in zip([-1] + drafted, drafted)]
+    assert gaps == [8, 16, 32, 64, 64, 64], gaps
+    assert drafter.drafts_now([1.0], [AutoDraft.cap], cost)  # worth it: the count starts over
+    assert [drafter.drafts_now([0.09], [AutoDraft.cap], cost) for _ in range(AutoDraft.idle_most + 1)][-1]
+
+
 def test_greedy_auto_with_rounds_of_no_drafts_equals_regular(pair):
     """A draft that is rarely right and dear: most of auto's rounds draft nothing, and the output is regular
     decoding's, token for token."""
@@ -236,7 +250,7 @@ def test_auto_stops_drafting_at_the_drafts_end_of_text(pair):
     for _ in range(20):  # a draft: its step and as much again in the target's pass
         cost.round(1, 1, 1.4, 0.014)
         cost.round(1, 4, 2.6, 0.026)
-    assert cost.per_draft == pytest.approx(0.004)
+    assert cost.per_draft(1) == pytest.approx(0.004)
     assert drafts_taken(confident, draft, prompt) >= 3
     (cache,) = encode_for([draft], [prompt])
     first = draft.decode(mx.array([[draft.args.decoder_start_token_id]]), cache)[0, -1].argmax().item()
@@ -256,10 +270,10 @@ def test_auto_keeps_a_measured_draft_cost_through_rounds_of_one_length():
     cost.draft_step(0.001)
     for steps in [1, 4] * 10:
         cost.round(1, steps, steps + 1, 0.01 + 0.004 * steps)
-    assert cost.per_draft == pytest.approx(0.004)
+    assert cost.per_draft(1) == pytest.approx(0.004)
     for _ in range(300):
         cost.round(1, 1, 2, 0.014)
-    assert cost.per_draft == pytest.approx(0.004)
+    assert cost.per_draft(1) == pytest.approx(0.004)
 
 
 def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
@@ -274,7 +288,7 @@ def test_auto_measures_a_draft_cost_that_a_busy_machine_does_not_inflate():
         steps = 1 + i % 4
         slowdown = 1 + 2 * rng.random() if rng.random() < 1 / 3 else 1
         cost.round(1, steps, steps + 1, (0.01 + 0.002 * steps) * slowdown)
-    assert cost.per_draft == pytest.approx(0.002, rel=0.05)
+    assert cost.per_draft(1) == pytest.approx(0.002, rel=0.05)
 
 
 def test_auto_does_not_price_drafts_by_one_slow_round():
@@ -286,10 +300,10 @@ def test_auto_does_not_price_drafts_by_one_slow_round():
     cost.draft_step(0.0005)
     for steps, seconds in [(1, 0.004)] * 20 + [(2, 0.009)]:
         cost.round(1, steps, steps + 1, seconds)
-    assert cost.per_draft == pytest.approx(0.0005)
+    assert cost.per_draft(1) == pytest.approx(0.0005)
     for _ in range(DraftCost.trusted - 1):
         cost.round(1, 2, 3, 0.0046)
-    assert cost.per_draft == pytest.approx(0.0006, rel=0.05)
+    assert cost.per_draft(1) == pytest.approx(0.0006, rel=0.05)
 
 
 def test_what_drafting_at_all_costs_is_a_round_of_one_drafts_floor_over_a_round_of_nones():
@@ -297,28 +311,85 @@ def test_what_drafting_at_all_costs_is_a_round_of_one_drafts_floor_over_a_round_
     costs what separates rounds of one draft from rounds of none, and every later one the slope through the lengths
     that draft, which rounds of none do not bend."""
     cost = DraftCost()
-    cost.draft_step(0.001)
+    cost.draft_step(0.001, rows=4)
     for _ in range(DraftCost.trusted):
         for steps, seconds in [(0, 0.010), (1, 0.016), (2, 0.018), (3, 0.020)]:
             cost.round(4, steps, 4 + steps, seconds)
-    assert cost.per_draft == pytest.approx(0.002)
-    assert cost.first_draft == pytest.approx(0.006)
-    assert DraftCost().first_draft is None  # nothing timed yet
+    assert cost.per_draft(4) == pytest.approx(0.002)
+    assert cost.first_draft(4) == pytest.approx(0.006)
+    assert DraftCost().first_draft(4) is None  # nothing timed yet
 
 
-def rounds_timed(auto: AutoDraft) -> int:
-    return sum(count for _, count in auto.cost(1).floors.values())
+def test_rounds_of_ever_changing_row_counts_price_a_draft_for_the_rows_at_hand():
+    """A server's row count changes from round to round, so few counts are seen DraftCost.trusted times: rounds of
+    one size class (33 to 64 rows) count together, by a row's share, and a draft is priced for the round's rows. Where
+    a verify pass costs in proportion to the positions it scores, as on a CPU at a large batch, a first draft then
+    costs what a position of every row does, and a draft that the target accepts 8 times in 10 is not worth it
+    (priced by the draft's step alone, as when no length was trusted, it was)."""
+    rng = random.Random(0)
+    auto = AutoDraft()
+    cost = auto.cost(64)
+    assert auto.cost(33) is cost and auto.cost(32) is not cost
+    row_position, draft_row, a = 0.0004, 0.00002, 0.8  # a row's position in the target's pass, a row's draft step
+    for i in range(60):
+        rows, steps = rng.randint(33, 64), i % 4
+        cost.draft_step(draft_row * rows, rows)
+        cost.round(rows, steps, rows * (1 + a * steps), rows * (row_position * (1 + steps) + draft_row * steps))
+    assert cost.per_draft(40) == pytest.approx(40 * (row_position + draft_row))
+    assert cost.first_draft(40) == pytest.approx(40 * (row_position + draft_row))
+    assert cost.no_drafts(40) == pytest.approx(40 * row_position)
+    assert not first_worth([a] * 40, [4] * 40, cost)
+    assert worth(a * 40, cost.step_seconds(40), cost.speed)
 
 
-def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_not_timed(pair):
+def test_rounds_kept_to_the_cap_try_one_draft_fewer_until_a_draft_has_a_price():
+    """Priced by its step alone, a draft looks cheap, and rounds would keep to the cap, the one length they time:
+    then they draft one fewer, until that length is trusted too and the slope between the two prices a draft. A
+    slope below zero says the lengths timed are too close together for their noise: rounds then try a shorter one."""
+    cost = DraftCost()
+    cost.draft_step(0.0001)
+    cap = AutoDraft.cap
+    for _ in range(DraftCost.trusted):
+        assert cost.shorter(cap) is None
+        cost.round(1, cap, cap + 1, 0.01 + 0.004 * cap)
+    assert cost.shorter(cap) == cap - 1
+    for _ in range(DraftCost.trusted):
+        cost.round(1, cap - 1, cap, 0.01 + 0.004 * (cap - 1))
+    assert cost.shorter(cap) is None and cost.per_draft(1) == pytest.approx(0.004)
+    noisy = DraftCost()  # floors that fall as lengths grow: too close together to price a draft
+    for _ in range(DraftCost.trusted):
+        for steps, seconds in [(6, 0.030), (7, 0.029), (8, 0.028)]:
+            noisy.round(1, steps, steps + 1, seconds)
+    assert noisy.slope < 0 and noisy.shorter(cap) == 5
+
+
+def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_timed_apart(pair):
     """The model says which steps ran a shape for the first time or traced
-    it (EncoderDecoder.cold_steps): a fresh pair's first two rounds do, and auto does
-    not time them."""
+    it (EncoderDecoder.cold_steps): a fresh pair's first two rounds do, and
+    auto's cost keeps them out of the floors of rounds that replayed, which
+    price a length once they are trusted."""
     checkpoint = pair["checkpoint"]
     fresh = Models(load_model(checkpoint.mlx_dir), load_model(checkpoint.mlx_dir))
     stats = Stats()
     decode(fresh, checkpoint.prompt_ids, Settings(max_tokens=30, num_draft="auto"), stats)
-    assert stats.target_calls > 2 and rounds_timed(fresh.learned.drafting) <= stats.target_calls - 2
+    cost = fresh.learned.drafting.cost(1)
+    every, replayed = (sum(count for _, count in floors.values()) for floors in (cost.every, cost.replayed))
+    assert every == stats.target_calls > 2 and replayed <= every - 2
+
+
+def test_a_length_is_priced_by_its_replayed_rounds_once_trusted_and_by_every_round_until_then():
+    """Rounds that ran a step for the first time, or traced one, are slower than the next: they price a length only
+    until DraftCost.trusted rounds of it replayed (a server's row count changes so often that few rounds do)."""
+    cost = DraftCost()
+    for _ in range(DraftCost.trusted):
+        cost.round(1, 2, 3, 0.030, replayed=False)
+    assert cost.floors[2] == [0.030, DraftCost.trusted]
+    for n in range(1, DraftCost.trusted + 1):
+        cost.round(1, 2, 3, 0.040)
+        if n < DraftCost.trusted:  # every round's floor, which rises slowly
+            assert cost.floors[2][1] == DraftCost.trusted + n and cost.floors[2][0] < 0.031
+        else:
+            assert cost.floors[2] == [0.040, DraftCost.trusted]
 
 
 @pytest.mark.parametrize("compiled, cold", [(True, [1, 1, 0, 0]), (False, [1, 0, 0, 0])])
