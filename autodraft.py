@@ -62,7 +62,10 @@ class DraftCost:
     where a batch is large enough for its cost to matter, a round's time
     grows with its rows (on a CPU, and on a GPU once arithmetic binds), and
     a class spans a factor of two at most. A cost for a round of r rows is
-    the share times r.
+    the share times r. Where a round's time grows more slowly than its rows
+    (a GPU's small batches), floors come from a class's largest rounds and
+    price its smallest ones' drafts low, by up to half: the classes are
+    narrow where that happens (1, 2, 3-4 rows).
 
     d is the slope of round seconds against draft steps through each round
     length's floor: a busy machine only ever slows a round down, and a slope
@@ -151,12 +154,16 @@ class DraftCost:
 
     def no_drafts(self, rows: int) -> float | None:
         """A round of no drafts, for `rows` rows: its floor once trusted, else
-        a trusted length's less its drafts at the slope; None before either."""
+        the most seen trusted length's less its drafts at per_draft (while the
+        slope is above zero: below, it is noise, and working back from it would
+        price a round of none above every round timed); None before either."""
         floors = self.floors
         if floors.get(0, (0, 0))[1] >= self.trusted:
             return rows * floors[0][0]
-        lengths = [(count, share - steps * self.slope) for steps, (share, count) in floors.items()
-                   if steps and count >= self.trusted and self.slope is not None]
+        if self.slope is None or self.slope <= 0:
+            return None
+        lengths = [(count, share - steps * self.per_draft(1)) for steps, (share, count) in floors.items()
+                   if steps and count >= self.trusted]
         return rows * max(lengths)[1] if lengths and max(lengths)[1] > 0 else None
 
     def step_seconds(self, rows: int) -> float | None:
@@ -216,9 +223,9 @@ def decide(reach: list[float], rates: list[float], limits: list[int], made: int,
 def first_worth(rates: list[float], limits: list[int], cost: DraftCost) -> bool:
     """Whether a round should draft at all: its first draft adds each row's a (P is 1 before any draft), against
     what drafting at all costs (DraftCost.first_draft) would make in a round of no drafts, a token a row (the batch's
-    speed R until such a round is priced: R, made by rounds that drafted, would flatter a first draft). Where a verify
-    pass costs in proportion to the positions it scores (a CPU at a large batch), a first draft can cost more than
-    it adds: the round then decodes as regular decoding does."""
+    speed R until such a round is priced: R is what rounds that drafted made, not what a round of none would). Where
+    a verify pass costs in proportion to the positions it scores (a CPU at a large batch), a first draft can cost
+    more than it adds: the round then decodes as regular decoding does."""
     plain = cost.no_drafts(len(rates))
     return worth(sum(a for a, limit in zip(rates, limits) if limit >= 1), cost.first_draft(len(rates)),
                  len(rates) / plain if plain else cost.speed)

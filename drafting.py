@@ -148,14 +148,16 @@ class DraftModel:
 
     def drafts_now(self, rates: list[float], limits: list[int], cost: DraftCost) -> bool:
         """Whether auto drafts this round: `first_worth`, or, after AutoDraft.idle_most rounds drafted nothing, to
-        keep what auto knows current; each such round that finds drafting still not worth it doubles the wait, to
-        `idle_longest`: on a CPU at a large batch, where no draft pays, those rounds cost what they measure."""
+        keep what auto knows current. Where a first draft could not pay even were every row to accept it (a CPU at
+        a large batch: its cost is what fails, not the draft), each such round doubles the wait, to `idle_longest`,
+        since those rounds cost what they measure; a draft that is merely often wrong is tried every idle_most."""
         if first_worth(rates, limits, cost):
             cost.idle, cost.idle_most = 0, None
             return True
         most = cost.idle_most or self.auto.idle_most
         if cost.idle >= most:
-            cost.idle, cost.idle_most = 0, min(2 * most, self.auto.idle_longest)
+            hopeless = not first_worth([1.0] * len(rates), limits, cost)
+            cost.idle, cost.idle_most = 0, min(2 * most, self.auto.idle_longest) if hopeless else None
             return True
         cost.idle += 1
         return False

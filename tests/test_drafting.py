@@ -95,8 +95,8 @@ def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, tem
     """auto drafts as many tokens as the draft's confidences make worth it;
     the first token's distribution, and the second's given the most frequent
     first, are still the target's. (Every round drafts one at least here: on
-    these tiny models a draft step costs a target step, so auto would draft
-    in one round of nine only.)"""
+    these tiny models a draft step costs a target step, so auto would seldom
+    draft.)"""
     monkeypatch.setattr(AutoDraft, "idle_most", 0)
     (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
     prompt = [5, 3, 6, 1]
@@ -215,17 +215,32 @@ def test_auto_drafts_nothing_in_a_round_whose_first_draft_is_not_worth_its_cost(
     assert drafts_taken(cheap, draft, prompt) >= 1
 
 
-def test_rounds_that_draft_only_to_keep_auto_current_come_half_as_often_each_time(pair):
-    """Where no first draft is worth its cost (a CPU at a large batch), the rounds that draft regardless cost what
-    they measure: each that finds drafting still not worth it doubles the wait for the next, up to
-    AutoDraft.idle_longest rounds; a round that drafts because it pays starts the count over."""
-    auto = learnt([(4, 0)] * 18 + [(4, 1)] * 2, step=0.003)
+def test_rounds_that_draft_only_to_keep_auto_current_come_half_as_often_where_no_draft_could_pay(pair):
+    """Where a first draft costs more than a round of none makes (a CPU at a large batch), no acceptance could pay
+    for it, and the rounds that draft regardless cost what they measure: each doubles the wait for the next, up to
+    AutoDraft.idle_longest rounds; a round that drafts because it pays starts the count over. A draft that is merely
+    often wrong is tried every AutoDraft.idle_most rounds, however long it has been wrong."""
+
+    def gaps(first_draft_seconds: float) -> list[int]:
+        auto = AutoDraft()
+        drafter, cost = DraftModel(pair["drafts"]["close"], auto), auto.cost(1)
+        cost.draft_step(0.001)
+        for _ in range(DraftCost.trusted):
+            for steps, seconds in [(0, 0.010), (1, 0.010 + first_draft_seconds), (2, 0.012 + first_draft_seconds)]:
+                cost.round(1, steps, 1 + steps, seconds)
+        drafted = [i for i in range(300) if drafter.drafts_now([0.09], [AutoDraft.cap], cost)]
+        if first_draft_seconds > 0.010:
+            assert drafter.drafts_now([1.0], [AutoDraft.cap], cost) is False  # not even a sure draft pays
+        return [later - earlier - 1 for earlier, later in zip([-1] + drafted, drafted)]
+
+    assert gaps(0.015) == [8, 16, 32, 64, 64, 64]
+    assert set(gaps(0.002)) == {AutoDraft.idle_most}
+    auto = AutoDraft()
     drafter, cost = DraftModel(pair["drafts"]["close"], auto), auto.cost(1)
-    drafted = [i for i in range(300) if drafter.drafts_now([0.09], [AutoDraft.cap], cost)]
-    gaps = [later - earlier - 1 for earlier, later in zip([-1] + drafted, drafted)]
-    assert gaps == [8, 16, 32, 64, 64, 64], gaps
-    assert drafter.drafts_now([1.0], [AutoDraft.cap], cost)  # worth it: the count starts over
-    assert [drafter.drafts_now([0.09], [AutoDraft.cap], cost) for _ in range(AutoDraft.idle_most + 1)][-1]
+    cost.idle_most = 64
+    assert drafter.drafts_now([1.0], [AutoDraft.cap], AutoDraft().cost(1))  # nothing timed: half a token pays
+    cost.draft_step(0.001)
+    assert drafter.drafts_now([1.0], [AutoDraft.cap], cost) and cost.idle_most is None  # worth it: the count starts over
 
 
 def test_greedy_auto_with_rounds_of_no_drafts_equals_regular(pair):
@@ -361,6 +376,13 @@ def test_rounds_kept_to_the_cap_try_one_draft_fewer_until_a_draft_has_a_price():
         for steps, seconds in [(6, 0.030), (7, 0.029), (8, 0.028)]:
             noisy.round(1, steps, steps + 1, seconds)
     assert noisy.slope < 0 and noisy.shorter(cap) == 5
+
+
+def test_a_round_drafts_one_fewer_than_the_cap_while_the_cap_is_the_one_length_timed(pair):
+    draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
+    assert drafts_taken(learnt([(AutoDraft.cap, AutoDraft.cap)] * 10), draft, prompt) == AutoDraft.cap - 1
+    priced = learnt([(AutoDraft.cap, AutoDraft.cap)] * 10 + [(AutoDraft.cap - 1, AutoDraft.cap - 1)] * 10)
+    assert drafts_taken(priced, draft, prompt) == AutoDraft.cap
 
 
 def test_rounds_whose_steps_did_not_replay_a_compiled_graph_are_timed_apart(pair):
