@@ -251,6 +251,8 @@ class AutoDraft:
     (docs/PERFORMANCE.md)."""
 
     cap = 8
+    # A round after idle ones feeds the draft each row's tokens since (one a round) in one call, whose logits span
+    # them all: idle_longest keeps that within the logits the server's budget holds for a round (serving/budget.py).
     idle_most, idle_longest = 8, 64
     settings_kept = 64  # calibrations kept, the least recently used dropped (a server's clients choose any delta)
 

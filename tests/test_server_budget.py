@@ -163,3 +163,13 @@ def test_a_batchs_caches_are_copied_a_layer_at_a_time_as_rows_join_and_leave():
     assert peak_over(lambda: running.extend(joining), running) <= layer
     assert peak_over(lambda: running.keep([0, 2, 4, 6], prompt), running) <= held(running) // layers
     assert peak_over(lambda: running.reserve(400), running) <= 2 * held(running) // layers
+
+
+def test_the_draft_catching_up_after_idle_rounds_stays_within_a_rounds_logits():
+    """After rounds of no drafts, num-draft auto's draft is fed each row's tokens since (one a round, and the last
+    one or two) in one call, whose logits span them all: that width stays within the logits the budget holds for a
+    row (every copy of its verified positions'), so a long wait cannot overrun the budget."""
+    from autodraft import AutoDraft
+    from serving.budget import LOGIT_COPIES
+
+    assert AutoDraft.idle_longest + 2 <= LOGIT_COPIES * (AutoDraft.cap + 1)
