@@ -23,7 +23,8 @@ from loading import Models
 from options import Stats
 from plans import Plan, PromptForm, resolve, with_presets
 from serving import shapes
-from serving.engine import Engine, Job, NeverFits, QueueFull
+from serving.engine import Engine, NeverFits, QueueFull
+from serving.jobs import Job
 from serving.streams import Events, cancel_when_gone, interleaved, pieces
 from serving.guard import Access, ApiError, Guard
 from serving.metrics import Times

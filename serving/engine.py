@@ -1,16 +1,16 @@
 """The thread that owns MLX: requests wait in a bounded queue, join free rows between rounds, and leave when done.
 
-Each prompt of a request is a `Job`: the engine's `Request` (its ids and Settings), the `TextStream` that turns its
+Each prompt of a request is a `Job` (serving/jobs.py): the engine's `Request` (its ids and Settings), the `TextStream` that turns its
 tokens into text, and the queue of pieces it sends back to the request's event loop. Rows of one drafting kind
-(Settings.kind) share a batch made by batches.batch_for, and batches of different kinds take rounds in turn.
+(Settings.kind) share a batch made by batches.batch_for, and batches of different kinds take rounds in turn; a kind's
+short requests (EXPRESS_TOKENS) have a batch of their own, whose rounds go first.
 """
 
-import asyncio
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import cpu  # noqa: F401  (before mlx.core)
@@ -20,12 +20,12 @@ from batches import batch_for, warm_up
 from generate import encoding_flops
 from errors import T5Error
 from model import ROWS_PER_CHUNK
-from rows import Encoding, Request
+from rows import Encoding
 from loading import Models
 from options import Settings
 from serving.budget import Budget
-from serving.metrics import PREFIX, Metrics, Times
-from text import TextStream
+from serving.jobs import Job
+from serving.metrics import PREFIX, Metrics
 
 log = logging.getLogger("t5-server")
 
@@ -43,102 +43,25 @@ class NeverFits(Exception):
                          "GiB (--cache-memory): send a shorter prompt, or a smaller max_tokens")
 
 
-@dataclass(eq=False)
-class Job:
-    """One prompt of one HTTP request: what the engine decodes for it, and the pieces of text it sends back to the
-    request's event loop: (text, finish reason, tokens settled so far) a round, then None."""
-
-    request: Request
-    stream: TextStream
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    cancelled: bool = False  # the client left, or a stop string ended the text
-    sent_end: bool = False
-    error: str | None = None
-    times: Times = field(default_factory=Times)
-    counted: bool = False  # its end is in the metrics
-    beams: list[TextStream] = field(default_factory=list)  # beam search: each beam returned, its text made whole
-    status: int = 500  # its error's HTTP status: 400 where its own input failed it
-    replay: list[int] = field(default_factory=list)  # tokens its text has, which a replay must decide again first
-    passed: int = 0  # later jobs taken while it waited for room in the cache budget (Budget.room_for)
-
-    def accept(self, token: int | None, finish: str | None) -> bool:
-        """A decided token into its text; while it replays (Engine.isolate), the tokens its text has already are
-        checked, not added. False: the replay decided another token than the text has, and cannot go on."""
-        if self.replay and token is not None:
-            if token != self.replay.pop(0):
-                return False
-            token = None
-        if finish is not None and self.replay:  # it ended before it had decided its text again
-            return False
-        if token is not None or finish is not None:
-            self.add(token, finish)
-        return True
-
-    def add(self, token: int | None, finish: str | None) -> None:
-        """A decided token (or the end) into what the job answers: its text."""
-        self.stream.add(token, finish)
-
-    @property
-    def stats(self):
-        return self.request.stats
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.source)
-
-    def ending(self, batch, request: Request) -> None:
-        """Its request's last event has come, and its row is still in the batch (it leaves after the round)."""
-
-    def follow(self) -> Request | None:
-        """Once its request has ended: the next request the job decodes (an audio file's next window), or None."""
-        return None
-
-    @staticmethod
-    def encoded(models, cache, jobs: list["Job"]) -> None:
-        """What jobs of this kind do once their requests are encoded together into `cache`, before they join."""
-
-    def again(self) -> Request:
-        """Its request anew, to decode again from its start (Engine.isolate), with the tokens its text has to replay."""
-        old = self.request
-        self.replay = list(self.stream.tokens)
-        return Request(old.source, old.settings, opening=old.opening, rules=old.rules, key=old.key,
-                       ruled_logprobs=old.ruled_logprobs)
-
-    def cancel(self) -> None:
-        """Its caller is gone: the row leaves at the next round (a job whose text has ended stays as it is)."""
-        self.cancelled = self.cancelled or self.stream.finish_reason is None
-
-    def send(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-
-    def publish(self) -> None:
-        """After a round: the text that can go out (one piece a round, however many tokens it took), and its end."""
-        if self.sent_end:
-            return
-        ready, finish = self.stream.take(), self.stream.finish_reason
-        if ready or finish:
-            self.send((ready, finish, self.stream.settled))
-        if finish:
-            self.end()
-
-    def end(self) -> None:
-        """Whoever still waits on the job stops waiting."""
-        if not self.sent_end:
-            self.sent_end = True
-            self.send(None)
-
-    def fail(self, message: str, status: int = 500) -> None:
-        self.error, self.status = message, status
-        self.end()
-
-
 # What a step's encoding takes when no row decodes: the queue is read between slices, so that a short prompt sent after
 # a long one starts decoding while the long one is still encoded.
 ENCODING_SLICE = 0.05
 # While rows decode, a step's encoding takes at most this many times as long as its rounds: rows waiting for their
 # prompts get time against the rows decoding, but a crowd of them does not stop the decoding rows for seconds.
 ENCODING_SHARE_MOST = 8.0
+# Requests of at most this many tokens (a label, a yes or a no) decode in a batch of their own whose rounds go first: a
+# round's time grows with its rows (on a CPU nearly row for row), and a short request among long ones would wait a long
+# round for each of its few tokens. The other batches sit out at most EXPRESS_ROUNDS_MOST of its rounds in a row: a
+# flood of short requests slows the long ones down, and does not stop them.
+EXPRESS_TOKENS = 16
+EXPRESS_ROUNDS_MOST = 2
+
+
+@dataclass(frozen=True)
+class Express:
+    """The key of the batch of a drafting kind's requests of at most EXPRESS_TOKENS tokens."""
+
+    kind: object
 
 
 @dataclass(eq=False)
@@ -189,10 +112,11 @@ class Engine:
         self.arrivals = 0  # submissions that could start at once: one that comes ends the step's encoding
         self.encoding_rate = None  # flops a second its encodings of several prompts have run at, lately
         self.lock = threading.Condition()
-        self.batches: dict = {}  # drafting kind -> its batch; ("alone", id) -> a batch of one replayed job
+        self.batches: dict = {}  # drafting kind (or its Express) -> its batch; ("alone", id) -> a batch of one replayed job
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for the rows decoding
         self.joining: list[Joining] = []  # jobs whose prompts are being encoded, a piece a step while rows decode
         self.round_seconds = 0.0  # the last step's rounds, all batches': what a step's encoding may take too
+        self.sat_out = 0  # rounds in a row the other batches have sat out while an Express batch's rows decoded
         self.draining = False
         self.metrics = Metrics(name, running=lambda: self.active, waiting=lambda: len(self.waiting), prefix=metrics_prefix,
                                budget=budget, peak=lambda: self.peak_memory)
@@ -256,18 +180,24 @@ class Engine:
 
     def step(self) -> None:
         """Drop the rows whose jobs ended (their room in the cache budget is free then), admit waiting jobs, encode
-        for a while, then a round of each batch."""
+        for a while, then a round of each batch (the others sitting out while an Express batch's rows decode, a
+        while)."""
         for batch in list(self.batches.values()):
             self.drop_cancelled(batch)
         self.admit()
         self.encode()
+        express = any(isinstance(kind, Express) and batch.rows for kind, batch in self.batches.items())
+        holding, held = express and self.sat_out < EXPRESS_ROUNDS_MOST, False  # the others sit this round out
         started, decoded = time.perf_counter(), False
-        for kind, batch in list(self.batches.items()):
-            if batch.rows:
+        for kind, batch in sorted(self.batches.items(), key=lambda item: not isinstance(item[0], Express)):
+            if batch.rows and holding and not isinstance(kind, Express):
+                held = True
+            elif batch.rows:
                 self.round(kind, batch)
                 decoded = True
             elif isinstance(kind, tuple) and not any(joining.kind == kind for joining in self.joining):
                 del self.batches[kind]  # an isolated job's batch, done
+        self.sat_out = self.sat_out + 1 if held else 0
         self.round_seconds = time.perf_counter() - started if decoded else 0.0
         self.peak_memory = mx.get_peak_memory()
 
@@ -340,6 +270,8 @@ class Engine:
                     for job in joining.jobs if self.budget is not None else ():
                         self.budget.encoded(id(job), job.request)
                     soonest = self.soonest_end()  # (a short request's row may have joined)
+                    if isinstance(joining.kind, Express):  # its rows decode now: the oldest's piece, at most, first
+                        budget = 0.0
             except Exception as e:  # encoding failed: these jobs only
                 log.exception("encoding failed")
                 self.joining.remove(joining)
@@ -402,8 +334,13 @@ class Engine:
         return taken
 
     def class_of(self, job: Job) -> tuple:
-        """The drafting kind and size of a job (size_class): jobs of a class encode together."""
-        return job.request.settings.kind(self.models), size_class(len(job.request.source), job.request.settings.max_tokens)
+        """The batch and size of a job (lane, size_class): jobs of a class encode together."""
+        return self.lane(job), size_class(len(job.request.source), job.request.settings.max_tokens)
+
+    def lane(self, job: Job):
+        """The key of the batch a job joins: its drafting kind (Settings.kind), or that kind's Express batch."""
+        kind = job.request.settings.kind(self.models)
+        return Express(kind) if job.request.settings.max_tokens <= EXPRESS_TOKENS else kind
 
     def drop_cancelled(self, batch) -> None:
         gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
@@ -465,7 +402,7 @@ class Engine:
         together = {}  # their next requests encoded together, to join their kind's batch (a temperature may change it)
         for job in following:
             if job.error is None:
-                together.setdefault(job.request.settings.kind(self.models), []).append(job)
+                together.setdefault(self.lane(job), []).append(job)
         for next_kind, jobs in together.items():
             self.start_encoding(next_kind, jobs)
         for job in touched.values():

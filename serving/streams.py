@@ -7,7 +7,7 @@ import asyncio
 from fastapi.responses import StreamingResponse
 
 from serving import shapes
-from serving.engine import Job
+from serving.jobs import Job
 from serving.guard import ApiError
 
 

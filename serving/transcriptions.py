@@ -26,7 +26,8 @@ from starlette.datastructures import UploadFile
 import audio
 from errors import OptionError
 from options import AUTO, KNOBS
-from serving.engine import Engine, Job, NeverFits, QueueFull
+from serving.engine import Engine, NeverFits, QueueFull
+from serving.jobs import Job
 from serving.guard import ApiError
 from serving.metrics import Times
 from serving.schema import BEAM_DEFAULTS, MAX_CHOICES

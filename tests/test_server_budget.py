@@ -15,7 +15,8 @@ from loading import load
 from options import Settings
 from rows import Request
 from serving.budget import ENCODING_MEASURED, PASSES, Budget, encoding_memory, weights_bytes
-from serving.engine import Engine, Job
+from serving.engine import Engine
+from serving.jobs import Job
 from serving.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -285,7 +285,7 @@ def test_a_replayed_job_checks_the_tokens_its_client_has_had_before_it_adds_any(
     import asyncio
 
     from rows import Request
-    from serving.engine import Job
+    from serving.jobs import Job
 
     def job(replay):
         made = Job(Request([5, 1]), TextStream(Words()), asyncio.new_event_loop(), None, replay=list(replay))

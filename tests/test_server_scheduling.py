@@ -1,15 +1,22 @@
 """How the server's engine schedules encoding under load (serving/engine.py): jobs of one class encode together and a
 short request apart, first; a job whose class is being encoded waits to go with the next ones rather than be encoded
-alone, but not behind an audio file's next window; a job that comes ends the step's encoding after the piece in hand."""
+alone, but not behind an audio file's next window; a job that comes ends the step's encoding after the piece in hand;
+a short request decodes in a batch of its own whose rounds go first, within a bound."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+import main
+from generate import generate
 from loading import load
 from options import Settings
 from rows import Encoding, Request
-from serving.engine import ENCODING_SHARE_MOST, ENCODING_SLICE, Engine, Job, Joining, encoding_time, size_class
+from serving.engine import (ENCODING_SHARE_MOST, ENCODING_SLICE, EXPRESS_ROUNDS_MOST, EXPRESS_TOKENS, Engine, Express,
+                            Joining, encoding_time, size_class)
+from serving.jobs import Job
+from text import TextStream
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,3 +201,72 @@ def test_a_short_prompt_is_not_held_back_with_a_long_encoding_a_row_waits_for(mo
     engine.encode()
     assert [joining.jobs for joining, _ in given] == [[later], longs] and given[0][1] > 0 >= given[1][1]
     assert list(engine.jobs.values()) == [short, later] and engine.joining == [encoding]
+
+
+class Inline:
+    """A job's event loop and queue, here: what it sends is kept at once."""
+
+    def __init__(self):
+        self.sent = []
+
+    def call_soon_threadsafe(self, send, *args):
+        send(*args)
+
+    def put_nowait(self, item):
+        self.sent.append(item)
+
+    @property
+    def text(self) -> str:
+        return "".join(item[0] for item in self.sent if item)
+
+
+def streamed(models, prompt: str, settings: Settings) -> Job:
+    inline = Inline()
+    return Job(Request(models.tokenizer.encode(prompt), settings), TextStream(models.tokenizer), inline, inline)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_short_request_decodes_in_a_batch_of_its_own_whose_rounds_go_first_within_a_bound(models, speculative):
+    """A request of EXPRESS_TOKENS tokens sent while two long ones decode: it joins its kind's Express batch, apart
+    from them, at the next step; while its row decodes, its rounds go first and the long ones' batch sits out
+    EXPRESS_ROUNDS_MOST rounds in a row, then takes one; every answer is what `generate` gives it alone."""
+    settings = Settings(max_tokens=80, ignore_eos=True, speculative=speculative, num_draft=3, delta=0)
+    engine = Engine(models, settings, max_batch=8, max_queue=8)
+    prompts = main.demo_prompts()[:3]
+    longs = [streamed(models, prompt, settings) for prompt in prompts[:2]]
+    engine.submit(longs)
+    while len(engine.jobs) < 2:
+        engine.step()
+    engine.step()
+    short = streamed(models, prompts[2], dataclasses.replace(settings, max_tokens=EXPRESS_TOKENS))
+    engine.submit([short])
+    rounds, ran = [], engine.round
+    engine.round = lambda kind, batch: rounds.append(isinstance(kind, Express)) or ran(kind, batch)
+    steps = []
+    while short.stream.finish_reason is None:
+        before = len(rounds)
+        engine.step()
+        steps.append(rounds[before:])
+    kind = settings.kind(models)
+    assert set(engine.batches) == {kind, Express(kind)}
+    pattern = ([[True]] * EXPRESS_ROUNDS_MOST + [[True, False]]) * len(steps)
+    assert steps == pattern[:len(steps)] and len(steps) > EXPRESS_ROUNDS_MOST + 1, steps
+    while engine.busy:
+        engine.step()
+    for job, prompt in zip([*longs, short], prompts):
+        assert job.out.text == generate(models, prompt, settings=job.request.settings), prompt
+
+
+def test_a_short_request_that_joins_ends_the_steps_encoding(models):
+    """With no encoding speed known yet (a fresh server), eight long prompts would have the step's whole share (8
+    rounds' time); once a short request's row has joined (its rounds go first), the rest of the step gives them one
+    piece, the oldest's."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    longs, short = [job(50 + i, 500) for i in range(8)], job(50, 5)
+    engine.submit([*longs, short])
+    engine.admit()
+    engine.round_seconds = 1.0
+    given = with_steps_seconds(engine)
+    engine.encode()
+    assert [joining.jobs for joining, _ in given] == [[short], longs] and given[0][1] > 7.0 and given[1][1] <= 0
+    assert list(engine.jobs.values()) == [short] and [joining.jobs for joining in engine.joining] == [longs]
