@@ -313,11 +313,11 @@ def test_auto_does_not_price_drafts_by_one_slow_round():
     second draft dear, would never draft two again to learn otherwise."""
     cost = DraftCost()
     cost.draft_step(0.0005)
-    for steps, seconds in [(1, 0.004)] * 20 + [(2, 0.009)]:
+    for steps, seconds in [(1, 0.004)] * 20 + [(4, 0.020)]:
         cost.round(1, steps, steps + 1, seconds)
     assert cost.per_draft(1) == pytest.approx(0.0005)
     for _ in range(DraftCost.trusted - 1):
-        cost.round(1, 2, 3, 0.0046)
+        cost.round(1, 4, 5, 0.0058)
     assert cost.per_draft(1) == pytest.approx(0.0006, rel=0.05)
 
 
@@ -328,7 +328,7 @@ def test_what_drafting_at_all_costs_is_a_round_of_one_drafts_floor_over_a_round_
     cost = DraftCost()
     cost.draft_step(0.001, rows=4)
     for _ in range(DraftCost.trusted):
-        for steps, seconds in [(0, 0.010), (1, 0.016), (2, 0.018), (3, 0.020)]:
+        for steps, seconds in [(0, 0.010), (1, 0.016), (2, 0.018), (3, 0.020), (4, 0.022)]:
             cost.round(4, steps, 4 + steps, seconds)
     assert cost.per_draft(4) == pytest.approx(0.002)
     assert cost.first_draft(4) == pytest.approx(0.006)
@@ -347,7 +347,7 @@ def test_rounds_of_ever_changing_row_counts_price_a_draft_for_the_rows_at_hand()
     assert auto.cost(33) is cost and auto.cost(32) is not cost
     row_position, draft_row, a = 0.0004, 0.00002, 0.8  # a row's position in the target's pass, a row's draft step
     for i in range(60):
-        rows, steps = rng.randint(33, 64), i % 4
+        rows, steps = rng.randint(33, 64), i % 5
         cost.draft_step(draft_row * rows, rows)
         cost.round(rows, steps, rows * (1 + a * steps), rows * (row_position * (1 + steps) + draft_row * steps))
     assert cost.per_draft(40) == pytest.approx(40 * (row_position + draft_row))
@@ -359,29 +359,31 @@ def test_rounds_of_ever_changing_row_counts_price_a_draft_for_the_rows_at_hand()
 
 def test_rounds_kept_to_the_cap_try_one_draft_fewer_until_a_draft_has_a_price():
     """Priced by its step alone, a draft looks cheap, and rounds would keep to the cap, the one length they time:
-    then they draft one fewer, until that length is trusted too and the slope between the two prices a draft. A
-    slope below zero says the lengths timed are too close together for their noise: rounds then try a shorter one."""
+    then they draft one fewer than the shortest length trusted, until the lengths span DraftCost.span_least drafts
+    and their slope prices a draft (lengths a draft apart differ by their noise as much as by a draft). A slope below
+    zero says the lengths timed are too close together for their noise: rounds then try a shorter one."""
     cost = DraftCost()
     cost.draft_step(0.0001)
     cap = AutoDraft.cap
     for _ in range(DraftCost.trusted):
         assert cost.shorter(cap) is None
         cost.round(1, cap, cap + 1, 0.01 + 0.004 * cap)
-    assert cost.shorter(cap) == cap - 1
-    for _ in range(DraftCost.trusted):
-        cost.round(1, cap - 1, cap, 0.01 + 0.004 * (cap - 1))
+    for shorter in range(cap - 1, cap - DraftCost.span_least - 1, -1):
+        assert cost.shorter(cap) == shorter and cost.per_draft(1) == pytest.approx(0.0001)
+        for _ in range(DraftCost.trusted):
+            cost.round(1, shorter, shorter + 1, 0.01 + 0.004 * shorter)
     assert cost.shorter(cap) is None and cost.per_draft(1) == pytest.approx(0.004)
     noisy = DraftCost()  # floors that fall as lengths grow: too close together to price a draft
     for _ in range(DraftCost.trusted):
-        for steps, seconds in [(6, 0.030), (7, 0.029), (8, 0.028)]:
+        for steps, seconds in [(5, 0.031), (6, 0.030), (7, 0.029), (8, 0.028)]:
             noisy.round(1, steps, steps + 1, seconds)
-    assert noisy.slope < 0 and noisy.shorter(cap) == 5
+    assert noisy.slope < 0 and noisy.shorter(cap) == 4
 
 
 def test_a_round_drafts_one_fewer_than_the_cap_while_the_cap_is_the_one_length_timed(pair):
     draft, prompt = pair["drafts"]["close"], pair["checkpoint"].prompt_ids
     assert drafts_taken(learnt([(AutoDraft.cap, AutoDraft.cap)] * 10), draft, prompt) == AutoDraft.cap - 1
-    priced = learnt([(AutoDraft.cap, AutoDraft.cap)] * 10 + [(AutoDraft.cap - 1, AutoDraft.cap - 1)] * 10)
+    priced = learnt([(AutoDraft.cap - k, AutoDraft.cap - k) for k in range(DraftCost.span_least + 1) for _ in range(10)])
     assert drafts_taken(priced, draft, prompt) == AutoDraft.cap
 
 
