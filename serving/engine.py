@@ -1,9 +1,9 @@
 """The thread that owns MLX: requests wait in a bounded queue, join free rows between rounds, and leave when done.
 
-Each prompt of a request is a `Job` (serving/jobs.py): the engine's `Request` (its ids and Settings), the `TextStream` that turns its
-tokens into text, and the queue of pieces it sends back to the request's event loop. Rows of one drafting kind
-(Settings.kind) share a batch made by batches.batch_for, and batches of different kinds take rounds in turn; a kind's
-short requests (EXPRESS_TOKENS) have a batch of their own, whose rounds go first.
+Each prompt of a request is a `Job` (serving/jobs.py): the engine's `Request` (its ids and Settings), the `TextStream`
+that turns its tokens into text, and the queue of pieces it sends back to the request's event loop. Rows of one
+drafting kind (Settings.kind) share a batch made by batches.batch_for, and batches of different kinds take rounds in
+turn; a kind's short requests (EXPRESS_TOKENS) have a batch of their own, whose rounds go first.
 """
 
 import logging
@@ -154,6 +154,10 @@ class Engine:
             sum(len(joining.jobs) for joining in list(self.joining))
 
     @property
+    def express_decoding(self) -> bool:
+        return any(isinstance(kind, Express) and batch.rows for kind, batch in self.batches.items())
+
+    @property
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
@@ -186,8 +190,12 @@ class Engine:
             self.drop_cancelled(batch)
         self.admit()
         self.encode()
-        express = any(isinstance(kind, Express) and batch.rows for kind, batch in self.batches.items())
-        holding, held = express and self.sat_out < EXPRESS_ROUNDS_MOST, False  # the others sit this round out
+        with self.lock:
+            came = any(isinstance(self.lane(job), Express) for job in self.waiting)
+        if came:  # a short request that came while the step encoded is taken before the rounds, not after them
+            self.admit()
+            self.encode()
+        holding, held = self.express_decoding and self.sat_out < EXPRESS_ROUNDS_MOST, False  # the others sit it out
         started, decoded = time.perf_counter(), False
         for kind, batch in sorted(self.batches.items(), key=lambda item: not isinstance(item[0], Express)):
             if batch.rows and holding and not isinstance(kind, Express):
@@ -249,6 +257,8 @@ class Engine:
         if not self.joining:
             return
         budget = encoding_time(self.round_seconds, sum(len(joining.jobs) for joining in self.joining), len(self.jobs))
+        if self.express_decoding:  # its rows end in a few rounds: till then, the oldest's piece (and Express joinings)
+            budget = 0.0
         started, oldest, arrivals, soonest = time.perf_counter(), self.joining[0], self.arrivals, self.soonest_end()
         for joining in sorted(self.joining, key=lambda joining: joining.size):  # (stable: the oldest of a size first)
             # A job that came meanwhile (it may be a short prompt, which goes first), or rows that joined an idle
@@ -258,7 +268,7 @@ class Engine:
             left = budget - (time.perf_counter() - started)
             if self.encoding_left(joining) > soonest:  # a row ends first (shortest remaining first): at most a piece
                 left = min(left, 0.0)
-            if left <= 0 and joining is not oldest:
+            if left <= 0 and joining is not oldest and not isinstance(joining.kind, Express):
                 continue
             try:
                 if self.encoded(joining, left, lambda: self.arrivals != arrivals):

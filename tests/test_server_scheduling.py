@@ -164,18 +164,19 @@ def with_steps_seconds(engine: Engine) -> list:
 
 @pytest.mark.parametrize("left_seconds, held", [(100.0, True), (1.0, False)])
 def test_an_encoding_a_row_would_wait_for_gets_one_piece_a_step(models, left_seconds, held):
-    """A short request decoding while eight long ones' prompts are encoded: when its 5 tokens (5 rounds of 1 s at
-    most) end before what that encoding has left (100 s at the learnt speed), the encoding gets no time, so one piece
-    (shortest remaining first); when they would not (1 s left), its share: 8 rounds' time, all it needs here."""
+    """A request of 17 tokens (one more than an express one's) decoding while eight long ones' prompts are encoded:
+    when its tokens (17 rounds of 1 s at most) end before what that encoding has left (100 s at the learnt speed), the
+    encoding gets no time, so one piece (shortest remaining first); when they would not (1 s left), its share: 8
+    rounds' time, all it needs here."""
     engine = Engine(models, Settings(), max_batch=64, max_queue=64)
-    longs, short = [job(50 + i, 500) for i in range(8)], job(50, 5)
+    longs, short = [job(50 + i, 500) for i in range(8)], job(50, EXPRESS_TOKENS + 1)
     engine.submit([*longs, short])
     engine.admit()
     engine.encode()  # the short prompt, at once: it decodes now; the long ones' encoding has had a piece
     (encoding,) = engine.joining
     assert list(engine.jobs.values()) == [short] and encoding.jobs == longs and not encoding.encoding.caches
     engine.round_seconds, engine.encoding_rate = 1.0, encoding.flops / left_seconds
-    assert engine.soonest_end() == 5.0 and (engine.encoding_left(encoding) > 5.0) == held
+    assert engine.soonest_end() == 17.0 and (engine.encoding_left(encoding) > 17.0) == held
     given = with_steps_seconds(engine)
     engine.encode()
     assert [joining for joining, _ in given] == [encoding] and (given[0][1] <= 0) == held
@@ -183,20 +184,20 @@ def test_an_encoding_a_row_would_wait_for_gets_one_piece_a_step(models, left_sec
 
 
 def test_a_short_prompt_is_not_held_back_with_a_long_encoding_a_row_waits_for(models):
-    """What a row that ends soon holds back is an encoding with more left than the row's time (100 s against 50),
-    not a short prompt that came meanwhile (12 s): that one is encoded at once and joins, and the long one, the
-    oldest, gets its piece."""
+    """What a row that ends soon (20 tokens: past an express request's) holds back is an encoding with more left
+    than the row's time (1,000 s against 200), not a short prompt that came meanwhile (about 100 s): that one is
+    encoded at once and joins, and the long one, the oldest, gets its piece."""
     engine = Engine(models, Settings(), max_batch=64, max_queue=64)
-    longs, short = [job(50 + i, 500) for i in range(8)], job(50, 5)
+    longs, short = [job(50 + i, 500) for i in range(8)], job(50, 20)
     engine.submit([*longs, short])
     engine.admit()
     engine.encode()
     (encoding,) = engine.joining
-    engine.round_seconds, engine.encoding_rate = 10.0, encoding.flops / 100.0
-    later = job(40, 5)
+    engine.round_seconds, engine.encoding_rate = 10.0, encoding.flops / 1000.0
+    later = job(40, 20)
     engine.submit([later])
     engine.admit()
-    assert engine.encoding_left(engine.joining[-1]) < engine.soonest_end() == 50.0 < engine.encoding_left(encoding)
+    assert engine.encoding_left(engine.joining[-1]) < engine.soonest_end() == 200.0 < engine.encoding_left(encoding)
     given = with_steps_seconds(engine)
     engine.encode()
     assert [joining.jobs for joining, _ in given] == [[later], longs] and given[0][1] > 0 >= given[1][1]
@@ -270,3 +271,46 @@ def test_a_short_request_that_joins_ends_the_steps_encoding(models):
     engine.encode()
     assert [joining.jobs for joining, _ in given] == [[short], longs] and given[0][1] > 7.0 and given[1][1] <= 0
     assert list(engine.jobs.values()) == [short] and [joining.jobs for joining in engine.joining] == [longs]
+
+
+def test_while_a_short_requests_row_decodes_encoding_gives_the_oldest_its_piece_and_short_prompts_theirs(models):
+    """An express row ends in a few rounds: till then a step's encoding has no time of its own (long prompts get the
+    oldest's piece), and a short request that came is encoded whole, to decode beside it."""
+    engine = Engine(models, Settings(), max_batch=64, max_queue=64)
+    short = job(50, 5)
+    engine.submit([short])
+    engine.admit()
+    engine.encode()
+    longs, later = [job(50 + i, 500) for i in range(8)], job(40, 5)
+    engine.submit(longs)
+    engine.admit()
+    engine.submit([later])
+    engine.admit()
+    engine.round_seconds = 1.0  # (8 rounds' time for the long prompts, but for the express row)
+    assert engine.express_decoding
+    given = with_steps_seconds(engine)
+    engine.encode()
+    assert [joining.jobs for joining, _ in given] == [[later], longs] and all(seconds <= 0 for _, seconds in given)
+    assert list(engine.jobs.values()) == [short, later] and [joining.jobs for joining in engine.joining] == [longs]
+
+
+def test_a_short_request_that_comes_while_the_step_encodes_decodes_in_that_steps_rounds(models):
+    """A short request sent while a step encodes a long prompt is taken, encoded and given its first round in that
+    step, not after the step's rounds."""
+    settings = Settings(max_tokens=80, ignore_eos=True, speculative=False)
+    engine = Engine(models, settings, max_batch=8, max_queue=8)
+    prompts = main.demo_prompts()[:3]
+    engine.submit([streamed(models, prompts[0], settings)])
+    engine.step()
+    short = streamed(models, prompts[2], dataclasses.replace(settings, max_tokens=5))
+    encode, sent = engine.encode, []
+
+    def encoding():  # the short request comes while the long one is encoded
+        encode()
+        if not sent:
+            sent.append(engine.submit([short]))
+
+    engine.encode = encoding
+    engine.submit([streamed(models, prompts[1], settings)])
+    engine.step()
+    assert sent and len(short.stream.tokens) >= 1
