@@ -73,10 +73,7 @@ class DraftCost:
     at once to a faster round and rises slowly to slower ones (a longer
     prompt, a longer output, a model moved to slower memory); a length counts
     after `trusted` rounds, and weighs as many rounds as it had, up to
-    `most_weight`. Until the lengths that count span `span_least` drafts, d
-    is the draft step alone: floors of lengths a draft apart differ by a
-    draft's cost, and by their noise (rounds of other row counts, prompts,
-    outputs), which a slope between them would take for it.
+    `most_weight`. Until two lengths count, d is the draft step alone.
 
     A length's floor is its rounds' whose steps all replayed compiled graphs
     (a step that traced one, or ran a shape for the first time, is slower
@@ -130,13 +127,13 @@ class DraftCost:
                 for steps, every in self.every.items()}
 
     def fit_slope(self) -> None:
-        """The slope through the floors of the trusted lengths of one draft or
-        more (a round of none skips the draft's call and catch-up:
-        first_draft), once they span span_least drafts."""
+        """The slope through the floors of two or more trusted lengths of one
+        draft or more (a round of none skips the draft's call and catch-up:
+        first_draft)."""
         floors = self.floors
         points = [(steps, share, min(count, self.most_weight)) for steps, (share, count) in floors.items()
                   if count >= self.trusted and steps]
-        if len(points) < 2 or max(points)[0] - min(points)[0] < self.span_least:
+        if len(points) < 2:
             return
         weight = sum(w for *_, w in points)
         mean_steps = sum(k * w for k, _, w in points) / weight
@@ -146,13 +143,15 @@ class DraftCost:
 
     def shorter(self, cap: int) -> int | None:
         """The most a round drafts while the lengths timed cannot price a
-        draft: one fewer than the shortest length trusted while the cap is one
-        of them and they have no slope (priced by its step alone, a draft looks
+        draft well: one fewer than the shortest length trusted while the cap is
+        one of them and they span fewer than span_least drafts (priced by its
+        step alone, or by a slope between floors a draft or two apart, which
+        differ by their noise as much as by a draft's cost, a draft can look
         cheap, and rounds would keep to the cap, however dear it is), or while
-        their slope is below zero (lengths too close together for the noise
-        between their floors)."""
+        their slope is below zero (lengths too close together for that noise)."""
         lengths = [steps for steps, (_, count) in self.floors.items() if steps and count >= self.trusted]
-        if self.slope is None and cap in lengths or self.slope is not None and self.slope < 0:
+        narrow = cap in lengths and max(lengths) - min(lengths) < self.span_least
+        if narrow or self.slope is not None and self.slope < 0:
             return min(lengths) - 1 if min(lengths) > 1 else None
         return None
 

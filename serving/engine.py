@@ -189,16 +189,16 @@ class Engine:
         for batch in list(self.batches.values()):
             self.drop_cancelled(batch)
         self.admit()
+        arrivals = self.arrivals
         self.encode()
-        with self.lock:
-            came = any(isinstance(self.lane(job), Express) for job in self.waiting)
-        if came:  # a short request that came while the step encoded is taken before the rounds, not after them
-            self.admit()
-            self.encode()
+        with self.lock:  # a short request that came while the step encoded: taken and encoded before the rounds
+            came = self.arrivals != arrivals and any(isinstance(self.lane(job), Express) for job in self.waiting)
+        if came and any(isinstance(self.lane(job), Express) for job in self.admit()):
+            self.encode(express_only=True)
         holding, held = self.express_decoding and self.sat_out < EXPRESS_ROUNDS_MOST, False  # the others sit it out
         started, decoded = time.perf_counter(), False
         for kind, batch in sorted(self.batches.items(), key=lambda item: not isinstance(item[0], Express)):
-            if batch.rows and holding and not isinstance(kind, Express):
+            if batch.rows and holding and not isinstance(kind, (Express, tuple)):  # (a job decoded again alone: never)
                 held = True
             elif batch.rows:
                 self.round(kind, batch)
@@ -209,8 +209,9 @@ class Engine:
         self.round_seconds = time.perf_counter() - started if decoded else 0.0
         self.peak_memory = mx.get_peak_memory()
 
-    def admit(self) -> None:
-        """Waiting jobs take the free rows: the jobs of a drafting kind are encoded together, to join its batch."""
+    def admit(self) -> list[Job]:
+        """Waiting jobs take the free rows: the jobs of a drafting kind are encoded together, to join its batch.
+        Returns the jobs taken."""
         taken = self.take_waiting()
         now = time.perf_counter()
         for job in taken:
@@ -224,6 +225,7 @@ class Engine:
             together.setdefault(self.class_of(job), []).append(job)
         for (kind, _), jobs in together.items():
             self.start_encoding(kind, jobs, queued=True)
+        return taken
 
     def start_encoding(self, kind, jobs: list[Job], queued: bool = False) -> None:
         """The jobs' prompts, encoded together (Joining) to join the kind's batch; `queued`: they came from the queue.
@@ -241,14 +243,15 @@ class Engine:
             self.batches[kind] = batch_for(self.models, job.request.settings, 1 if isinstance(kind, tuple) else self.max_batch)
         return self.batches[kind]
 
-    def encode(self) -> None:
+    def encode(self, express_only: bool = False) -> None:
         """Encoding takes a step's time in turn with decoding: while rows decode, as long as their rounds took (a piece
         at least), times the rows being encoded over the rows decoding where they are more: a long prompt slows the
         decoding rows down, and does not stop them for its whole encoding, while the rows waiting for their prompts
         (room the batch is not using) get them as soon as their share allows; with no row decoding, ENCODING_SLICE, so
-        that the queue is read between. The smaller sizes go first (size_class), the oldest first within a size, and the
-        oldest of all gets a piece every step whatever comes after it; each joins its batch once encoded (at once or in
-        pieces: `encoded`)."""
+        that the queue is read between. Express joinings go first, with that share whatever else happens; then the
+        smaller sizes (size_class), the oldest first within a size, and the oldest of all gets a piece every step
+        whatever comes after it; each joins its batch once encoded (at once or in pieces: `encoded`). While express
+        rows decode, or with `express_only`, the others get no time (the oldest's piece aside, not with express_only)."""
         for joining in [joining for joining in self.joining if all(job.cancelled for job in joining.jobs)]:
             self.joining.remove(joining)  # every client left while it was encoded
             for job in joining.jobs:
@@ -257,18 +260,23 @@ class Engine:
         if not self.joining:
             return
         budget = encoding_time(self.round_seconds, sum(len(joining.jobs) for joining in self.joining), len(self.jobs))
-        if self.express_decoding:  # its rows end in a few rounds: till then, the oldest's piece (and Express joinings)
+        express_budget = budget  # Express joinings keep the step's share, whatever happens to the others'
+        if self.express_decoding or express_only:  # its rows end in a few rounds: till then, the oldest's piece
             budget = 0.0
         started, oldest, arrivals, soonest = time.perf_counter(), self.joining[0], self.arrivals, self.soonest_end()
-        for joining in sorted(self.joining, key=lambda joining: joining.size):  # (stable: the oldest of a size first)
+        # Express joinings first, then the smaller sizes (stable: the oldest of a size first)
+        for joining in sorted(self.joining, key=lambda joining: (not isinstance(joining.kind, Express), joining.size)):
+            express = isinstance(joining.kind, Express)
+            if express_only and not express:
+                continue
             # A job that came meanwhile (it may be a short prompt, which goes first), or rows that joined an idle
             # engine (they decode now), end the step's encoding: the oldest still gets its piece.
             if self.arrivals != arrivals or (not self.round_seconds and self.jobs):
                 budget = 0.0
-            left = budget - (time.perf_counter() - started)
-            if self.encoding_left(joining) > soonest:  # a row ends first (shortest remaining first): at most a piece
+            left = (express_budget if express else budget) - (time.perf_counter() - started)
+            if not express and self.encoding_left(joining) > soonest:  # a row ends first (shortest remaining first)
                 left = min(left, 0.0)
-            if left <= 0 and joining is not oldest and not isinstance(joining.kind, Express):
+            if left <= 0 and joining is not oldest and not express:
                 continue
             try:
                 if self.encoded(joining, left, lambda: self.arrivals != arrivals):
