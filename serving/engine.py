@@ -64,6 +64,11 @@ class Express:
     kind: object
 
 
+def express(job: Job) -> bool:
+    """Whether a job's rows decode in its kind's Express batch."""
+    return job.request.settings.max_tokens <= EXPRESS_TOKENS
+
+
 @dataclass(eq=False)
 class Joining:
     """Jobs of one drafting kind whose prompts are encoded together (a piece a step), to join its batch then."""
@@ -192,8 +197,8 @@ class Engine:
         arrivals = self.arrivals
         self.encode()
         with self.lock:  # a short request that came while the step encoded: taken and encoded before the rounds
-            came = self.arrivals != arrivals and any(isinstance(self.lane(job), Express) for job in self.waiting)
-        if came and any(isinstance(self.lane(job), Express) for job in self.admit()):
+            came = self.arrivals != arrivals and any(map(express, self.waiting))
+        if came and any(map(express, self.admit())):
             self.encode(express_only=True)
         holding, held = self.express_decoding and self.sat_out < EXPRESS_ROUNDS_MOST, False  # the others sit it out
         started, decoded = time.perf_counter(), False
@@ -358,7 +363,7 @@ class Engine:
     def lane(self, job: Job):
         """The key of the batch a job joins: its drafting kind (Settings.kind), or that kind's Express batch."""
         kind = job.request.settings.kind(self.models)
-        return Express(kind) if job.request.settings.max_tokens <= EXPRESS_TOKENS else kind
+        return Express(kind) if express(job) else kind
 
     def drop_cancelled(self, batch) -> None:
         gone = {row.request for row in batch.rows if self.jobs[id(row.request)].cancelled}
