@@ -4,15 +4,12 @@
     for segment in stream_transcribe(models, "lecture.mp3"):
         print(segment["start"], segment["end"], segment["text"])
 
-A file's features (audio.py) are decoded 30 s at a time, as transformers'
-Whisper `generate` decodes them: each window a request whose decoder opens
-as speech_tokens.Whisper says (start of transcript, language, task), with
-its rules; a window's segments run between its pairs of timestamps, and the
-next window starts at its last pair. Where no language is given, a
-multilingual model's is detected from the file's first window, on the
-encoder output its decoding then reuses. Files decode together, in one
-batch, drafted or not as the settings say (the draft follows the same
-rules); `Guards` decide when a window is decoded again or skipped.
+A file's features (audio.py) are decoded 30 s at a time (a model's window), as transformers' Whisper `generate`
+decodes them: each window a request whose decoder opens as speech_tokens.Whisper says (start of transcript,
+language, task), with its rules; a window's segments run between its pairs of timestamps, and the next window starts
+at its last pair. Where no language is given, a multilingual model's is detected from the file's first window, on
+the encoder output its decoding then reuses. Files decode together, in one batch, drafted or not as the settings say
+(the draft follows the same rules); `Guards` decide when a window is decoded again or skipped.
 """
 
 import json
@@ -27,7 +24,7 @@ from errors import OptionError
 from options import Settings, Stats
 from plans import with_presets
 from rows import Request
-from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, SPACELESS, TASKS, TIMESTAMP_SECONDS, Whisper
+from speech_tokens import FRAMES_PER_STEP, LANGUAGE_NAMES, SPACELESS, TASKS, TIMESTAMP_SECONDS, Whisper, window_frames
 from speech_tokens import compression_ratio, token_times, words_of
 
 
@@ -127,8 +124,9 @@ class Track:
     def window_features(self) -> np.ndarray:
         """The 3,000 frames from seek, the file's last window padded with zeros, as transformers pads it (numpy's:
         its MLX array is made where it is encoded, on the thread that owns MLX)."""
-        part = self.features[self.seek : self.seek + audio.WINDOW_FRAMES]
-        return np.pad(part, [(0, audio.WINDOW_FRAMES - len(part)), (0, 0)])
+        window = self.listening.window_frames
+        part = self.features[self.seek : self.seek + window]
+        return np.pad(part, [(0, window - len(part)), (0, 0)])
 
 
 @dataclass
@@ -251,9 +249,8 @@ def open_windows(models, cache, tracks: list[Track]) -> None:
 
 @dataclass
 class Listening:
-    """One call's way of listening (its language, task, guards, prompt and
-    settings), and what it does with each file's `Track` window by window:
-    each window's request, its tokens, its end."""
+    """One call's way of listening (its language, task, guards, prompt and settings), and what it does with each
+    file's `Track` window by window: each window's request, its tokens, its end."""
 
     whisper: Whisper
     models: object = field(repr=False)
@@ -316,16 +313,21 @@ class Listening:
         return cls(whisper, models, settings, fixed, task, timestamps, guards, prefix,
                    settings.max_tokens if "max_tokens" in given else None, words, condition)
 
+    @property
+    def window_frames(self) -> int:
+        return window_frames(self.models.target)
+
     def track(self, file, max_seconds: float | None = None) -> Track:
         """A file (a path, its bytes, or its samples) read, and its features made: a file of up to 30 s padded to the
         window, as transformers pads it; a longer one at its whole length, decoded with timestamps (the windows move
         by them)."""
         samples = file if isinstance(file, np.ndarray) else audio.read(file, max_seconds)
-        long = len(samples) // audio.HOP > audio.WINDOW_FRAMES  # (transformers' long-form: over 3,000 frames)
+        window = self.window_frames
+        long = len(samples) // audio.HOP > window  # (transformers' long-form: over a window's frames, 3,000)
         if long and self.whisper.first_timestamp is None:
             raise OptionError("this model's generation config has no no_timestamps_token_id: it decodes files of up "
                               "to 30 s, and this one is longer")
-        frames = len(samples) // audio.HOP if long else audio.WINDOW_FRAMES
+        frames = len(samples) // audio.HOP if long else window
         features = audio.log_mel(samples, self.models.target.args.num_mel_bins, frames)
         audio_frames = frames if long else -(-len(samples) // audio.HOP)
         return Track(self, features, frames, audio_frames, len(samples) / audio.SAMPLE_RATE, self.timestamps or long,
@@ -341,17 +343,15 @@ class Listening:
         # as openai-whisper's and faster-whisper's are: transformers' stays at one beam for the rest of the call)
         settings = replace(self.settings, temp=temperature, seed=seed, **searched)
         request = Request(track.window_features(), settings, ruled_logprobs=True)
-        track.window = Window(request, track.seek, min(track.frames - track.seek, audio.WINDOW_FRAMES), temperature,
+        track.window = Window(request, track.seek, min(track.frames - track.seek, self.window_frames), temperature,
                               self.prefix_of(track))
         return request
 
     def prefix_of(self, track: Track) -> tuple[int, ...]:
-        """What a track's next window opens with before its start of transcript:
-        the prompt's prefix; or, conditioned on the text before (where the last
-        window was decoded below temperature 0.5), <|startofprev|> and the last
-        223 tokens of the prompt and the segments so far (a segment's closing
-        pair of timestamps one token shorter), as transformers' generate
-        conditions on them."""
+        """What a track's next window opens with before its start of transcript: the prompt's prefix; or, conditioned
+        on the text before (where the last window was decoded below temperature 0.5), <|startofprev|> and the last 223
+        tokens of the prompt and the segments so far (a segment's closing pair of timestamps one token shorter), as
+        transformers' generate conditions on them."""
         if not self.condition or not track.conditioned or not (track.segments or self.prefix):
             return self.prefix
         before = list(self.prefix[1:])  # the prompt, as transformers' first "segment"

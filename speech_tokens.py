@@ -257,8 +257,14 @@ def token_times(target, cross_keys_values: list, cross_bias, tokens: list[int], 
 
 
 def audio_positions(target) -> int:
-    """The encoder's positions a 30 s window takes (1,500: its frames over the stem's stride)."""
+    """The encoder's positions a window takes (1,500 for 30 s: its frames over the stem's stride)."""
     return target.args.encoder_positions or target.args.max_positions
+
+
+def window_frames(target) -> int:
+    """The feature frames the encoder reads at once: 3,000 (30 s) in every public Whisper; a model made with a
+    shorter max_source_positions (the speech demo pair) reads, and is decoded, a shorter window at a time."""
+    return audio_positions(target) * FRAMES_PER_STEP
 
 
 def median_filtered(x: np.ndarray, width: int) -> np.ndarray:

@@ -55,6 +55,7 @@ SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>",
             "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"] + [f"<|{i * STEP:.2f}|>" for i in range(1501)]
 VOICES = ["en", "en-us", "en-gb-x-rp", "en-gb-scotland", "en-029", "en-gb-x-gbclan", "en-gb-x-gbcwmd"]
 VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5"]
+LETTERS = " abcdefghijklmnopqrstuvwxyz',."  # what the CTC head spells (its blank is 0)
 SENTENCE = re.compile(r"^[A-Z][a-z']*( [A-Za-z']+,?)* [a-z']+\.$")  # words and commas: what espeak-ng says as written
 
 
@@ -94,16 +95,18 @@ def speak(text: str, voice: str, speed: int, pitch: int) -> np.ndarray:
     return samples[loud[0]:loud[-1] + 1].astype(np.float32)
 
 
-def voiced(job: tuple[int, str, int]) -> tuple[int, np.ndarray]:
-    index, text, seed = job
+def voiced(job: tuple[int, str, int, list[str]]) -> tuple[int, np.ndarray]:
+    index, text, seed, voices = job
     rng = random.Random(seed)
-    voice = rng.choice(VOICES) + rng.choice(VARIANTS)
+    voice = rng.choice(voices) + rng.choice(VARIANTS)
     return index, speak(text, voice, rng.randint(135, 205), rng.randint(25, 75))
 
 
-def synthesize(sentences: list[str], voicings: int, seed: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """Each sentence spoken `voicings` times: one tensor of samples, and (sentence, offset, length) per clip."""
-    jobs = [(i * voicings + v, sentences[i], seed * 1_000_003 + i * voicings + v)
+def synthesize(sentences: list[str], voicings: int, seed: int, voices: list[str] = VOICES
+               ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Each sentence spoken `voicings` times (an accent of `voices`, a variant, a speed and a pitch drawn for each):
+    one tensor of samples, and (sentence, offset, length) per clip."""
+    jobs = [(i * voicings + v, sentences[i], seed * 1_000_003 + i * voicings + v, voices)
             for i in range(len(sentences)) for v in range(voicings)]
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         clips = dict(pool.map(voiced, jobs, chunksize=32))
@@ -131,32 +134,35 @@ def make_tokenizer(sentences: list[str]) -> Tokenizer:
 class Windows:
     """Random 30 s windows of the clips and their labels, as Whisper is trained on them."""
 
-    def __init__(self, samples, clips, sentences, tokenizer, device, seed):
-        self.samples, self.clips, self.device = samples.to(device), clips, device
+    def __init__(self, samples, clips, sentences, tokenizer, device, seed, seconds: int = 30):
+        self.samples, self.clips, self.device, self.size = samples.to(device), clips, device, seconds * RATE
         self.rng = random.Random(seed)
         self.generator = torch.Generator(device).manual_seed(seed)
         self.text = [tokenizer.encode(" " + s).ids for s in sentences]
         self.start, self.none = tokenizer.token_to_id("<|startoftranscript|>"), tokenizer.token_to_id("<|notimestamps|>")
+        # Each text token's letters, for the CTC head (lower case; the texts are ASCII, a token is whole characters).
+        self.letters = {i: [LETTERS.index(c) + 1 for c in tokenizer.decode([i]).lower() if c in LETTERS]
+                        for i in range(tokenizer.token_to_id("<|endoftext|>"))}
         self.end, self.first_time = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|0.00|>")
         self.mel = torch.from_numpy(WhisperFeatureExtractor(feature_size=80).mel_filters).float().to(device)
         self.hann = torch.hann_window(400, device=device)
 
     def time(self, seconds: float) -> int:
-        return self.first_time + min(1500, round(seconds / STEP))
+        return self.first_time + min(round(self.size / RATE / STEP), round(seconds / STEP))
 
     def window(self, audio: torch.Tensor) -> list[int]:
-        """Fills audio (WINDOW samples) with clips; returns the labelled tokens."""
+        """Fills audio (a window's samples) with clips; returns the labelled tokens."""
         rng, timestamps = self.rng, self.rng.random() < 0.6
         at, tokens = rng.uniform(0, 1.0) * RATE, [self.start] + ([] if timestamps else [self.none])
         count = 1 if rng.random() < 0.4 else 99
         while count:
             sentence, offset, length = self.clips[rng.randrange(len(self.clips))]
             begin = int(at)
-            if begin + length > WINDOW:
+            if begin + length > self.size:
                 # A sentence the window cuts, in a long file: its start timestamp ends the window's labels (the
                 # next window starts there); without timestamps the window holds only whole sentences.
-                if timestamps and tokens[-1] != self.start and begin < WINDOW - RATE and rng.random() < 0.5:
-                    audio[begin:] += self.samples[offset:offset + WINDOW - begin]
+                if timestamps and tokens[-1] != self.start and begin < self.size - RATE and rng.random() < 0.5:
+                    audio[begin:] += self.samples[offset:offset + self.size - begin]
                     tokens.append(self.time(begin / RATE))
                 break
             audio[begin:begin + length] += self.samples[offset:offset + length]
@@ -167,8 +173,13 @@ class Windows:
             at, count = begin + length + rng.uniform(0.15, 2.0) * RATE, count - 1
         return tokens + [self.end]
 
+    def spelled(self, labels: list[list[int]]) -> list[list[int]]:
+        """The letters of each window's text tokens (specials and timestamps left out)."""
+        return [[letter for token in tokens if token in self.letters for letter in self.letters[token]]
+                for tokens in labels]
+
     def batch(self, size: int):
-        audio = torch.zeros(size, WINDOW, device=self.device)
+        audio = torch.zeros(size, self.size, device=self.device)
         labels = [self.window(audio[i]) for i in range(size)]
         gain = torch.empty(size, 1, device=self.device).uniform_(0.2, 1.0, generator=self.generator)
         noise = 10 ** torch.empty(size, 1, device=self.device).uniform_(-4.0, -2.3, generator=self.generator)
@@ -205,11 +216,13 @@ def noisy(inputs: torch.Tensor, rate: float, end: int) -> torch.Tensor:
     return torch.where(swap, torch.randint_like(inputs, end), inputs)
 
 
-def configs(tokenizer: Tokenizer) -> tuple[WhisperConfig, WhisperConfig]:
+def configs(tokenizer: Tokenizer, seconds: int = 30) -> tuple[WhisperConfig, WhisperConfig]:
+    """The target's and the draft's shapes; `seconds`, the window the encoder reads (every public Whisper's is 30 s;
+    a shorter one costs a CPU less a step, in proportion)."""
     end, start = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|startoftranscript|>")
     shape = dict(vocab_size=tokenizer.get_vocab_size(), num_mel_bins=80, d_model=256, encoder_layers=4,
                  encoder_attention_heads=4, encoder_ffn_dim=1024, decoder_attention_heads=4, decoder_ffn_dim=1024,
-                 max_source_positions=1500, max_target_positions=448, pad_token_id=end, bos_token_id=end,
+                 max_source_positions=seconds * 50, max_target_positions=448, pad_token_id=end, bos_token_id=end,
                  eos_token_id=end, decoder_start_token_id=start, begin_suppress_tokens=None, suppress_tokens=None,
                  dropout=0.0)
     return WhisperConfig(decoder_layers=6, **shape), WhisperConfig(decoder_layers=1, **shape)
@@ -246,19 +259,23 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
 
 
 @torch.no_grad()
-def evaluate(target, draft, windows: Windows, sentences: list[str], clips, tokenizer, device) -> dict:
-    """The target's greedy text of held-out sentences alone in a window (no timestamps) against the sentences; and
-    how often the draft's argmax is the target's, fed the target's greedy tokens."""
+def evaluate(target, draft, windows: Windows, sentences: list[str], clips, tokenizer, device, heard=None) -> dict:
+    """The target's greedy text of held-out sentences alone in a window (no timestamps) against the sentences; how
+    often the draft's argmax is the target's, fed the target's greedy tokens; and, given the CTC head, the error
+    rate of the letters it hears (whether the encoder has begun to listen, whatever the decoder does)."""
     target.eval(), draft.eval()
-    references, hypotheses, agreed, compared = [], [], 0, 0
+    references, hypotheses, spelled, agreed, compared = [], [], [], 0, 0
     for first in range(0, len(clips), 50):
         chunk = clips[first:first + 50]
-        audio = torch.zeros(len(chunk), WINDOW, device=device)
+        audio = torch.zeros(len(chunk), windows.size, device=device)
         for row, (sentence, offset, length) in enumerate(chunk):
             audio[row, RATE // 2:RATE // 2 + length] = windows.samples[offset:offset + length]
         features = windows.features(audio)
         opening = torch.tensor([[windows.start, windows.none]] * len(chunk), device=device)
         encoded = target.model.encoder(features).last_hidden_state
+        if heard is not None:
+            for best in heard(encoded).argmax(-1).tolist():  # CTC's greedy reading: repeats merged, blanks dropped
+                spelled.append("".join(LETTERS[b - 1] for i, b in enumerate(best) if b and (i == 0 or b != best[i - 1])))
         ids = opening
         for _ in range(120):  # greedy, a forward pass per token: plain and exact
             logits = target(encoder_outputs=(encoded,), decoder_input_ids=ids).logits[:, -1]
@@ -278,15 +295,17 @@ def evaluate(target, draft, windows: Windows, sentences: list[str], clips, token
     target.train(), draft.train()
     examples = [{"sentence": r, "heard": h} for r, h in list(zip(references, hypotheses))[:5]]
     return {"word_error_rate": word_error_rate(references, hypotheses), "draft_agreement": agreed / compared,
-            "clips": len(clips), "examples": examples}
+            "clips": len(clips), "examples": examples}| (
+        {"ctc_word_error_rate": word_error_rate(references, spelled)} if heard is not None else {})
 
 
-def step_losses(target, draft, heard, features, labels: list[list[int]], end: int, device,
+def step_losses(target, draft, heard, features, labels: list[list[int]], letters: list[list[int]], end: int, device,
                 autocast: bool | None = None, corrupt: float = 0.0) -> dict:
     """A batch's losses: the target's and the draft's next tokens, the draft against the target's distribution, and
-    the encoder's CTC (a head that is not saved: a decoder that can guess the next word from the last ones learns
-    that long before it learns to listen, and this loss makes the encoder say what it hears from the first steps).
-    `corrupt`: the rate of the decoder's input tokens made noisy (the targets stay the true tokens)."""
+    the encoder's CTC over letters (a head that is not saved: a decoder that can guess the next word from the last
+    ones learns that long before it learns to listen, and this loss makes the encoder say what it hears from the
+    first steps; letters, few and each a sound or two long, leave CTC's all-blank plateau far sooner than 1,024 BPE
+    pieces). `corrupt`: the rate of the decoder's input tokens made noisy (the targets stay the true tokens)."""
     inputs, targets = padded(labels, end, device)
     inputs = noisy(inputs, corrupt, end) if corrupt else inputs
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" if autocast is None else autocast):
@@ -299,10 +318,9 @@ def step_losses(target, draft, heard, features, labels: list[list[int]], end: in
     # The draft also learns the target's distribution, so that it proposes what the target would accept.
     distilled = (F.kl_div(drafted.log_softmax(-1), logits.detach().log_softmax(-1), log_target=True,
                           reduction="none").sum(-1) * mask).sum() / mask.sum()
-    text = [torch.tensor([t for t in tokens if t < end]) for tokens in labels]
-    ctc = F.ctc_loss(frames.log_softmax(-1).transpose(0, 1), torch.cat(text).to(device),
-                     torch.full((len(text),), encoded.shape[1]), torch.tensor([len(t) for t in text]),
-                     blank=heard.out_features - 1, zero_infinity=True)
+    ctc = F.ctc_loss(frames.log_softmax(-1).transpose(0, 1), torch.tensor(sum(letters, []), device=device),
+                     torch.full((len(letters),), encoded.shape[1]), torch.tensor([len(t) for t in letters]),
+                     blank=0, zero_infinity=True)
     return {"target": F.cross_entropy(logits.transpose(1, 2), targets),
             "draft": F.cross_entropy(drafted.transpose(1, 2), targets), "distilled": distilled, "ctc": ctc}
 
@@ -321,7 +339,8 @@ def train(target, draft, heard, windows: Windows, batch: int, steps: int | None,
         for group in optimizer.param_groups:
             group["lr"] = peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
         features, labels = windows.batch(batch)
-        parts = step_losses(target, draft, heard, features, labels, windows.end, device, corrupt=corrupt)
+        parts = step_losses(target, draft, heard, features, labels, windows.spelled(labels), windows.end, device,
+                            corrupt=corrupt)
         loss = parts["target"] + 0.5 * parts["draft"] + 0.5 * parts["distilled"] + 0.3 * parts["ctc"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -334,8 +353,8 @@ def train(target, draft, heard, windows: Windows, batch: int, steps: int | None,
                            | {name: round(float(np.mean([x[name] for x in losses])), 4) for name in losses[0]})
             if check is not None and step % check_every == 0:
                 figures = check()
-                history[-1] |= {"word_error_rate": round(figures["word_error_rate"], 3),
-                                "draft_agreement": round(figures["draft_agreement"], 3)}
+                history[-1] |= {name: round(figures[name], 3) for name in
+                                ("word_error_rate", "draft_agreement", "ctc_word_error_rate") if name in figures}
             print(history[-1], flush=True)
             losses = []
     return history, step
@@ -362,6 +381,9 @@ def main():
     parser.add_argument("--resume", type=Path, help="a pair this wrote, to train on (its tokenizer kept)")
     parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
     parser.add_argument("--warmup", type=int, default=300, help="steps to warm the learning rate up over")
+    parser.add_argument("--window", type=int, default=30, help="seconds the encoder reads at once")
+    parser.add_argument("--voices", default=",".join(VOICES), help="espeak-ng's accents to speak in, by commas")
+    parser.add_argument("--check-every", type=int, default=1000, help="steps between held-out figures")
     parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the decoder's input tokens made noisy")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -376,13 +398,16 @@ def main():
     tokenizer = Tokenizer.from_file(str(args.resume / "target" / "tokenizer.json")) if args.resume \
         else make_tokenizer(train_set)
     train_set = training_sentences(train_set, args.shuffled, args.seed)
-    samples, clips = synthesize(train_set, args.voicings, args.seed)
-    test_samples, test_clips = synthesize(test, 1, args.seed + 1)
+    voices = args.voices.split(",")
+    samples, clips = synthesize(train_set, args.voicings, args.seed, voices)
+    test_samples, test_clips = synthesize(test, 1, args.seed + 1, voices)
+    longest = (args.window - 0.5) * RATE  # a clip a window cannot hold whole is left out
+    clips, test_clips = [c for c in clips if c[2] <= longest], [c for c in test_clips if c[2] <= longest]
     spoken_seconds = len(samples) / RATE
     print(f"{len(train_set)} training sentences ({spoken_seconds / 3600:.1f} h spoken), {len(test)} held out; "
           f"{time.time() - began:.0f} s to speak them", flush=True)
 
-    target_config, draft_config = configs(tokenizer)
+    target_config, draft_config = configs(tokenizer, args.window)
     if args.resume:  # the draft's saved encoder is the target's, or absent
         target = WhisperForConditionalGeneration.from_pretrained(args.resume / "target").to(device).train()
         draft = WhisperForConditionalGeneration.from_pretrained(args.resume / "draft").to(device).train()
@@ -392,14 +417,14 @@ def main():
         draft = WhisperForConditionalGeneration(draft_config).to(device).train()
         before = None
     draft.model.encoder = None  # trained on the target's encoder output; saved with the target's encoder
-    heard = torch.nn.Linear(target_config.d_model, target_config.vocab_size + 1).to(device)  # the CTC head
-    windows = Windows(samples, clips, train_set, tokenizer, device, args.seed)
-    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1)
+    heard = torch.nn.Linear(target_config.d_model, len(LETTERS) + 1).to(device)  # the CTC head
+    windows = Windows(samples, clips, train_set, tokenizer, device, args.seed, args.window)
+    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1, args.window)
     step_began = time.time()
     history, steps = train(target, draft, heard, windows, args.batch, args.steps, args.minutes, device,
                            every=2 if args.quick else 200, peak=args.lr, warmup=args.warmup, corrupt=args.corrupt,
-                           check=lambda: evaluate(target, draft, test_windows, test, test_clips[:100], tokenizer, device),
-                           check_every=4 if args.quick else 1000)
+                           check=lambda: evaluate(target, draft, test_windows, test, test_clips[:100], tokenizer, device, heard),
+                           check_every=4 if args.quick else args.check_every)
     trained = time.time() - step_began
 
     draft.model.encoder = target.model.encoder
@@ -410,7 +435,7 @@ def main():
         model.generation_config = generation_config(tokenizer)
         model.to(torch.float32).save_pretrained(folder)
         tokenizer.save(str(folder / "tokenizer.json"))
-        WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+        WhisperFeatureExtractor(feature_size=80, chunk_length=args.window).save_pretrained(folder)
     record = {
         "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__, "device": device,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
@@ -420,7 +445,7 @@ def main():
         "parameters": {"target": sum(p.numel() for p in target.parameters()),
                        "draft": sum(p.numel() for p in draft.parameters())},
         "history": history, "held_out": figures, "lr": args.lr, "warmup": args.warmup,
-        "corrupt": args.corrupt,
+        "corrupt": args.corrupt, "window_seconds": args.window, "voices": voices,
         "resumed": before,  # the run this one went on from (its own record, and so on back)
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")

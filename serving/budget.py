@@ -173,7 +173,10 @@ def encoding_memory(models, length: int) -> int:
     from rows import Encoding
 
     args = models.target.args
-    source = np.zeros((3000, args.num_mel_bins), np.float32) if args.num_mel_bins else [args.pad_token_id + 1] * length
+    from speech_tokens import window_frames
+
+    source = np.zeros((window_frames(models.target), args.num_mel_bins), np.float32) if args.num_mel_bins \
+        else [args.pad_token_id + 1] * length
     models = [model for model in (models.target, models.draft) if model is not None]
     mx.synchronize()
     before = mx.get_active_memory()

@@ -697,6 +697,34 @@ def test_a_long_file_decodes_window_by_window_as_transformers_long_form_generate
     assert transcription.tokens == [token for _, _, tokens in theirs for token in tokens]
 
 
+def test_a_whisper_of_a_shorter_window_is_decoded_a_window_of_its_own_at_a_time_as_transformers_does(
+        spoken_pair, long_file, tmp_path):
+    """A Whisper made with max_source_positions 500 (a 10 s window, as the speech demo pair's): a 5 s file is padded
+    to its window and the 75 s file moves by its windows, segment for segment as transformers' generate, which reads
+    the window from the same field."""
+    import speech
+
+    root, target, _, path = spoken_pair
+    torch.manual_seed(3)
+    short = WhisperForConditionalGeneration(WhisperConfig(**target.config.to_dict() | {"max_source_positions": 500}))
+    short.eval().generation_config = target.generation_config
+    short.save_pretrained(tmp_path / "hf")
+    shutil.copy(root / "hf" / "tokenizer.json", tmp_path / "hf")
+    convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
+    models = spoken_models(tmp_path)
+    assert speech.window_frames(models.target) == 1000
+    features = audio.log_mel(audio.read(path), 80, window=1000)
+    assert features.shape == (1000, 80)
+    theirs = generated(short, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=40)
+    (transcription,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=40)
+    assert ours(transcription) == theirs and sum(len(tokens) for _, _, tokens in theirs) >= 10
+    theirs = generated(short, whole_features(long_file), language="en", task="transcribe", return_timestamps=True,
+                       max_new_tokens=30)
+    (transcription,) = speech.transcribe(models, [long_file], language="en", max_tokens=30)
+    assert ours(transcription) == theirs
+    assert len({segment["seek"] for segment in transcription.segments}) >= 3  # windows, each its own 10 s
+
+
 def test_files_of_any_length_decode_together_each_as_it_does_alone(spoken_pair, long_file, monkeypatch):
     """Two long files and a short one in one batch: a file's next window joins
     as soon as its last ends, and each file's segments are what it gets alone."""
