@@ -18,9 +18,11 @@ from text import plural
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
-def stats_line(stats: Stats, speculative: bool) -> str:
+def stats_line(stats: Stats, speculative: bool, source: str | None = None) -> str:
+    """`source`: what was encoded, where it is not a prompt of stats.prompt_tokens tokens (a clip's seconds)."""
+    source = source or f"prompt {plural(stats.prompt_tokens, 'token')}"
     line = (f"{plural(stats.generated, 'token')} in {stats.decoding_seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
-            f"prompt {plural(stats.prompt_tokens, 'token')} encoded in {stats.encoding_seconds:.2f} s")
+            f"{source} encoded in {stats.encoding_seconds:.2f} s")
     if stats.compiling_seconds >= 0.005:
         line += f", MLX compiling kernels {stats.compiling_seconds:.2f} s (once on this machine)"
     if speculative:
@@ -176,6 +178,24 @@ def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats,
         how += f": a run of each takes about {pair:.1f} s"
     print(f"Speculative decoding ran {speedup:.2f}x as fast as regular decoding on this prompt "
           f"({spec:.0f} against {regular:.0f} tokens/s, {how})", file=out)
+    return speedup
+
+
+def show_transcription_speedup(models: Models, samples, options: dict, runs: int = 5, out=None) -> float:
+    """Transcribe the clip regular and drafted, alternating, and print the speedup of the medians of their decoding
+    speeds (as show_speedup does for a prompt; a clip of a few seconds decodes in a fraction of one)."""
+    from speech import transcribe
+
+    times = {False: [], True: []}
+    for _ in range(runs):
+        for speculative in (False, True):
+            settings = replace(options["settings"], speculative=speculative)
+            (transcription,) = transcribe(models, [samples], **(options | {"settings": settings}))
+            times[speculative].append(transcription.stats.tokens_per_second)
+    regular, spec = statistics.median(times[False]), statistics.median(times[True])
+    speedup = spec / regular if regular else 0.0
+    print(f"Speculative decoding ran {speedup:.2f}x as fast as regular decoding on this clip "
+          f"({spec:.0f} against {regular:.0f} tokens/s, medians of {runs} runs each)", file=out)
     return speedup
 
 

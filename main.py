@@ -14,6 +14,7 @@
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass, replace
@@ -22,13 +23,13 @@ from pathlib import Path
 from errors import ModelNotFound, T5Error, UsageError
 from generate import batch_generate, stream_batch_generate
 from display import announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup, warm_up_aloud
-from display import why_not_timed
+from display import show_transcription_speedup, stats_line, why_not_timed
 from interactive import Session
 from loading import load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
 from audio import read as read_audio
-from speech import TASKS, Guards, render, stream_transcribe, transcribe
+from speech import TASKS, Guards, render, stream_transcribe, transcribe, warm_up
 from sweep import check_plot_path, parse_list, sweep
 
 DEFAULT_PROMPT = (
@@ -44,6 +45,10 @@ DEFAULTS = {name: getattr(Settings(), name) for name in KNOBS} | {"delta": 0.1}
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_DEFAULTS = DEFAULTS | {"num_draft": 3}
 DEMO_PROMPT = 20
+# The speech pair (demo/train_speech.py): a small English Whisper and a one-layer draft on its encoder, with held-out
+# clips espeak-ng spoke; exact acceptance, so that what it prints is the target's own transcription.
+SPEECH_DIR = DEMO_DIR / "speech"
+SPEECH_DEFAULTS = DEFAULTS | {"num_draft": 3, "delta": 0.0}
 
 
 def file_lines(path: Path) -> list[str]:
@@ -122,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt-lang", help="and for the output's language: its first token (mBART's: the decoder's start)")
     p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
                    "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
-    p.add_argument("--audio", nargs="+", metavar="FILE",
+    p.add_argument("--audio", nargs="*", metavar="FILE",
                    help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; of any length: 30 s windows) "
                         "with a converted Whisper --model, drafted by --draft-model if given; --task transcribe or "
-                        "translate")
+                        "translate; with --demo, the speech pair in demo/speech, by default on its first held-out clip")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
     p.add_argument("--timestamps", action="store_true", help="--audio: segments with their start and end")
     p.add_argument("--word-timestamps", action="store_true",
@@ -376,6 +381,10 @@ def show_one(models, plan: Plan) -> None:
 
 def listen(args) -> int:
     """--audio: each file's transcription (one JSON object a file, in OpenAI's verbose_json shape, with --json)."""
+    if args.demo:
+        return listen_demo(args)
+    if not args.audio:
+        raise UsageError("--audio needs one or more files (or --demo, for the speech demo pair's held-out clip)")
     if args.model is None:
         raise UsageError("--audio needs --model: a converted Whisper (python convert.py --model openai/whisper-small)")
     if args.task is not None and args.task not in TASKS:
@@ -434,10 +443,41 @@ def listen(args) -> int:
     return 0
 
 
+def listen_demo(args) -> int:
+    """--demo --audio: the speech pair transcribes a held-out clip (the first, or the files given) with its draft; the
+    sentence spoken, the text heard, the drafts accepted and the speedup over regular decoding."""
+    if args.model or args.draft_model or args.json or args.output_format or args.output_dir:
+        raise UsageError("--demo --audio runs the pair in demo/speech: drop --model, --draft-model and the output flags")
+    if not (SPEECH_DIR / "target").is_dir():
+        raise UsageError(f"{SPEECH_DIR / 'target'} is missing: restore it with git checkout demo, or rebuild it with "
+                         "python demo/train_speech.py")
+    settings = knob_settings(args, SPEECH_DEFAULTS)
+    settings = replace(settings, speculative=not args.regular_decode and settings.num_beams == 1)
+    clips = {clip["file"]: clip for clip in json.loads((SPEECH_DIR / "clips" / "clips.json").read_text())}
+    files = args.audio or [str(SPEECH_DIR / "clips" / next(iter(clips)))]
+    samples = [read_audio(file) for file in files]
+    models = load(str(SPEECH_DIR / "target"), draft=str(SPEECH_DIR / "draft") if settings.speculative else None,
+                  verbose=True)
+    options = dict(language=args.language, task=args.task or "transcribe", timestamps=args.timestamps,
+                   settings=settings, given={name for name in KNOBS if getattr(args, name) is not None})
+    warm_up(models, settings)
+    for file, clip in zip(files, samples):
+        said = clips.get(Path(file).name) if Path(file).parent.resolve() == (SPEECH_DIR / "clips").resolve() else None
+        if said:
+            print(f"Held-out clip {os.path.relpath(file)} ({said['seconds']:.1f} s; espeak-ng's voice {said['voice']}, "
+                  f"{said['speed']} words a minute), which says:\n  {said['sentence']}\n")
+        (transcription,) = transcribe(models, [clip], **options)
+        print("Heard:\n  " + transcription.text)
+        print(stats_line(transcription.stats, settings.speculative, f"{transcription.duration:.1f} s of audio"))
+        if settings.speculative:
+            show_transcription_speedup(models, clip, options)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return listen(args) if args.audio else run(check_usage(args))
+        return listen(args) if args.audio is not None else run(check_usage(args))
     except T5Error as e:  # bad options, and model folders the user has to fix
         print(f"error: {e}", file=sys.stderr)
         return 2

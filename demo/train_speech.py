@@ -1,28 +1,26 @@
 """Train the demo's speech pair: a small English Whisper and a draft that keeps its encoder.
 
-espeak-ng speaks sentences of the Python standard library's docstrings in many
-voices, speeds and pitches; windows of 30 s are built from those clips as
-training goes (one sentence, or several with pauses between them, the last one
-sometimes cut by the window's end as in long files), with light noise, and
-labelled as Whisper is: the start of transcript, then either no-timestamps and
-the text, or each sentence between its start and end timestamps. A sentence is
-held out when the first byte of its SHA-1 is below 26 (about 10%). The target
-and the draft are transformers' own Whisper classes; the draft's one decoder
-layer reads the target's encoder output (its gradient does not reach the
-encoder), learning the text and the target's distribution together, and is
-saved with the target's encoder, as distil-whisper is. A quarter of the
-decoder's input text tokens are swapped for random ones (--corrupt), so that it
-cannot finish a sentence it has learnt from its first words without listening.
+espeak-ng speaks sentences of the Python standard library's docstrings in many voices, speeds and pitches; windows
+(10 s by default: a CPU's step costs about a third of a 30 s one's) are built from those clips as training goes (one
+sentence, or several with pauses between them, the last one sometimes cut by the window's end as in long files),
+with light noise, and labelled as Whisper is: the start of transcript, then either no-timestamps and the text, or
+each sentence between its start and end timestamps. A sentence is held out when the first byte of its SHA-1 is below
+26 (about 10%). The target and the draft are transformers' own Whisper classes; the draft's one decoder layer reads
+the target's encoder output (its gradient does not reach the encoder), learning the text and the target's
+distribution together, and is saved with the target's encoder, as distil-whisper is. A quarter of the decoder's
+input text tokens are swapped for random ones (--corrupt), so that it cannot finish a sentence it has learnt from
+its first words without listening. The encoder also feeds a CTC head that spells the letters it hears (not saved).
 
-    python demo/train_speech.py --minutes 8      # a GPU (docs/DEMO.md: the runs so far)
-    python demo/train_speech.py --resume demo/speech/hf --out /tmp/more   # on from a pair it wrote
-    python demo/train_speech.py --quick --out /tmp/speech   # a few steps on a CPU
+    python demo/train_speech.py                  # 100 minutes on 2 CPU cores: the shipped pair (docs/DEMO.md)
+    python demo/train_speech.py --resume demo/speech/hf --out /tmp/more/hf   # on from a pair it wrote
+    python demo/train_speech.py --quick --out /tmp/speech/hf   # a few steps, to try it
+    python demo/train_speech.py --ship           # only convert demo/speech/hf and write the clips
 
-Writes, under --out (default demo/speech/hf): target/ and draft/ as Hugging Face
-checkpoints (tokenizer.json, preprocessor_config.json, generation_config.json
-beside the weights) and training.json (seeds, corpus, shapes, steps, the
-learning curve with the held-out figures every 1,000 steps, the final held-out
-figures, and the record of the run it went on from). convert.py converts them.
+Writes, under --out (default demo/speech/hf): target/ and draft/ as Hugging Face checkpoints (tokenizer.json,
+preprocessor_config.json, generation_config.json beside the weights) and training.json (seeds, corpus, shapes,
+steps, the learning curve with the held-out figures every --check-every steps, the final held-out figures, and the
+record of the run it went on from); and beside --out (demo/speech), what ships: target/ and draft/ converted for
+MLX, training.json, and clips/, a few held-out sentences spoken as WAV files with clips.json.
 
 The corpus is the standard library of the Python that runs this; training.json
 records its version and the sentence counts.
@@ -37,8 +35,10 @@ import os
 import random
 import re
 import subprocess
+import sys
 import sysconfig
 import time
+import wave
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -220,8 +220,10 @@ def configs(tokenizer: Tokenizer, seconds: int = 30) -> tuple[WhisperConfig, Whi
     """The target's and the draft's shapes; `seconds`, the window the encoder reads (every public Whisper's is 30 s;
     a shorter one costs a CPU less a step, in proportion)."""
     end, start = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|startoftranscript|>")
-    shape = dict(vocab_size=tokenizer.get_vocab_size(), num_mel_bins=80, d_model=256, encoder_layers=4,
-                 encoder_attention_heads=4, encoder_ffn_dim=1024, decoder_attention_heads=4, decoder_ffn_dim=1024,
+    # Small enough that a 2-core CPU takes a step of 16 windows of 10 s in about 2 s: the encoder, a window's 500
+    # positions in every layer, is most of a step's cost, so it has 3 layers to the target decoder's 6.
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), num_mel_bins=80, d_model=192, encoder_layers=3,
+                 encoder_attention_heads=3, encoder_ffn_dim=768, decoder_attention_heads=3, decoder_ffn_dim=768,
                  max_source_positions=seconds * 50, max_target_positions=448, pad_token_id=end, bos_token_id=end,
                  eos_token_id=end, decoder_start_token_id=start, begin_suppress_tokens=None, suppress_tokens=None,
                  dropout=0.0)
@@ -360,6 +362,38 @@ def train(target, draft, heard, windows: Windows, batch: int, steps: int | None,
     return history, step
 
 
+def write_clips(folder: Path, sentences: list[str], voices: list[str], count: int = 4, seed: int = 7) -> list[dict]:
+    """The demo's clips: the first `count` held-out sentences (in the order of their SHA-1) of 8 to 14 words, each
+    spoken once in a voice, speed and pitch the seed draws, as 16 kHz 16-bit WAV files; clips.json says what each
+    says and how it was spoken."""
+    chosen = sorted((s for s in sentences if held_out(s) and 8 <= len(s.split()) <= 14),
+                    key=lambda s: hashlib.sha1(s.encode()).hexdigest())[:count]
+    folder.mkdir(parents=True, exist_ok=True)
+    clips = []
+    for number, sentence in enumerate(chosen, 1):
+        rng = random.Random(seed * 1_000_003 + number)
+        voice, speed, pitch = rng.choice(voices) + rng.choice(VARIANTS), rng.randint(135, 205), rng.randint(25, 75)
+        samples = speak(sentence, voice, speed, pitch)
+        name = f"held-out-{number}.wav"
+        with wave.open(str(folder / name), "wb") as file:
+            file.setnchannels(1), file.setsampwidth(2), file.setframerate(RATE)
+            file.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+        clips.append({"file": name, "sentence": sentence, "voice": voice, "speed": speed, "pitch": pitch,
+                      "seconds": round(len(samples) / RATE, 2)})
+    (folder / "clips.json").write_text(json.dumps(clips, indent=2) + "\n")
+    return clips
+
+
+def ship(hf: Path, out: Path, voices: list[str]) -> None:
+    """What demo/speech holds: the pair converted for MLX (float32, as the T5 pair), the record of its training, and
+    the held-out clips."""
+    for name in ("target", "draft"):
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "convert.py"), "--model",
+                        str(hf / name), "--out", str(out / name), "--dtype", "float32", "--force"], check=True)
+    (out / "training.json").write_text((hf / "training.json").read_text())
+    write_clips(out / "clips", corpus_sentences(), voices)
+
+
 def training_sentences(train: list[str], shuffled: int, seed: int) -> list[str]:
     """The training sentences, and as many again of their words in random order: sentences alone are few enough
     to learn by heart, and a decoder that has can write one from its first words without listening."""
@@ -368,12 +402,14 @@ def training_sentences(train: list[str], shuffled: int, seed: int) -> list[str]:
     return train + [s[0].upper() + s[1:] for s in made]
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "speech" / "hf")
-    parser.add_argument("--minutes", type=float, default=5.0, help="training time; the step count follows from it")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "speech" / "hf",
+                        help="where the Hugging Face checkpoints go; its parent gets the converted pair and the clips")
+    parser.add_argument("--ship", action="store_true", help="only convert the pair in --out and write the clips")
+    parser.add_argument("--minutes", type=float, default=100.0, help="training time; the step count follows from it")
     parser.add_argument("--steps", type=int, help="a fixed number of steps instead of --minutes")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--voicings", type=int, default=2, help="voices each training sentence is spoken in")
     parser.add_argument("--shuffled", type=int, default=6000, help="sentences of training words in random order")
     parser.add_argument("--seed", type=int, default=0)
@@ -381,11 +417,18 @@ def main():
     parser.add_argument("--resume", type=Path, help="a pair this wrote, to train on (its tokenizer kept)")
     parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
     parser.add_argument("--warmup", type=int, default=300, help="steps to warm the learning rate up over")
-    parser.add_argument("--window", type=int, default=30, help="seconds the encoder reads at once")
-    parser.add_argument("--voices", default=",".join(VOICES), help="espeak-ng's accents to speak in, by commas")
-    parser.add_argument("--check-every", type=int, default=1000, help="steps between held-out figures")
+    parser.add_argument("--window", type=int, default=10, help="seconds the encoder reads at once")
+    parser.add_argument("--voices", default="en-us,en", help="espeak-ng's accents to speak in, by commas")
+    parser.add_argument("--check-every", type=int, default=500, help="steps between held-out figures")
     parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the decoder's input tokens made noisy")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.ship:
+        ship(args.out, args.out.parent, json.loads((args.out / "training.json").read_text())["voices"])
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     began = time.time()
@@ -449,7 +492,8 @@ def main():
         "resumed": before,  # the run this one went on from (its own record, and so on back)
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written to {args.out} in {time.time() - began:.0f} s", flush=True)
+    ship(args.out, args.out.parent, voices)
+    print(f"written to {args.out} and {args.out.parent} in {time.time() - began:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
