@@ -194,7 +194,7 @@ def show_transcription_speedup(models: Models, samples, options: dict, runs: int
             times[speculative].append(transcription.stats.tokens_per_second)
     regular, spec = statistics.median(times[False]), statistics.median(times[True])
     speedup = spec / regular if regular else 0.0
-    print(f"Speculative decoding ran {speedup:.2f}x as fast as regular decoding on this clip "
+    print(f"Speculative decoding decoded {speedup:.2f}x as fast as regular decoding on this clip "
           f"({spec:.0f} against {regular:.0f} tokens/s, medians of {runs} runs each)", file=out)
     return speedup
 

@@ -48,7 +48,7 @@ DEMO_PROMPT = 20
 # The speech pair (demo/train_speech.py): a small English Whisper and a one-layer draft on its encoder, with held-out
 # clips espeak-ng spoke; exact acceptance, so that what it prints is the target's own transcription.
 SPEECH_DIR = DEMO_DIR / "speech"
-SPEECH_DEFAULTS = DEFAULTS | {"num_draft": 3, "delta": 0.0}
+SPEECH_DEFAULTS = DEFAULTS | {"num_draft": 1, "delta": 0.0}  # its best measured (docs/DEMO.md)
 
 
 def file_lines(path: Path) -> list[str]:
@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="a task the model's config names (t5's: summarization, translation_en_to_de, ...): its "
                    "prompt prefix, and its options (beams, lengths, no-repeat n-grams) under those given here")
     p.add_argument("--audio", nargs="*", metavar="FILE",
-                   help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; of any length: 30 s windows) "
+                   help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; of any length: the model's windows, "
+                        "30 s in every public Whisper) "
                         "with a converted Whisper --model, drafted by --draft-model if given; --task transcribe or "
                         "translate; with --demo, the speech pair in demo/speech, by default on its first held-out clip")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
@@ -446,10 +447,15 @@ def listen(args) -> int:
 def listen_demo(args) -> int:
     """--demo --audio: the speech pair transcribes a held-out clip (the first, or the files given) with its draft; the
     sentence spoken, the text heard, the drafts accepted and the speedup over regular decoding."""
-    if args.model or args.draft_model or args.json or args.output_format or args.output_dir:
-        raise UsageError("--demo --audio runs the pair in demo/speech: drop --model, --draft-model and the output flags")
-    if not (SPEECH_DIR / "target").is_dir():
-        raise UsageError(f"{SPEECH_DIR / 'target'} is missing: restore it with git checkout demo, or rebuild it with "
+    defaults = vars(build_parser().parse_args([]))
+    others = sorted(name for name, value in vars(args).items()
+                    if value != defaults[name] and name not in {"demo", "audio", "regular_decode", *KNOBS})
+    if others:
+        flags = ", ".join("--" + name.replace("_", "-") for name in others)
+        raise UsageError(f"--demo --audio runs the pair in demo/speech on its clips or your files, with the decoding "
+                         f"knobs and --regular-decode only: drop {flags}")
+    if not all((SPEECH_DIR / part).exists() for part in ("target", "draft", "clips/clips.json")):
+        raise UsageError(f"{SPEECH_DIR} is incomplete: restore it with git checkout demo, or rebuild it with "
                          "python demo/train_speech.py")
     settings = knob_settings(args, SPEECH_DEFAULTS)
     settings = replace(settings, speculative=not args.regular_decode and settings.num_beams == 1)
@@ -458,8 +464,7 @@ def listen_demo(args) -> int:
     samples = [read_audio(file) for file in files]
     models = load(str(SPEECH_DIR / "target"), draft=str(SPEECH_DIR / "draft") if settings.speculative else None,
                   verbose=True)
-    options = dict(language=args.language, task=args.task or "transcribe", timestamps=args.timestamps,
-                   settings=settings, given={name for name in KNOBS if getattr(args, name) is not None})
+    options = dict(settings=settings, given={name for name in KNOBS if getattr(args, name) is not None})
     warm_up(models, settings)
     for file, clip in zip(files, samples):
         said = clips.get(Path(file).name) if Path(file).parent.resolve() == (SPEECH_DIR / "clips").resolve() else None

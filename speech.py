@@ -318,15 +318,15 @@ class Listening:
         return window_frames(self.models.target)
 
     def track(self, file, max_seconds: float | None = None) -> Track:
-        """A file (a path, its bytes, or its samples) read, and its features made: a file of up to 30 s padded to the
-        window, as transformers pads it; a longer one at its whole length, decoded with timestamps (the windows move
+        """A file (a path, its bytes, or its samples) read, and its features made: a file of up to a window (30 s)
+        padded to it, as transformers pads it; a longer one at its whole length, decoded with timestamps (the windows move
         by them)."""
         samples = file if isinstance(file, np.ndarray) else audio.read(file, max_seconds)
         window = self.window_frames
         long = len(samples) // audio.HOP > window  # (transformers' long-form: over a window's frames, 3,000)
         if long and self.whisper.first_timestamp is None:
             raise OptionError("this model's generation config has no no_timestamps_token_id: it decodes files of up "
-                              "to 30 s, and this one is longer")
+                              f"to its window, {window * audio.HOP / audio.SAMPLE_RATE:g} s, and this one is longer")
         frames = len(samples) // audio.HOP if long else window
         features = audio.log_mel(samples, self.models.target.args.num_mel_bins, frames)
         audio_frames = frames if long else -(-len(samples) // audio.HOP)

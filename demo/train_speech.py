@@ -20,10 +20,8 @@ Writes, under --out (default demo/speech/hf): target/ and draft/ as Hugging Face
 preprocessor_config.json, generation_config.json beside the weights) and training.json (seeds, corpus, shapes,
 steps, the learning curve with the held-out figures every --check-every steps, the final held-out figures, and the
 record of the run it went on from); and beside --out (demo/speech), what ships: target/ and draft/ converted for
-MLX, training.json, and clips/, a few held-out sentences spoken as WAV files with clips.json.
-
-The corpus is the standard library of the Python that runs this; training.json
-records its version and the sentence counts.
+MLX, training.json, and clips/, a few held-out sentences spoken as WAV files with clips.json. The corpus is the
+standard library of the Python that runs this; training.json records its version and the sentence counts.
 """
 
 import argparse
@@ -48,6 +46,7 @@ import torch.nn.functional as F
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
+DEMO_SPEECH = Path(__file__).resolve().parent / "speech"  # what ships: the pair, its record, its clips
 RATE = 16_000
 WINDOW = 30 * RATE
 STEP = 0.02  # seconds per timestamp token
@@ -88,9 +87,8 @@ def speak(text: str, voice: str, speed: int, pitch: int) -> np.ndarray:
                          capture_output=True, check=True).stdout
     samples = np.frombuffer(wav[44:], "<i2").astype(np.float32) / 32768  # its header's sizes are unset on a pipe
     # Band-limited resampling of 22,050 Hz to 16,000 Hz: the spectrum cut to the new rate's band.
-    spectrum = np.fft.rfft(samples)
     length = round(len(samples) * RATE / 22_050)
-    samples = np.fft.irfft(spectrum[:length // 2 + 1], length) * (length / len(samples))
+    samples = np.fft.irfft(np.fft.rfft(samples)[:length // 2 + 1], length) * (length / len(samples))
     loud = np.flatnonzero(np.abs(samples) > 0.02 * np.abs(samples).max())
     return samples[loud[0]:loud[-1] + 1].astype(np.float32)
 
@@ -217,8 +215,7 @@ def noisy(inputs: torch.Tensor, rate: float, end: int) -> torch.Tensor:
 
 
 def configs(tokenizer: Tokenizer, seconds: int = 30) -> tuple[WhisperConfig, WhisperConfig]:
-    """The target's and the draft's shapes; `seconds`, the window the encoder reads (every public Whisper's is 30 s;
-    a shorter one costs a CPU less a step, in proportion)."""
+    """The target's and the draft's shapes; `seconds`, the window the encoder reads (every public Whisper's: 30 s)."""
     end, start = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|startoftranscript|>")
     # Small enough that a 2-core CPU takes a step of 16 windows of 10 s in about 2 s: the encoder, a window's 500
     # positions in every layer, is most of a step's cost, so it has 3 layers to the target decoder's 6.
@@ -330,8 +327,8 @@ def step_losses(target, draft, heard, features, labels: list[list[int]], letters
 def train(target, draft, heard, windows: Windows, batch: int, steps: int | None, minutes: float, device,
           every: int = 200, peak: float = 1e-3, warmup: int = 300, corrupt: float = 0.0, check=None,
           check_every: int = 1000) -> tuple[list[dict], int]:
-    """Trains for `steps` steps or `minutes`: the learning rate warms up to `peak` over `warmup` steps, then falls by
-    a cosine; returns the mean losses of each `every` steps, with check()'s held-out figures each `check_every`
+    """Trains for `steps` steps or `minutes`: the learning rate warms up to `peak` over `warmup` steps, then falls
+    by a cosine; returns the mean losses of each `every` steps, with check()'s held-out figures each `check_every`
     steps, and the steps taken."""
     parameters = list(target.parameters()) + list(draft.parameters()) + list(heard.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=peak, betas=(0.9, 0.98), weight_decay=0.01)
@@ -404,8 +401,7 @@ def training_sentences(train: list[str], shuffled: int, seed: int) -> list[str]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "speech" / "hf",
-                        help="where the Hugging Face checkpoints go; its parent gets the converted pair and the clips")
+    parser.add_argument("--out", type=Path, default=DEMO_SPEECH / "hf", help="the pair; its parent: all that ships")
     parser.add_argument("--ship", action="store_true", help="only convert the pair in --out and write the clips")
     parser.add_argument("--minutes", type=float, default=100.0, help="training time; the step count follows from it")
     parser.add_argument("--steps", type=int, help="a fixed number of steps instead of --minutes")
@@ -421,7 +417,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--voices", default="en-us,en", help="espeak-ng's accents to speak in, by commas")
     parser.add_argument("--check-every", type=int, default=500, help="steps between held-out figures")
     parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the decoder's input tokens made noisy")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.quick and args.out == parser.get_default("out"):
+        parser.error("--quick trains a pair that is no demo: give --out, so that demo/speech stays as it is")
+    args.window = WhisperConfig.from_pretrained(args.resume / "target").max_source_positions // 50 if args.resume else args.window
+    return args
 
 
 def main():
