@@ -32,6 +32,12 @@ def test_the_clips_are_held_out_sentences_spoken_as_16_khz_wav_files_under_1_mb_
             assert file.getnframes() / 16_000 == pytest.approx(clip["seconds"], abs=0.01)
 
 
+def test_the_pairs_weights_fit_in_40_mb_as_the_t5_pairs_do():
+    files = list(SPEECH.glob("*/model*.safetensors"))
+    assert {f.parent.name for f in files} == {"target", "draft"}
+    assert sum(f.stat().st_size for f in files) <= 40e6
+
+
 def test_the_pair_is_an_english_only_whisper_of_10_s_windows_whose_draft_reads_the_targets_encoder_output(pair):
     record = json.loads((SPEECH / "training.json").read_text())
     assert speech.window_frames(pair.target) == record["window_seconds"] * 100 == 1000
