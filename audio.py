@@ -140,15 +140,15 @@ _FILTERS: dict[int, np.ndarray] = {}
 CHUNK_FRAMES = 4096  # log_mel's frames a pass: its spectra's memory stays a few tens of MB, however long the file
 
 
-def log_mel(samples: np.ndarray, bins: int, frames: int | None = None, window: int = WINDOW_FRAMES) -> np.ndarray:
+def log_mel(samples: np.ndarray, bins: int, frames: int | None = None) -> np.ndarray:
     """(frames, bins) float32 features of 16 kHz samples, as transformers'
     WhisperFeatureExtractor makes them: by default the samples padded with
-    silence to a whole number of windows of `window` frames (at least one);
-    `frames` gives another count (the samples padded with silence to it, or
+    silence to a whole number of 30 s windows (at least one), each window's
+    3,000 frames; `frames` gives another count (the samples padded with silence to it, or
     cut to it, as transformers cuts them; a count the samples hold,
     len // HOP, reads them whole, as long-form does)."""
     if frames is None:
-        frames = max(1, math.ceil(len(samples) / (window * HOP))) * window
+        frames = max(1, math.ceil(len(samples) / WINDOW_SAMPLES)) * WINDOW_FRAMES
     samples = np.asarray(samples, np.float32)
     if len(samples) >= (frames + 1) * HOP:
         samples = samples[: frames * HOP]

@@ -167,12 +167,8 @@ def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats,
         print(f"(Speedup not measured: a run of each mode would take about {pair:.0f} s, more than the "
               f"{SPEEDUP_SECONDS:.0f} s this line may take; `main.py --compare` runs each once.)", file=out)
         return None
-    times = {False: [], True: []}
-    for _ in range(runs):
-        for speculative in (False, True):
-            times[speculative].append(measure(models, prompt, replace(settings, speculative=speculative)).tokens_per_second)
-    regular, spec = statistics.median(times[False]), statistics.median(times[True])
-    speedup = spec / regular if regular else 0.0
+    speedup, spec, regular = alternated(
+        lambda speculative: measure(models, prompt, replace(settings, speculative=speculative)).tokens_per_second, runs)
     how = f"medians of {runs} runs each" if runs > 1 else "one run each"
     if runs < 5:
         how += f": a run of each takes about {pair:.1f} s"
@@ -181,19 +177,28 @@ def show_speedup(models: Models, prompt: str, settings: Settings, answer: Stats,
     return speedup
 
 
+def alternated(rate, runs: int) -> tuple[float, float, float]:
+    """rate(speculative) -> tokens/s, run for regular then speculative decoding, `runs` times: the speedup of the
+    medians, and the medians (speculative, regular)."""
+    times = {False: [], True: []}
+    for _ in range(runs):
+        for speculative in (False, True):
+            times[speculative].append(rate(speculative))
+    regular, spec = statistics.median(times[False]), statistics.median(times[True])
+    return (spec / regular if regular else 0.0), spec, regular
+
+
 def show_transcription_speedup(models: Models, samples, options: dict, runs: int = 5, out=None) -> float:
     """Transcribe the clip regular and drafted, alternating, and print the speedup of the medians of their decoding
     speeds (as show_speedup does for a prompt; a clip of a few seconds decodes in a fraction of one)."""
     from speech import transcribe
 
-    times = {False: [], True: []}
-    for _ in range(runs):
-        for speculative in (False, True):
-            settings = replace(options["settings"], speculative=speculative)
-            (transcription,) = transcribe(models, [samples], **(options | {"settings": settings}))
-            times[speculative].append(transcription.stats.tokens_per_second)
-    regular, spec = statistics.median(times[False]), statistics.median(times[True])
-    speedup = spec / regular if regular else 0.0
+    def rate(speculative: bool) -> float:
+        settings = replace(options["settings"], speculative=speculative)
+        (transcription,) = transcribe(models, [samples], **(options | {"settings": settings}))
+        return transcription.stats.tokens_per_second
+
+    speedup, spec, regular = alternated(rate, runs)
     print(f"Speculative decoding decoded {speedup:.2f}x as fast as regular decoding on this clip "
           f"({spec:.0f} against {regular:.0f} tokens/s, medians of {runs} runs each)", file=out)
     return speedup

@@ -122,8 +122,8 @@ class Track:
         return self.seek >= self.frames
 
     def window_features(self) -> np.ndarray:
-        """The 3,000 frames from seek, the file's last window padded with zeros, as transformers pads it (numpy's:
-        its MLX array is made where it is encoded, on the thread that owns MLX)."""
+        """A window's frames from seek (3,000 in every public Whisper), the file's last window padded with zeros, as
+        transformers pads it (numpy's: its MLX array is made where it is encoded, on the thread that owns MLX)."""
         window = self.listening.window_frames
         part = self.features[self.seek : self.seek + window]
         return np.pad(part, [(0, window - len(part)), (0, 0)])

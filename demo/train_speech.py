@@ -294,7 +294,7 @@ def evaluate(target, draft, windows: Windows, sentences: list[str], clips, token
     target.train(), draft.train()
     examples = [{"sentence": r, "heard": h} for r, h in list(zip(references, hypotheses))[:5]]
     return {"word_error_rate": word_error_rate(references, hypotheses), "draft_agreement": agreed / compared,
-            "clips": len(clips), "examples": examples}| (
+            "clips": len(clips), "examples": examples} | (
         {"ctc_word_error_rate": word_error_rate(references, spelled)} if heard is not None else {})
 
 
@@ -360,9 +360,8 @@ def train(target, draft, heard, windows: Windows, batch: int, steps: int | None,
 
 
 def write_clips(folder: Path, sentences: list[str], voices: list[str], count: int = 4, seed: int = 7) -> list[dict]:
-    """The demo's clips: the first `count` held-out sentences (in the order of their SHA-1) of 8 to 14 words, each
-    spoken once in a voice, speed and pitch the seed draws, as 16 kHz 16-bit WAV files; clips.json says what each
-    says and how it was spoken."""
+    """The demo's clips: the first `count` held-out sentences of 8 to 14 words (by SHA-1), each spoken once in a voice,
+    speed and pitch the seed draws, as 16 kHz 16-bit WAV files; clips.json says what each says and how it was spoken."""
     chosen = sorted((s for s in sentences if held_out(s) and 8 <= len(s.split()) <= 14),
                     key=lambda s: hashlib.sha1(s.encode()).hexdigest())[:count]
     folder.mkdir(parents=True, exist_ok=True)
@@ -382,8 +381,7 @@ def write_clips(folder: Path, sentences: list[str], voices: list[str], count: in
 
 
 def ship(hf: Path, out: Path, voices: list[str]) -> None:
-    """What demo/speech holds: the pair converted for MLX (float32, as the T5 pair), the record of its training, and
-    the held-out clips."""
+    """demo/speech: the pair converted for MLX (float32, as the T5 pair), its training's record, its held-out clips."""
     for name in ("target", "draft"):
         subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "convert.py"), "--model",
                         str(hf / name), "--out", str(out / name), "--dtype", "float32", "--force"], check=True)
@@ -415,9 +413,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=300, help="steps to warm the learning rate up over")
     parser.add_argument("--window", type=int, default=10, help="seconds the encoder reads at once")
     parser.add_argument("--voices", default="en-us,en", help="espeak-ng's accents to speak in, by commas")
-    parser.add_argument("--check-every", type=int, default=500, help="steps between held-out figures")
+    parser.add_argument("--check-every", type=int, default=1000, help="steps between held-out figures (of 200s)")
     parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the decoder's input tokens made noisy")
     args = parser.parse_args()
+    if args.check_every % 200:  # (the figures join the curve's line of 200 steps that ends there)
+        parser.error("--check-every must be a multiple of 200")
     if args.quick and args.out == parser.get_default("out"):
         parser.error("--quick trains a pair that is no demo: give --out, so that demo/speech stays as it is")
     args.window = WhisperConfig.from_pretrained(args.resume / "target").max_source_positions // 50 if args.resume else args.window

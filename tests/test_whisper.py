@@ -713,7 +713,7 @@ def test_a_whisper_of_a_shorter_window_is_decoded_a_window_of_its_own_at_a_time_
     convert.convert(str(tmp_path / "hf"), tmp_path / "mlx", "float32", force=False)
     models = spoken_models(tmp_path)
     assert speech.window_frames(models.target) == 1000
-    features = audio.log_mel(audio.read(path), 80, window=1000)
+    features = audio.log_mel(audio.read(path), 80, frames=1000)  # padded to the window
     assert features.shape == (1000, 80)
     theirs = generated(short, features, language="en", task="transcribe", return_timestamps=True, max_new_tokens=40)
     (transcription,) = speech.transcribe(models, [path], language="en", timestamps=True, max_tokens=40)
