@@ -12,7 +12,11 @@ applied on the device with the penalties at no cost a round. A rule that
 reads them is evaluated on the host, at each position, with the tokens
 before it; a round with such a row reads its tokens (or drafts) back before
 the target's pass. Drafters apply fixed bans only: the target's verdict keeps
-the others, at some cost in accepted drafts.
+the others, at some cost in accepted drafts. Whisper's timestamp rule, which
+every transcription with timestamps has, is the exception: it runs on the
+device (`timestamp_bans`, from the tokens the batch keeps there), so that a
+round waits for no host read and drafts keep it too; its `banned` is the
+reference the device's bans are tested against.
 """
 
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ class Rule:
 
     looks_back: int | None = 0
     first_only = False
+    on_device = False  # applied by the batch on the device (sampling.RowPenalties), not by fixed or reading bans
 
     def banned(self, before: Sequence[int]) -> Iterable[int]:
         raise NotImplementedError
@@ -75,6 +80,7 @@ class Timestamps(Rule):
     max_initial: int | None = None
 
     looks_back = None
+    on_device = True  # timestamp_bans: the same bans, from the tokens on the device
 
     def banned(self, before: Sequence[int]) -> list:
         output = list(before[self.opening :])
@@ -96,7 +102,8 @@ class Timestamps(Rule):
 def fixed_bans(rules: list[tuple[Rule, ...]], vocabulary: int, first_only: bool = False) -> mx.array | None:
     """(B, V): each row's bans from rules that read nothing before them (of
     its first output token only, with `first_only`); None when no row has one."""
-    fixed = [[rule for rule in row if rule.looks_back == 0 and rule.first_only == first_only] for row in rules]
+    fixed = [[rule for rule in row if rule.looks_back == 0 and rule.first_only == first_only and not rule.on_device]
+             for row in rules]
     if not any(fixed):
         return None
     mask = np.zeros((len(rules), vocabulary), bool)
@@ -113,7 +120,7 @@ def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries
     mask = np.zeros((len(rules), queries, vocabulary), bool)
     for row, (row_rules, seen) in enumerate(zip(rules, tokens)):
         for rule in row_rules:
-            if rule.looks_back == 0:
+            if rule.looks_back == 0 or rule.on_device:
                 continue
             for query in range(queries):
                 before = seen[: len(seen) - queries + 1 + query]
@@ -121,6 +128,48 @@ def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries
                     before = before[max(len(before) - rule.looks_back, 0) :]
                 mark(mask[row, query], rule.banned(before))
     return mx.array(mask)
+
+
+class TimestampRows:
+    """The rows' Timestamps rules as arrays (B,), for timestamp_bans; None when no row has one."""
+
+    def __init__(self, rules: list[tuple[Rule, ...]], vocabulary: int):
+        found = [next((rule for rule in row if isinstance(rule, Timestamps)), None) for row in rules]
+        self.any = any(rule is not None for rule in found)
+        # A row without the rule: its first timestamp past the vocabulary, and nothing else banned.
+        self.first, self.no_timestamps, self.end, self.latest_first = (mx.array(values, dtype=mx.int32) for values in zip(*(
+            (vocabulary, -1, 0, vocabulary) if rule is None else
+            (rule.first, rule.no_timestamps, rule.end,
+             vocabulary if rule.max_initial is None else rule.first + rule.max_initial)
+            for rule in found)))
+
+    def bans(self, tokens: mx.array, positions: mx.array, vocabulary: int) -> mx.array:
+        return timestamp_bans(tokens, positions, self.first, self.no_timestamps, self.end, self.latest_first,
+                              mx.arange(vocabulary))
+
+
+@mx.compile  # some 30 operations, traced again only as the tokens' width grows (Batch.tokens)
+def timestamp_bans(tokens, positions, first, no_timestamps, end, latest_first, vocabulary):
+    """(B, n, V): Timestamps.banned at each of the last n prefixes of each row
+    of tokens (B, L: its opening, output and any drafts, padded on the left),
+    `positions` (B, n) the output's length in each prefix; the rules' fields
+    as arrays (B,), a row without the rule has a first timestamp past the
+    vocabulary (V,) and bans nothing."""
+    L, n = tokens.shape[1], positions.shape[1]
+    ends = mx.arange(L - n + 1, L + 1)  # each prefix's length
+    index = mx.arange(L)[None, None]
+    output = (index < ends[None, :, None]) & (index >= (ends[None] - positions)[..., None])  # (B, n, L)
+    stamp_at = mx.where(output & (tokens >= first[:, None])[:, None], index, -1).max(axis=-1)  # the last timestamp's index
+    stamp = mx.take_along_axis(tokens, mx.maximum(stamp_at, 0), axis=1)
+    first = first[:, None]
+    last = (positions >= 1) & (tokens[:, ends - 1] >= first)
+    penultimate = (positions < 2) | (tokens[:, mx.maximum(ends - 2, 0)] >= first)
+    earliest = mx.where(stamp_at < 0, first, mx.where(last & ~penultimate, stamp, stamp + 1))
+    v, first = vocabulary[None, None], first[..., None]
+    after_pair = mx.where(penultimate[..., None], v >= first, v < end[:, None, None])
+    at_start = (positions == 0)[..., None] & ((v < first) | (v > latest_first[:, None, None]))
+    banned = (v == no_timestamps[:, None, None]) | (last[..., None] & after_pair) | ((v >= first) & (v < earliest[..., None]))
+    return (banned | at_start) & (first < vocabulary.shape[0])
 
 
 def mark(mask: np.ndarray, banned: Iterable) -> None:

@@ -81,8 +81,8 @@ class RowPenalties:
         self.fixed_bans = rules.fixed_bans(self.rules, vocabulary)  # (B, V) or None
         self.first_bans = rules.fixed_bans(self.rules, vocabulary, first_only=True)  # of the first output token only
         # Whisper's timestamp rule that reads the logits, after every ban (rules.Timestamps): each row's first timestamp
-        stamps = [next((rule.first for rule in row if isinstance(rule, rules.Timestamps)), vocabulary) for row in self.rules]
-        self.timestamps = mx.array(stamps) if min(stamps) < vocabulary else None
+        self.timestamp_rows = rules.TimestampRows(self.rules, vocabulary)  # its bans, on the device
+        self.timestamps = self.timestamp_rows.first if self.timestamp_rows.any else None
         self.vocabulary = vocabulary
 
     @classmethod
@@ -93,13 +93,14 @@ class RowPenalties:
 
     @property
     def needs_tokens(self) -> bool:
-        """Whether apply needs the rows' tokens (for no_repeat_ngram), not only their counts."""
-        return self.longest_ngram > 0
+        """Whether apply needs the rows' tokens on the device (for no_repeat_ngram, Whisper's timestamps), not only
+        their counts."""
+        return self.longest_ngram > 0 or self.timestamps is not None
 
     @property
     def reads_tokens(self) -> bool:
-        """Whether a row has a rule that reads the tokens before it: apply then takes them on the host (`history`)."""
-        return any(rule.looks_back != 0 for row in self.rules for rule in row)
+        """Whether a row has a rule that reads the tokens before it on the host: apply then takes them (`history`)."""
+        return any(rule.looks_back != 0 and not rule.on_device for row in self.rules for rule in row)
 
     def apply(self, logits: mx.array, counts: mx.array, positions: mx.array, tokens: mx.array | None = None,
               history: list[list[int]] | None = None) -> mx.array:
@@ -112,8 +113,10 @@ class RowPenalties:
         the host, for the rules that read them (None: those rules are not
         applied, as drafters leave them to the target)."""
         banned = mx.array(False)
-        if self.needs_tokens:
+        if self.longest_ngram > 0:
             banned = ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1])
+        if self.timestamps is not None:
+            banned = banned | self.timestamp_rows.bans(tokens, positions, logits.shape[-1])
         if self.fixed_bans is not None:
             banned = banned | self.fixed_bans[:, None]
         if self.first_bans is not None:

@@ -45,13 +45,16 @@ def machine() -> dict:
             detail = f"family {fields['cpu family']} model {fields.get('model', '?')}{wide}"
     elif sys.platform == "darwin":
         model = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+    gpu = {} if cpu.mlx_computes_on_cpu() else {"gpu": mx.device_info().get("device_name", "?")}
     return {"cpu": model, "detail": detail, "cores": os.cpu_count(), "blas": cpu.ACTIVE.split(" (")[0],
-            "path": "CPU" if cpu.in_use() else "accelerator", "mlx": mx.__version__, "python": platform.python_version()}
+            "path": "CPU" if cpu.in_use() else "accelerator", "mlx": mx.__version__, "python": platform.python_version(),
+            **gpu}
 
 
 def describe(machine: dict) -> str:
     detail = f" ({machine['detail']})" if machine["detail"] else ""
-    return f"{machine['cpu']}{detail}, {machine['cores']} cores, BLAS {machine['blas']}, MLX {machine['mlx']}"
+    gpu = f"GPU {machine['gpu']} (MLX computing there), " if "gpu" in machine else ""
+    return f"{gpu}{machine['cpu']}{detail}, {machine['cores']} cores, BLAS {machine['blas']}, MLX {machine['mlx']}"
 
 
 # ---------------------------------------------------------------- results
@@ -72,7 +75,8 @@ def report(name: str, argv: list[str], data: dict, render) -> dict:
     """Write a command's result (bench/results/NAME.json) and print its table."""
     result = {"command": command_line(argv), "machine": machine(), "date": datetime.date.today().isoformat(), "data": data}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    # A GPU's figures beside a CPU's, not in their place: their ratios answer another question.
+    (RESULTS / f"{name}{'-gpu' if 'gpu' in result['machine'] else ''}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{result['command']}\n\n{describe(result['machine'])}\n\n{render(data)}")
     return result
 

@@ -26,21 +26,22 @@ Why the code is as these figures made it: [DECISIONS.md](DECISIONS.md).
 """
 
 
-def results() -> dict:
-    """Every command's result, by name, in COMMANDS' order; missing ones left out."""
+def results(gpu: bool = False) -> dict:
+    """Every command's result, by name, in COMMANDS' order; missing ones left out. With `gpu`, the results of
+    commands run where MLX computes on a GPU (COMMAND-gpu.json)."""
     found = {}
     for name in COMMANDS:
-        path = RESULTS / f"{name}.json"
+        path = RESULTS / f"{name}{'-gpu' if gpu else ''}.json"
         if path.exists():
             found[name] = json.loads(path.read_text())
     return found
 
 
-def performance(found: dict) -> str:
+def performance(found: dict, on_gpu: dict) -> str:
     sections = [INTRO]
-    for name, result in found.items():
+    for name, result, where in [*((n, r, "") for n, r in found.items()), *((n, r, ", on a GPU") for n, r in on_gpu.items())]:
         title, _, render = COMMANDS[name]
-        sections.append(f"## {title}\n\n`{result['command']}`: {describe(result['machine'])}, {result['date']}\n\n"
+        sections.append(f"## {title}{where}\n\n`{result['command']}`: {describe(result['machine'])}, {result['date']}\n\n"
                         f"{render(result['data'])}\n")
     return "\n".join(sections)
 
@@ -111,6 +112,6 @@ def readme_with(tables: dict[str, str]) -> str:
 
 def write() -> None:
     found = results()
-    PERFORMANCE.write_text(performance(found))
+    PERFORMANCE.write_text(performance(found, results(gpu=True)))
     README.write_text(readme_with(readme_tables(found)))
     print(f"wrote {PERFORMANCE.relative_to(ROOT)} and the README's tables from {len(found)} results")

@@ -55,7 +55,8 @@ def test_every_bench_command_in_the_texts_and_the_results_parses():
     from bench import render
 
     parser = bench_main.build_parser()
-    given = commands("-m bench") + [shlex.split(r["command"].removeprefix("python -m bench")) for r in render.results().values()]
+    written = [*render.results().values(), *render.results(gpu=True).values()]
+    given = commands("-m bench") + [shlex.split(r["command"].removeprefix("python -m bench")) for r in written]
     assert len(given) > 10
     for argv in given:
         parser.parse_args(argv)
@@ -79,7 +80,7 @@ def test_performance_and_the_readmes_tables_are_what_the_results_render():
 
     found = render.results()
     assert set(found) == set(COMMANDS), "every command's result is in PERFORMANCE.md"
-    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == render.performance(found)
+    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == render.performance(found, render.results(gpu=True))
     assert (ROOT / "README.md").read_text() == render.readme_with(render.readme_tables(found))
 
 

@@ -152,3 +152,31 @@ def test_bad_words_are_transformers_no_bad_words_processor(v1_1_checkpoint, pair
     beams = Settings(max_tokens=30, num_beams=3, speculative=False, bad_words_ids=words)
     assert decode(Models(pair["target"]), prompt, beams) == [t for t in out[0, 1:].tolist() if t != EOS]
     assert resolve(beams, Models(pair["target"])).settings.penalties.rules == (BadWords(words),)
+
+
+@pytest.mark.parametrize("max_initial", [None, 4])
+def test_whispers_timestamp_bans_on_the_device_are_its_rules_bans_at_every_prefix(max_initial):
+    """Timestamps.banned (transformers' WhisperTimeStampLogitsProcessor's bans, on the host) is what the device
+    computes (rules.timestamp_bans) for any tokens, at each of several prefixes as a verify pass asks, for rows of
+    other lengths in one batch, padded on the left; a row without the rule bans nothing."""
+    from rules import TimestampRows, Timestamps, mark
+
+    vocabulary, first = 40, 24
+    rng = np.random.default_rng(0)
+    openings = [[30, 3, 4], [30, 3, 4, 22], [30, 5, 6]]  # (the second opens with a fourth token)
+    rules = [(Timestamps(first, 22, 1, len(opening), vocabulary, max_initial),) for opening in openings[:2]] + [()]
+    for trial in range(40):
+        lengths, queries = [int(length) for length in rng.integers(0, 9, size=3)], int(rng.integers(1, 5))
+        # Timestamps often, in runs and pairs, rising and falling: the rules' every branch.
+        rows = [opening + [int(rng.integers(first, vocabulary)) if rng.random() < 0.5 else int(rng.integers(0, first))
+                           for _ in range(length + queries - 1)] for opening, length in zip(openings, lengths)]
+        width = max(len(row) for row in rows)
+        tokens = mx.array([[-1] * (width - len(row)) + row for row in rows])
+        positions = mx.array([[length + j for j in range(queries)] for length in lengths])
+        device = np.array(TimestampRows(rules, vocabulary).bans(tokens, positions, vocabulary))
+        for r, (row, row_rules, opening) in enumerate(zip(rows, rules, openings)):
+            for j in range(queries):
+                expected = np.zeros(vocabulary, bool)
+                for rule in row_rules:
+                    mark(expected, rule.banned(row[: len(opening) + lengths[r] + j]))
+                assert (device[r, j] == expected).all(), (trial, r, j, row)

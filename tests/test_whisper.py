@@ -613,7 +613,7 @@ def test_the_timestamps_check_comes_after_the_suppressions_as_transformers_order
         penalties = RowPenalties([Penalties(rules=whisper.rules(opening, timestamps=True))], [opening.start], end,
                                  vocabulary)
         ours = penalties.apply(mx.array(logits)[None, None], mx.zeros((1, 1, vocabulary)), mx.array([[len(before)]]),
-                               history=[[start, *before]])
+                               mx.array([[start, *before]]))
         np.testing.assert_allclose(np.array(ours)[0, 0], theirs[0].numpy())
         assert int(theirs[0].argmax()) >= 12  # a timestamp forced: the check saw the suppressed token gone
 
