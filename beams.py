@@ -162,11 +162,11 @@ class BeamBatch(Batch):
         return set(row.settings.stop_token_ids) | ({eos} if eos is not None else set())
 
     def beam_tokens(self, rows: list[Row], searches: list[Search]) -> mx.array | None:
-        """Each beam's opening and tokens, padded on the left with -1, for no_repeat_ngram_size."""
+        """Each beam's opening and tokens, padded on the left with -1, for no_repeat_ngram_size and Whisper's timestamps."""
         if not self.penalties.needs_tokens:
             return None
-        longest = -(-(max(len(s.running[0]) for s in searches) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
         opened = [list(self.opening(row).start) for row in rows]
-        longest += max(len(opening) for opening in opened) - 1
+        longest = -(-max(len(opening) + len(search.running[0]) for opening, search in zip(opened, searches))
+                    // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block, whatever the openings' lengths
         return mx.array([[-1] * (longest - len(opening) - len(beam)) + opening + beam
                          for row, opening, search in zip(rows, opened, searches) for beam in search.running])

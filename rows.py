@@ -52,7 +52,7 @@ Logprob = tuple[float, list[tuple[int, float]]]
 
 
 Event = tuple[Request, "int | None", "str | None"]  # (request, token or None, finish reason or None)
-TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: no_repeat_ngram_size's graph, once a block
+TOKENS_BLOCK = 64  # Batch.tokens pads the rows' tokens to a multiple of this: the graphs that read them, once a block
 
 
 def encode_for(models: list[EncoderDecoder], sources: list) -> list[DecoderCache]:
@@ -352,13 +352,14 @@ class Batch:
         return replace(penalties, rules=penalties.rules + row.request.rules) if row.request.rules else penalties
 
     def tokens(self, rows: list[Row], then: mx.array | None = None) -> mx.array | None:
-        """What no_repeat_ngram_size reads, when a row has it: each row's start
-        token and output, then `then` (B, n), padded on the left with -1."""
+        """What the rules read on the device (no_repeat_ngram_size, Whisper's
+        timestamps), when a row has one: each row's opening and output, then
+        `then` (B, n), padded on the left with -1."""
         if self.penalties is None or not self.penalties.needs_tokens:
             return None
-        longest = -(-(max(len(row.output) for row in rows) + 1) // TOKENS_BLOCK) * TOKENS_BLOCK  # one shape a block
         opened = [list(self.opening(row).start) for row in rows]
-        longest += max(len(opening) for opening in opened) - 1
+        # One shape a block, whatever the openings' lengths (a Whisper window's prompt changes from window to window).
+        longest = -(-max(len(opening) + len(row.output) for row, opening in zip(rows, opened)) // TOKENS_BLOCK) * TOKENS_BLOCK
         seen = mx.array([[-1] * (longest - len(opening) - len(row.output)) + opening + row.output
                          for row, opening in zip(rows, opened)])
         return seen if then is None else mx.concatenate([seen, then.astype(seen.dtype)], axis=1)

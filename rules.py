@@ -148,7 +148,7 @@ class TimestampRows:
                               mx.arange(vocabulary))
 
 
-@mx.compile  # some 30 operations, traced again only as the tokens' width grows (Batch.tokens)
+@mx.compile  # some 30 operations, traced again for a batch's size, a round's drafts and each block of tokens (Batch.tokens)
 def timestamp_bans(tokens, positions, first, no_timestamps, end, latest_first, vocabulary):
     """(B, n, V): Timestamps.banned at each of the last n prefixes of each row
     of tokens (B, L: its opening, output and any drafts, padded on the left),

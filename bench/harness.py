@@ -72,7 +72,8 @@ def command_line(argv: list[str]) -> str:
 
 
 def report(name: str, argv: list[str], data: dict, render) -> dict:
-    """Write a command's result (bench/results/NAME.json) and print its table."""
+    """Write a command's result (bench/results/NAME.json; NAME-gpu.json where MLX computes on a GPU, a Mac's
+    included) and print its table."""
     result = {"command": command_line(argv), "machine": machine(), "date": datetime.date.today().isoformat(), "data": data}
     RESULTS.mkdir(exist_ok=True)
     # A GPU's figures beside a CPU's, not in their place: their ratios answer another question.

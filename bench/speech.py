@@ -299,8 +299,9 @@ def render_whisper(data: dict) -> str:
     versions = data.get("versions", {"transformers": data["reference"]})
     notes = "".join(f"\n\n{mark} {name}: text tokens that differ from ours (random weights' near-ties: docs/SPEECH.md)."
                     for name, mark in differ.items())
+    int8 = " (and faster-whisper's int8)" if "faster-whisper int8" in references else ""
     return (f"Transcribing espeak-ng's speech, greedy, random weights with Whisper's vocabulary and rules, at most "
-            f"{data['window_tokens']} tokens a window, float32 (and faster-whisper's int8): the real-time factor "
+            f"{data['window_tokens']} tokens a window, float32{int8}: the real-time factor "
             f"(seconds of work per second of audio, from the file to its tokens; lower is faster), medians of "
             f"{data['repeats']} alternating runs; in brackets, how many times ours is faster. References: "
             f"{'; '.join(versions.values())}\n\n"
