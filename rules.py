@@ -131,7 +131,7 @@ def reading_bans(rules: list[tuple[Rule, ...]], tokens: list[list[int]], queries
 
 
 class TimestampRows:
-    """The rows' Timestamps rules as arrays (B,), for timestamp_bans; None when no row has one."""
+    """The rows' Timestamps rules as arrays (B,), for timestamp_bans; `any`: whether a row has one."""
 
     def __init__(self, rules: list[tuple[Rule, ...]], vocabulary: int):
         found = [next((rule for rule in row if isinstance(rule, Timestamps)), None) for row in rules]
