@@ -142,10 +142,10 @@ class TimestampRows:
             (rule.first, rule.no_timestamps, rule.end,
              vocabulary if rule.max_initial is None else rule.first + rule.max_initial)
             for rule in found)))
+        self.ids = mx.arange(vocabulary)  # made once, not at every step
 
-    def bans(self, tokens: mx.array, positions: mx.array, vocabulary: int) -> mx.array:
-        return timestamp_bans(tokens, positions, self.first, self.no_timestamps, self.end, self.latest_first,
-                              mx.arange(vocabulary))
+    def bans(self, tokens: mx.array, positions: mx.array) -> mx.array:
+        return timestamp_bans(tokens, positions, self.first, self.no_timestamps, self.end, self.latest_first, self.ids)
 
 
 @mx.compile  # some 30 operations, traced again for a batch's size, a round's drafts and each block of tokens (Batch.tokens)

@@ -116,7 +116,7 @@ class RowPenalties:
         if self.longest_ngram > 0:
             banned = ngram_bans(tokens, self.ngram, self.longest_ngram, logits.shape[1], logits.shape[-1])
         if self.timestamps is not None:
-            banned = banned | self.timestamp_rows.bans(tokens, positions, logits.shape[-1])
+            banned = banned | self.timestamp_rows.bans(tokens, positions)
         if self.fixed_bans is not None:
             banned = banned | self.fixed_bans[:, None]
         if self.first_bans is not None:

@@ -173,7 +173,7 @@ def test_whispers_timestamp_bans_on_the_device_are_its_rules_bans_at_every_prefi
         width = max(len(row) for row in rows)
         tokens = mx.array([[-1] * (width - len(row)) + row for row in rows])
         positions = mx.array([[length + j for j in range(queries)] for length in lengths])
-        device = np.array(TimestampRows(rules, vocabulary).bans(tokens, positions, vocabulary))
+        device = np.array(TimestampRows(rules, vocabulary).bans(tokens, positions))
         for r, (row, row_rules, opening) in enumerate(zip(rows, rules, openings)):
             for j in range(queries):
                 expected = np.zeros(vocabulary, bool)
