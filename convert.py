@@ -1,5 +1,5 @@
 """Convert a Hugging Face checkpoint (hub id or local folder) of any family here to MLX weights: T5 and its
-descendants, BART, mBART, Marian, M2M-100, NLLB, Pegasus.
+descendants, BART, mBART, Marian, M2M-100, NLLB, Pegasus, and Whisper.
 
     python convert.py --model t5-small
     python convert.py --model google/flan-t5-large --dtype float16 --out my_models/flan
@@ -432,9 +432,16 @@ def main(argv=None) -> int:
         print("terminated: nothing was written", file=sys.stderr)
         return 143
     what = f"{quantization.bits}-bit, groups of {quantization.group_size}, the rest {args.dtype}" if quantization else args.dtype
-    print(f"Saved {out} ({what}). Try it: python main.py --model {out} --regular-decode "
-          f"(or as a speculative pair: --model TARGET --draft-model DRAFT)")
+    print(f"Saved {out} ({what}). Try it: {try_it(out)}")
     return 0
+
+
+def try_it(out: Path) -> str:
+    """The command that runs what was converted: a speech model (Whisper) takes audio files, a text model a prompt."""
+    if read_config(out).get("num_mel_bins"):
+        return (f"python main.py --model {out} --audio FILE "
+                "(drafted by a distil-whisper of the same tokenizer: --draft-model DRAFT)")
+    return f"python main.py --model {out} --regular-decode (or as a speculative pair: --model TARGET --draft-model DRAFT)"
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from generate import batch_generate, stream_batch_generate
 from display import announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup, warm_up_aloud
 from display import show_transcription_speedup, stats_line, why_not_timed
 from interactive import Session
-from loading import load
+from loading import hears_speech, load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
 from audio import read as read_audio
@@ -287,6 +287,9 @@ def check_usage(args) -> Plan:
 def load_models(plan: Plan, one_row: bool = False):
     # --regular-decode, and beam search, load no draft
     drafts = (plan.settings.speculative and plan.settings.num_beams == 1) or plan.mode == "sweep"
+    if hears_speech(plan.model):
+        raise UsageError(f"{plan.model} is a speech model (Whisper): it transcribes audio, not a prompt: "
+                         f"python main.py --model {plan.model} --audio FILE")
     try:
         return load(plan.model, draft=plan.draft_model if drafts else None, verbose=True, one_row=one_row)
     except ModelNotFound as e:
@@ -393,6 +396,9 @@ def listen(args) -> int:
     if args.compare or args.interactive or args.sweep:
         raise UsageError("--compare, --interactive and --sweep take text prompts, not --audio: to compare, run the "
                          "files with and without --regular-decode")
+    if not hears_speech(args.model):
+        raise UsageError(f"{args.model} is a text model: --audio needs a converted Whisper (python convert.py --model "
+                         f"openai/whisper-small); give this one text with --prompt")
     if args.json and (args.output_format or args.output_dir):
         raise UsageError("--json prints verbose_json: drop it to choose --output-format or --output-dir")
     if args.output_dir is not None and not Path(args.output_dir).is_dir():

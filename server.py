@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-memory", type=float, metavar="GB",
                    help="the caches' budget for all requests together, in GiB: a request is taken while what its rows "
                         "may hold fits, waits otherwise, and is refused if it never could (default: the machine's "
-                        f"memory, a Mac's GPU working set, less the weights and {RESERVED:.0%} of it)")
+                        f"memory, a Mac's GPU working set, less the weights and {RESERVED:.0%}% of it)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     p.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio file accepted (OpenAI's limit)")
     p.add_argument("--max-audio-seconds", type=float, default=3600.0,

@@ -93,6 +93,17 @@ def test_help_shows_every_default_including_zero():
     assert "sample from the k most likely tokens (0: all) (default: 0)" in text
 
 
+@pytest.mark.parametrize("command", [["main.py"], ["server.py"], ["convert.py"], ["-m", "bench"], ["demo/train.py"],
+                                     ["demo/train_speech.py"]])
+def test_every_entry_point_prints_its_help(command):
+    """`--help` of each program a user runs: its usage and options, exit 0 (a help text argparse cannot format, a
+    bare % in it, crashed server.py --help)."""
+    done = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True,
+                          cwd=os.path.dirname(main.__file__), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and "--help" in done.stdout and not done.stderr
+
+
 def test_cli_process_streams_text_then_statistics(v1_1_checkpoint):
     """The real entry point: exit 0, the decoded text, then the statistics line."""
     done = subprocess.run(

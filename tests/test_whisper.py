@@ -403,6 +403,27 @@ def test_what_whisper_cannot_do_is_refused_in_one_line(spoken_pair, v1_1_checkpo
         speech.transcribe(Models(load_model(v1_1_checkpoint.mlx_dir)), [path])
 
 
+def test_each_command_names_what_a_models_kind_takes(spoken_pair, v1_1_checkpoint, tmp_path, capsys):
+    """convert.py's closing line names the command that runs what it converted; a prompt for a Whisper, or audio for
+    a text model, is a one-line error that says what to run (not a traceback, nor a t5-small draft asked for)."""
+    import main
+
+    root, _, _, path = spoken_pair
+    whisper, text_model = str(root / "mlx"), str(v1_1_checkpoint.mlx_dir)
+    for source, out, command in ((root / "hf", tmp_path / "speech", "--audio FILE"),
+                                 (v1_1_checkpoint.hf_dir, tmp_path / "text", "--regular-decode")):
+        assert convert.main(["--model", str(source), "--out", str(out), "--dtype", "float32"]) == 0
+        assert f"Try it: python main.py --model {out} {command}" in capsys.readouterr().out
+    for argv in (["--model", whisper, "--prompt", "Good morning.", "--regular-decode"], ["--model", whisper]):
+        assert main.main(argv) == 2
+        error = capsys.readouterr().err
+        assert error == f"error: {whisper} is a speech model (Whisper): it transcribes audio, not a prompt: " \
+                        f"python main.py --model {whisper} --audio FILE\n"
+    assert main.main(["--model", text_model, "--audio", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {text_model} is a text model: --audio needs a converted Whisper") and error.count("\n") == 1
+
+
 def test_the_command_line_transcribes_files_and_prints_openais_verbose_json(spoken_pair, tmp_path, capsys):
     import json
 
