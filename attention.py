@@ -37,7 +37,8 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, bias, kind: str,
     (B, H, S, D), plus an additive bias: (B or 1, H or 1, L, S) for "self"
     and "cross" (None: no bias), and for "prompt" a function bias_of(first,
     last) giving rows first..last-1 of it (or None), whose blocks take the
-    `lanes` in turn. Returns (B, H, L, D).
+    `lanes` in turn, and the values as prompt_values gives them. Returns
+    (B, H, L, D).
 
     On the CPU path, the decoder's self-attention takes MLX's softmax (its
     keys grow step by step: a rule on their count would switch in a verify
@@ -92,8 +93,6 @@ def attend_in_blocks(queries, keys, values, bias_of, lanes: tuple) -> mx.array:
     ran on one lane would keep the other cores idle."""
     B, H, L, _ = queries.shape
     on_cpu = cpu.in_use()
-    if on_cpu:
-        values = with_summing_column(values)
     rows = {}  # first row -> that block's output, head group by head group
     for i, (a, b, h, g) in enumerate(attention_blocks(L, H, keys.shape[2])):
         with cpu.lane(lanes, i):  # the slices too: a block's every operation on its own lane
@@ -111,10 +110,15 @@ def attention_blocks(rows: int, heads: int, keys: int) -> list[tuple[int, int, i
     """(first row, last row, first head, last head) blocks covering `rows`
     queries and every head, each with at most SCORES_PER_BLOCK scores (or
     ROWS_PER_BLOCK rows of one head, when a row alone has more)."""
-    size = min(rows, max(ROWS_PER_BLOCK, SCORES_PER_BLOCK // (heads * keys)))
+    size = min(rows, block_rows(heads, keys))
     group = max(1, min(heads, SCORES_PER_BLOCK // (size * keys)))
     return [(a, min(a + size, rows), h, min(h + group, heads))
             for a in range(0, rows, size) for h in range(0, heads, group)]
+
+
+def block_rows(heads: int, keys: int) -> int:
+    """The most queries a block takes over `keys` keys: every head's scores within SCORES_PER_BLOCK, or ROWS_PER_BLOCK."""
+    return max(ROWS_PER_BLOCK, SCORES_PER_BLOCK // (heads * keys))
 
 
 def softmax_attention(queries, keys, values, bias, own: bool, summing_column: bool = False) -> mx.array:
@@ -131,6 +135,13 @@ def softmax_attention(queries, keys, values, bias, own: bool, summing_column: bo
         out = weights @ values
         return out[..., :-1] / out[..., -1:]
     return (weights @ values) / weights.sum(axis=-1, keepdims=True)
+
+
+def prompt_values(values: mx.array) -> mx.array:
+    """A long input's values as its attention ("prompt") takes them: on the CPU path, with_summing_column's. Made once
+    for all of a layer's queries: made for each span of them, the copy of every value cost an 8,193-token prompt on
+    the demo target a third of its encoding's time."""
+    return with_summing_column(values) if cpu.in_use() else values
 
 
 def with_summing_column(values: mx.array) -> mx.array:

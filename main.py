@@ -38,9 +38,8 @@ DEFAULT_PROMPT = (
 )
 # The library's default delta is 0 (exact); at a prompt a little lenience buys speed.
 DEFAULTS = {name: getattr(Settings(), name) for name in KNOBS} | {"delta": 0.1}
-# A small target/draft pair trained on the Python standard library (demo/train.py),
-# with held-out source code whose masked spans they fill in. Its own best
-# num-draft is 3 (docs/DEMO.md), and --demo opens with held-out prompt 20,
+# A small target/draft pair trained on the Python standard library (demo/train.py), with held-out source code whose
+# masked spans they fill in. Its own best num-draft is 3 (docs/DEMO.md), and --demo opens with held-out prompt 20,
 # whose acceptance there is the median of the 20 prompts'.
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_DEFAULTS = DEFAULTS | {"num_draft": 3}
@@ -285,11 +284,10 @@ def check_usage(args) -> Plan:
 
 
 def load_models(plan: Plan, one_row: bool = False):
-    # --regular-decode, and beam search, load no draft
-    drafts = (plan.settings.speculative and plan.settings.num_beams == 1) or plan.mode == "sweep"
     if hears_speech(plan.model):
         raise UsageError(f"{plan.model} is a speech model (Whisper): it transcribes audio, not a prompt: "
                          f"python main.py --model {plan.model} --audio FILE")
+    drafts = (plan.settings.speculative and plan.settings.num_beams == 1) or plan.mode == "sweep"  # (beams: no draft)
     try:
         return load(plan.model, draft=plan.draft_model if drafts else None, verbose=True, one_row=one_row)
     except ModelNotFound as e:

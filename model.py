@@ -26,7 +26,7 @@ import cpu  # must precede mlx.core: picks a fast BLAS on Linux
 import mlx.core as mx
 import mlx.nn as nn
 
-from attention import attend, exp_below_zero
+from attention import attend, block_rows, exp_below_zero, prompt_values
 from cache import DecoderCache, write
 
 
@@ -140,10 +140,43 @@ _ACTIVATIONS = {
 }
 
 
+def mean_by_columns(x: mx.array, columns: int = 16) -> mx.array:
+    """The mean of x's last axis, kept, summed as `columns` interleaved partial sums first. MLX's CPU backend sums
+    an axis in one running float32 sum, whose error grows with its length: a mean over 4,096 values was 20 times
+    as far from float64 as numpy's or PyTorch's (docs/DECISIONS.md); 16 partial sums bring it back to theirs."""
+    width = x.shape[-1]
+    while width % columns:
+        columns //= 2
+    return x.reshape(*x.shape[:-1], width // columns, columns).sum(-2).sum(-1, keepdims=True) * (1 / width)
+
+
+class LayerNorm(nn.LayerNorm):
+    """MLX's LayerNorm (its fused kernel on an accelerator); on the CPU path, its mean and variance summed in
+    columns (mean_by_columns), as near float64 as PyTorch's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not cpu.in_use():
+            return super().__call__(x)
+        x32 = x.astype(mx.float32)
+        centred = x32 - mean_by_columns(x32)
+        normalised = centred * mx.rsqrt(mean_by_columns(centred * centred) + self.eps)
+        return (normalised * self.weight + self.bias).astype(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """MLX's RMSNorm (T5's); on the CPU path, its mean square summed in columns, as LayerNorm's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not cpu.in_use():
+            return super().__call__(x)
+        x32 = x.astype(mx.float32)
+        return (x32 * mx.rsqrt(mean_by_columns(x32 * x32) + self.eps)).astype(x.dtype) * self.weight
+
+
 def make_norm(args: "ModelArgs") -> nn.Module:
     if args.norm == "layer":
-        return nn.LayerNorm(args.d_model, eps=args.layer_norm_epsilon)
-    return nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        return LayerNorm(args.d_model, eps=args.layer_norm_epsilon)
+    return RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
 
 class RelativePositionBias(nn.Module):
@@ -193,16 +226,27 @@ def bias_rows(by_distance: mx.array, first: int, last: int, length: int) -> mx.a
 
 # Long inputs are encoded in chunks of rows (projections, attention's queries
 # and the FFN): big enough for the BLAS to run near its peak, and at least
-# one per lane (core) on the CPU path. Attention then cuts each chunk into
-# smaller blocks (attention.py).
+# one per lane (core) on the CPU path. A chunk's attention goes in spans of
+# rows, each as many as one of attention.py's blocks of every head takes, so
+# that its scores are bounded: each span a piece of the work the server can
+# evaluate between decoding rounds (EncoderLayer.pieces). Chunks bounded by
+# the scores themselves made a long prompt's products small (64 rows at 8,193
+# tokens), which took the demo target 1.2 times as long.
 ROWS_PER_CHUNK = 512
-SCORES_PER_CHUNK = 2**19
 
 
 def row_chunks(length: int, lanes: int) -> list[tuple[int, int]]:
     """Chunks of at most ROWS_PER_CHUNK rows, one per lane at least."""
-    size = min(ROWS_PER_CHUNK, max(64, SCORES_PER_CHUNK // length), -(-length // max(1, lanes)))
+    size = min(ROWS_PER_CHUNK, -(-length // max(1, lanes)))
     return [(first, min(first + size, length)) for first in range(0, length, size)]
+
+
+def attention_spans(first: int, last: int, length: int, heads: int) -> list[tuple[int, int]]:
+    """Rows first..last-1 of a length-long input in spans of about one size, each at most the rows of one block of
+    attention over every head (attention.block_rows)."""
+    count = -(-(last - first) // block_rows(heads, length))
+    size = -(-(last - first) // count)
+    return [(a, min(a + size, last)) for a in range(first, last, size)]
 
 
 class Attention(nn.Module):
@@ -241,12 +285,9 @@ class Attention(nn.Module):
         out = attend(self.split_heads(self.q(x), keys_values[0].shape[0]), *keys_values, bias, kind)
         return self.o(self.merge_heads(out))
 
-    def over_prompt(self, x: mx.array, keys_values: tuple[mx.array, mx.array], bias_of, lanes: tuple) -> mx.array:
-        """Self-attention of a chunk of a long input's rows x (B, L, d_model)
-        over all its keys and values; bias_of(a, b): the bias of the chunk's
-        rows a..b-1."""
-        B, L, _ = x.shape
-        out = attend(self.split_heads(self.q(x)), *keys_values, bias_of, "prompt", lanes)
+    def merged_output(self, out: mx.array) -> mx.array:
+        """The output projection of a long input's attention, (B, heads, L, d_kv) -> (B, L, d_model)."""
+        B, _, L, _ = out.shape
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -307,30 +348,46 @@ class EncoderLayer(nn.Module):
         """Keys and values for the whole input, then each chunk of rows on
         its own lane: attention over every key, the output projection and the
         FFN. bias_of(first, last): the attention bias of those rows. Yields
-        the work in pieces (the keys and values, then a chunk per lane at a
-        time) and returns the layer's output."""
+        the work in pieces (the keys and values; then, a chunk per lane at a
+        time, its attention a span at a time where it has several, and the
+        rest) and returns the layer's output."""
         h = self.attention_norm(x) if self.pre_norm else x
         keys_values = []
         for i, (first, last) in enumerate(chunks):
             with cpu.lane(lanes, i):
                 keys_values.append(self.attention.project_keys_values(h[:, first:last]))
         keys = mx.concatenate([k for k, _ in keys_values], axis=2)
-        values = mx.concatenate([v for _, v in keys_values], axis=2)
+        values = prompt_values(mx.concatenate([v for _, v in keys_values], axis=2))
         yield [keys, values]
-        out = []
-        for i, (first, last) in enumerate(chunks):
-            with cpu.lane(lanes, i):
-                chunk_bias = lambda a, b, first=first: bias_of(first + a, first + b)  # noqa: E731
-                y = x[:, first:last] + self.attention.over_prompt(h[:, first:last], (keys, values), chunk_bias,
-                                                                  cpu.from_lane(lanes, i))
-                if self.pre_norm:
-                    y = clamp_float16(y)
-                    out.append(clamp_float16(y + self.ffn(self.ffn_norm(y))))
-                else:  # the sums normalised
-                    y = self.attention_norm(y)
-                    out.append(self.ffn_norm(y + self.ffn(y)))
-            if (i + 1) % max(1, len(lanes)) == 0 or i == len(chunks) - 1:  # a chunk per lane: they run side by side
-                yield out[-max(1, len(lanes)):]
+        out, side_by_side = [], max(1, len(lanes))  # a chunk per lane: they run side by side
+        for start in range(0, len(chunks), side_by_side):
+            group = list(enumerate(chunks))[start : start + side_by_side]
+            attended = {i: [] for i, _ in group}
+            spans = {i: attention_spans(first, last, x.shape[1], self.attention.num_heads) for i, (first, last) in group}
+            queries = {}
+            for i, (first, last) in group:
+                with cpu.lane(lanes, i):
+                    queries[i] = self.attention.split_heads(self.attention.q(h[:, first:last]))
+            for k in range(max(len(rows) for rows in spans.values())):
+                for i, (first, _) in group:
+                    if k < len(spans[i]):
+                        a, b = spans[i][k]
+                        with cpu.lane(lanes, i + k):  # a chunk's spans take the lanes in turn, as a span's blocks do
+                            span_bias = lambda c, d, a=a: bias_of(a + c, a + d)  # noqa: E731
+                            attended[i].append(attend(queries[i][:, :, a - first : b - first], keys, values, span_bias,
+                                                      "prompt", cpu.from_lane(lanes, i + k)))
+                if len(spans[group[0][0]]) > 1:  # (a chunk of one span: its attention goes with the rest)
+                    yield [attended[i][k] for i, _ in group if k < len(attended[i])]
+            for i, (first, last) in group:
+                with cpu.lane(lanes, i):
+                    y = x[:, first:last] + self.attention.merged_output(mx.concatenate(attended[i], axis=2))
+                    if self.pre_norm:
+                        y = clamp_float16(y)
+                        out.append(clamp_float16(y + self.ffn(self.ffn_norm(y))))
+                    else:  # the sums normalised
+                        y = self.attention_norm(y)
+                        out.append(self.ffn_norm(y + self.ffn(y)))
+            yield out[-len(group):]
         return mx.concatenate(out, axis=1)
 
 
@@ -421,8 +478,8 @@ class Encoder(Stack):
         super().__init__(args, EncoderLayer, args.num_layers, bidirectional=True, positions=args.encoder_positions)
 
     def pieces(self, x: mx.array, mask: mx.array | None = None, lanes: tuple = ()) -> Pieces:
-        """Rows go through in chunks and attention in blocks of queries
-        (row_chunks, attention_blocks), so that memory grows with the input's
+        """Rows go through in chunks and attention in spans and blocks of
+        queries (row_chunks, attention_spans, attention_blocks), so that memory grows with the input's
         length, not with its square. Yields the work in pieces (each layer's)
         and returns the output."""
         B, L = x.shape[:2]

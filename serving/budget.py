@@ -165,9 +165,9 @@ def text_footprint(prompt: int, max_tokens: int, verified: int = 1, opening: int
 
 def encoding_memory(models, length: int) -> int:
     """What encoding one row takes beyond its caches, at most: measured on a prompt of `length` tokens (a Whisper's
-    window of silence), encoded as the engine encodes, a piece at a time. Attention's scores are computed in chunks
-    of rows bounded by model.SCORES_PER_CHUNK, which a longer prompt does not pass (up to 8,192 tokens, where the
-    chunks reach their fewest rows); the rest (its hidden states, keys and values) grows with it (Budget.bytes)."""
+    window of silence), encoded as the engine encodes, a piece at a time. Attention's scores are computed in blocks
+    bounded by attention.SCORES_PER_BLOCK, which a longer prompt does not pass (up to 8,192 tokens, where the
+    blocks reach their fewest rows); the rest (its hidden states, keys and values) grows with it (Budget.bytes)."""
     import numpy as np
 
     from rows import Encoding

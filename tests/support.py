@@ -56,7 +56,7 @@ def chi_square_passes(counts: np.ndarray, expected: np.ndarray) -> bool:
 # is not: M2M-100's position table, once 1.5e-5 off, put its logits ten times as far as transformers'.
 ROUNDING_MULTIPLE = 8
 SCALE_FLOOR = 1e-4  # and within this fraction of the values' scale always passes: float32 agreement any model reaches
-CHANCE_MULTIPLE = 2  # past the farthest of four float32 draws (farthest_float32): the tail of one more draw
+CHANCE_MULTIPLE = 2  # past the farthest of several float32 draws (farthest_float32): the tail of one more draw
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import attention
 import cpu
 import mlx.core as mx
 from attention import (OWN_SOFTMAX_FROM, ROWS_PER_BLOCK, SCORES_PER_BLOCK, attend, attention_blocks, exp_below_top,
-                       exp_below_zero)
+                       exp_below_zero, prompt_values)
 from conftest import ROOT
 from loading import load_model
 from model import ROWS_PER_CHUNK, row_chunks
@@ -108,7 +108,7 @@ def test_every_kind_of_attention_equals_the_fused_kernel(attention_inputs, padde
     if kind == "prompt":
         monkeypatch.setattr(attention, "attention_blocks", lambda rows, heads, _: [
             (a, min(a + 8, rows), h, h + 1) for a in range(0, rows, 8) for h in range(heads)])
-        ours = attend(queries, keys, values, lambda a, b: bias[:, :, a:b], "prompt")
+        ours = attend(queries, keys, prompt_values(values), lambda a, b: bias[:, :, a:b], "prompt")
     else:
         ours = attend(queries, keys, values, bias, kind)
     np.testing.assert_allclose(np.array(ours), fused, rtol=1e-5, atol=1e-5)
@@ -119,7 +119,8 @@ def test_a_short_prompts_attention_equals_the_fused_kernel(attention_inputs):
     """60 keys: the encoder's blocks take our exponential at any length."""
     queries, keys, values, bias = attention_inputs
     few = (keys[:, :, :60], values[:, :, :60])
-    np.testing.assert_allclose(np.array(attend(queries, *few, lambda a, b: bias[:, :, a:b, :60], "prompt")),
+    ours = attend(queries, few[0], prompt_values(few[1]), lambda a, b: bias[:, :, a:b, :60], "prompt")
+    np.testing.assert_allclose(np.array(ours),
                                np.array(mx.fast.scaled_dot_product_attention(queries, *few, scale=1.0, mask=bias[..., :60])),
                                rtol=1e-5, atol=1e-5)
 

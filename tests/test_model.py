@@ -6,6 +6,7 @@ import torch
 from checkpoints import reference_greedy
 from support import assert_as_near_as_transformers, farthest_float32, in_float64
 
+import cpu
 import mlx.core as mx
 from loading import load_model
 from cache import DecoderCache, KVCache, write
@@ -295,3 +296,39 @@ def test_cpu_path_activations_equal_torchs_to_float32_precision(name):
     exact(points).sum().backward()
     gradient = mx.grad(lambda v: ours(v).sum())(mx.array(points.detach().numpy().astype(np.float32)))
     np.testing.assert_allclose(np.array(gradient), points.grad.numpy(), atol=2e-6)
+
+
+@pytest.mark.skipif(not cpu.in_use(), reason="the CPU path's norms; the accelerator's are MLX's fused kernels")
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("width", [64, 1024, 4096])
+def test_cpu_path_norms_as_near_float64_as_torchs(kind, width):
+    """LayerNorm (the BART family, Whisper) and RMSNorm (T5) on the CPU path: as near float64 as PyTorch's float32 ones,
+    at a test fixture's width and at real models' (T5-11B's d_model is 1,024). Summed in one running float32 sum, as
+    MLX's CPU backend sums an axis, a norm over 1,024 values was 4 to 5 times as far (docs/DECISIONS.md)."""
+    import model
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    rng = np.random.default_rng(width)
+    x = (rng.standard_normal((2000, width)) * 3 + rng.standard_normal((2000, 1)) * 2).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(width)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(width)).astype(np.float32)
+    if kind == "layer":
+        ours = model.LayerNorm(width, eps=1e-5)
+        ours.update({"weight": mx.array(weight), "bias": mx.array(bias)})
+        theirs = torch.nn.LayerNorm(width, eps=1e-5)
+        theirs.bias.data = torch.from_numpy(bias)
+    else:
+        ours = model.RMSNorm(width, eps=1e-6)
+        ours.update({"weight": mx.array(weight)})
+        theirs = T5LayerNorm(width, eps=1e-6)
+    theirs.weight.data = torch.from_numpy(weight)
+    with torch.no_grad():
+        their_output = theirs(torch.from_numpy(x)).numpy()
+    x64 = x.astype(np.float64)  # (T5LayerNorm takes its mean square in float32 whatever the input's type)
+    centred = x64 - x64.mean(-1, keepdims=True) if kind == "layer" else x64
+    exact = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + ours.eps) * weight + (bias if kind == "layer" else 0)
+    our_error, their_error = (np.abs(np.asarray(y, np.float64) - exact).max() for y in (ours(mx.array(x)), their_output))
+    assert our_error <= 2 * their_error, (our_error, their_error)
+    for dtype in (mx.float16, mx.bfloat16):  # a half-precision model's norm keeps its type
+        ours.set_dtype(dtype)
+        assert ours(mx.array(x[:2]).astype(dtype)).dtype == dtype
