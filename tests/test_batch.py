@@ -110,18 +110,18 @@ def test_each_row_follows_the_single_prompt_acceptance_rule_at_delta(unit_scale_
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (1.0, 0.8)])
 def test_batched_sampling_gives_each_row_the_target_distribution(tiny_vocab_pair, temp, top_p):
-    """Two prompts, four rows each, 400 batches: each row's first token passes a chi-square
+    """Two prompts in turn, 400 rows a batch, 8 batches: each prompt's first tokens pass a chi-square
     test (false-alarm rate 0.1% per prompt) against the target's exact distribution."""
     (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
     prompts = [[5, 3, 6, 1], [2, 7, 7, 4, 6, 1]]
-    batch = [prompts[i % 2] for i in range(8)]
+    batch = [prompts[i % 2] for i in range(400)]
     mx.random.seed(99)
     counts_ = np.zeros((2, 8))
     models, settings = Models(target, draft), Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft=3)
     pooled = Stats()
-    for _ in range(400):
+    for _ in range(8):
         requests = requests_for(batch, settings)
-        tokens, _ = decode_batch(models, requests, 8)
+        tokens, _ = decode_batch(models, requests, len(batch))
         for i in range(len(batch)):
             counts_[i % 2, tokens[i][0] if tokens[i] else 1] += 1
         pooled = sum((r.stats for r in requests), pooled)
@@ -129,6 +129,22 @@ def test_batched_sampling_gives_each_row_the_target_distribution(tiny_vocab_pair
     for which, prompt in enumerate(prompts):
         expected = exact_first_token_distribution(hf_target, prompt, temp, top_p)
         assert chi_square_passes(counts_[which], expected), (which, counts_[which] / counts_[which].sum(), expected)
+
+
+@pytest.mark.parametrize("drafting", [dict(num_draft=3), dict(num_draft="auto"), dict(num_draft=2, prompt_lookup=True),
+                                      dict(num_draft=2, repetition_penalty=2.0, no_repeat_ngram_size=2),
+                                      dict(speculative=False)])
+def test_a_seeded_row_samples_alone_as_among_others(tiny_vocab_pair, drafting):
+    """A sampled row with a seed draws the same tokens decoded alone and among rows of other seeds and prompts, drafted
+    by a model (fixed or auto), looked up, under penalties, or not drafted: what lets the sampling tests draw their
+    samples in batches (support.sampled)."""
+    (target, _), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
+    models = Models(target, None if drafting.get("prompt_lookup") or drafting.get("speculative") is False else draft)
+    prompts = [[5, 3, 6, 1], [0, 3, 5, 4, 3, 4, 0, 7, 1], [2, 7, 7, 4, 6, 1]]
+    settings = [Settings(max_tokens=12, temp=1.0, top_p=0.9 if seed % 2 else 1.0, seed=seed, **drafting) for seed in range(9)]
+    alone = [decode(models, prompts[i % 3], row) for i, row in enumerate(settings)]
+    together, _ = decode_batch(models, [Request(prompts[i % 3], row) for i, row in enumerate(settings)], 9)
+    assert together == alone and len({tuple(tokens) for tokens in alone}) > 3
 
 
 def storage_seen(models: Models, requests: list[Request], batch_size: int) -> list[tuple[int, int, int, int]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import PROMPTS, exact_first_token_distribution, reference_greedy
-from support import chi_square_passes, decode, decode_batch, regular
+from support import chi_square_passes, decode, decode_batch, regular, sampled
 
 import main
 import mlx.core as mx
@@ -79,9 +79,7 @@ def test_sampling_with_looked_up_drafts_follows_the_target_distribution(tiny_voc
     prompt = [0, 3, 5, 4, 3, 4, 0, 7, 1]
     models, settings = Models(target), Settings(max_tokens=3, temp=temp, top_p=top_p, num_draft=1, prompt_lookup=True)
     mx.random.seed(4321)
-    outputs, totals = [], Stats()
-    for _ in range(3000):
-        outputs.append(decode(models, prompt, settings, totals))
+    outputs, totals = sampled(models, prompt, settings)
     assert 0.05 < totals.acceptance_rate < 0.9, "looked-up drafts must be both accepted and rejected for this to test anything"
     firsts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)
     assert chi_square_passes(firsts, exact_first_token_distribution(hf_target, prompt, temp, top_p))
@@ -102,9 +100,7 @@ def test_sampling_with_auto_follows_the_target_distribution(tiny_vocab_pair, tem
     prompt = [5, 3, 6, 1]
     models, settings = Models(target, draft), Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft="auto")
     mx.random.seed(1234)
-    outputs, totals = [], Stats()
-    for _ in range(3000):
-        outputs.append(decode(models, prompt, settings, totals))
+    outputs, totals = sampled(models, prompt, settings)
     assert 0.1 < totals.acceptance_rate < 0.9
     firsts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)
     assert chi_square_passes(firsts, exact_first_token_distribution(hf_target, prompt, temp, top_p))

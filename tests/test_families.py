@@ -357,9 +357,7 @@ def test_speculative_sampling_follows_the_targets_distribution_beyond_t5(tmp_pat
     drafted by another mBART and verified, is distributed as the target's
     own softmax (the chi-square check)."""
     import mlx.core as mx
-    from support import chi_square_passes
-
-    from options import Stats
+    from support import chi_square_passes, sampled
 
     for name, seed in (("target", 0), ("draft", 1)):
         family_checkpoint("mbart", tmp_path / name, tokenizer_dir, seed=seed, vocab_size=8, std=0.3)
@@ -367,8 +365,7 @@ def test_speculative_sampling_follows_the_targets_distribution_beyond_t5(tmp_pat
     models = Models(load_model(tmp_path / "target-mlx"), load_model(tmp_path / "draft-mlx"))
     prompt = [3, 4, 5, 6, 2]
     mx.random.seed(5)
-    totals = Stats()
-    firsts = [decode(models, prompt, Settings(max_tokens=3, temp=1.0, num_draft=2), totals) for _ in range(3000)]
+    firsts, totals = sampled(models, prompt, Settings(max_tokens=3, temp=1.0, num_draft=2))
     assert 0.05 < totals.acceptance_rate < 0.95, "drafts must be both accepted and rejected for this to test anything"
     counts = np.bincount([out[0] if out else 2 for out in firsts], minlength=8)
     import transformers

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import PROMPT
-from support import chi_square_passes, decode, decode_batch
+from support import chi_square_passes, decode, decode_batch, sampled
 from transformers import MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 import main
@@ -20,7 +20,7 @@ from rows import Request
 from generate import generate, stream_generate
 from interactive import Session
 from loading import Models, load
-from options import Settings, Stats
+from options import Settings
 from sampling import Penalties, RowPenalties, ngram_bans
 
 START, EOS = 0, 1
@@ -152,8 +152,7 @@ def test_sampling_with_penalties_follows_the_penalized_target_distribution(tiny_
     options = dict(repetition_penalty=2.0, presence_penalty=0.7) if processors == "penalties" else dict(no_repeat_ngram_size=1)
     settings = Settings(max_tokens=3, temp=1.0, num_draft=2, prompt_lookup=draft == "lookup", **options)
     mx.random.seed(99)
-    totals = Stats()
-    outputs = [decode(models, prompt, settings, totals) for _ in range(3000)]
+    outputs, totals = sampled(models, prompt, settings)
     assert 0.05 < totals.acceptance_rate < 0.95, "drafts must be both accepted and rejected for this to test anything"
     firsts = np.bincount([out[0] if out else EOS for out in outputs], minlength=8)
     first = int(np.argmax(np.where(np.arange(8) == EOS, 0, firsts)))

@@ -8,11 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from support import chi_square_passes, decode, decode_batch
+from support import chi_square_passes, decode, decode_batch, sampled
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from loading import Models
-from options import Settings, Stats
+from options import Settings
 from plans import resolve
 from rows import Request
 from rules import BadWords, Rule
@@ -107,11 +107,7 @@ def test_sampling_under_a_rule_reading_earlier_tokens_follows_the_target_distrib
     models = Models(target, draft_model if draft == "model" else None)
     settings = Settings(max_tokens=4, temp=1.0, num_draft=3, prompt_lookup=draft == "lookup")
     mx.random.seed(7)
-    totals = Stats()
-    outputs = []
-    for _ in range(3000):
-        request = Request(prompt, settings, totals, rules=(rule,))
-        outputs.append(decode_batch(models, [request], 1)[0][0])
+    outputs, totals = sampled(models, prompt, settings, rules=(rule,))
     assert 0.05 < totals.acceptance_rate < 0.95, "drafts must be both accepted and rejected for this to test anything"
     assert all(follows(rule, START, out) for out in outputs)
     firsts = np.bincount([out[0] if out else EOS for out in outputs], minlength=8)

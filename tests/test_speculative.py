@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import PROMPTS, exact_first_token_distribution, reference_greedy
-from support import chi_square_passes, decode, regular
+from support import chi_square_passes, decode, regular, sampled
 
 import main
 import mlx.core as mx
@@ -97,12 +97,10 @@ def test_speculative_sampling_first_token_follows_the_target_distribution(tiny_v
     prompt = [5, 3, 6, 1]
     expected = exact_first_token_distribution(hf_target, prompt, temp, top_p)
     mx.random.seed(1234)
-    samples, totals, models = 3000, Stats(), Models(target, draft)
-    settings = Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft=3)
-    counts = np.zeros(8)
-    for _ in range(samples):
-        out = decode(models, prompt, settings, totals)
-        counts[out[0] if out else 1] += 1  # nothing generated: EOS (id 1) came first
+    samples = 3000
+    outputs, totals = sampled(Models(target, draft), prompt, Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft=3),
+                              samples)
+    counts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)  # nothing generated: EOS (1) came first
     assert 0.1 < totals.acceptance_rate < 0.9, "the draft must be rejected sometimes for this to test anything"
     assert chi_square_passes(counts, expected), (counts / samples, expected)
 
