@@ -32,11 +32,11 @@ WINDOW_TOKENS = 100  # tokens a window decodes at most (about what 30 s of speec
 INIT_STD = 0.2  # random weights of varied greedy output (at tiny's shapes, ours and transformers' tokens are equal)
 
 
-def speech(folder: Path) -> dict[int, Path]:
-    """espeak-ng's speech of the Zen of Python, over and over, as 16 kHz WAV files of each length in SECONDS."""
+def speech(folder: Path, lengths: tuple[int, ...] = SECONDS) -> dict[int, Path]:
+    """espeak-ng's speech of the Zen of Python, over and over, as 16 kHz WAV files of each length in seconds."""
     import audio
 
-    paths = {seconds: folder / f"speech-{seconds}s.wav" for seconds in SECONDS}
+    paths = {seconds: folder / f"speech-{seconds}s.wav" for seconds in lengths}
     if all(path.exists() for path in paths.values()):
         return paths
     folder.mkdir(parents=True, exist_ok=True)
@@ -47,7 +47,7 @@ def speech(folder: Path) -> dict[int, Path]:
     if not said.exists():  # (kept: a machine without espeak-ng, a GPU's, is given it)
         subprocess.run(["espeak-ng", "-w", str(said), text], check=True)
     once = audio.read(said)
-    samples = np.tile(once, -(-max(SECONDS) * audio.SAMPLE_RATE // len(once)))
+    samples = np.tile(once, -(-max(lengths) * audio.SAMPLE_RATE // len(once)))
     for seconds, path in paths.items():
         with wave.open(str(path), "wb") as file:
             file.setnchannels(1), file.setsampwidth(2), file.setframerate(audio.SAMPLE_RATE)

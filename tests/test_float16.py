@@ -1,4 +1,4 @@
-"""float16 on a T5-large-shaped stack: the residual stream overflows without clamping."""
+"""float16 on T5-large's widths: the residual stream overflows without clamping."""
 
 import numpy as np
 from checkpoints import make_checkpoint, t5_config
@@ -9,19 +9,20 @@ import mlx.core as mx
 import model as t5
 from loading import load_model
 
-# T5-large's stack (24 + 24 layers, d_model 1024, d_ff 4096, 16 heads of 64);
-# a small vocabulary keeps the file and the test fast.
-LARGE = dict(d_model=1024, d_ff=4096, num_heads=16, d_kv=64, num_layers=24, initializer_factor=1.0)
+# T5-large's widths (d_model 1024, d_ff 4096, 16 heads of 64) in 4 + 4 layers
+# (its 24 + 24 took a minute to build); a small vocabulary keeps the file and
+# the test fast.
+LARGE = dict(d_model=1024, d_ff=4096, num_heads=16, d_kv=64, num_layers=4, initializer_factor=1.0)
 
 
-def test_float16_t5_large_stack_gives_finite_logits(tmp_path, tokenizer_dir, monkeypatch):
+def test_float16_t5_large_widths_give_finite_logits(tmp_path, tokenizer_dir, monkeypatch):
     make_checkpoint(tmp_path / "hf", t5_config(**LARGE), 0, tokenizer_dir)
     # Real v1.0 checkpoints have FFN outputs beyond float16's range (65504);
     # random weights do not, so blow up a few layers the same way.
     file = tmp_path / "hf" / "model.safetensors"
     state = load_file(str(file))
     for stack, ffn in (("encoder", 1), ("decoder", 2)):
-        for block in (10, 20):
+        for block in (1, 3):
             state[f"{stack}.block.{block}.layer.{ffn}.DenseReluDense.wo.weight"] *= 3e4
     save_file(state, str(file), metadata={"format": "pt"})
     del state

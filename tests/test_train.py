@@ -81,7 +81,8 @@ def test_every_example_has_the_same_shapes_so_one_compiled_step_serves_all(seed)
     assert (len(inputs), len(targets)) == (train.RAW_LENGTH - noise + spans + 1, noise + spans + 1)
 
 
-def test_training_lowers_the_loss_on_what_it_sees():
+def test_training_lowers_the_loss_on_what_it_sees(monkeypatch):
+    monkeypatch.setattr(train, "BATCH", 16)  # (a quarter of the demo's batch: the loss falls as far, four times as fast)
     args = ModelArgs(vocab_size=1100, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=2, num_decoder_layers=2)
     model = EncoderDecoder(args)
     train.initialize(model, seed=0)
@@ -94,10 +95,13 @@ def test_training_lowers_the_loss_on_what_it_sees():
     assert np.isfinite([h["train_loss"] for h in history]).all()
 
 
-def test_a_student_trained_on_a_teachers_predictions_comes_to_agree_with_it():
+def test_a_student_trained_on_a_teachers_predictions_comes_to_agree_with_it(monkeypatch):
     """Distillation: the draft learns what the target predicts, not the text,
     so their argmax agree, which is what speculative decoding accepts. The
-    teacher learned other text, so a student of the text itself disagrees."""
+    teacher learned other text, so a student of the text itself disagrees.
+    Batches of 16, a quarter of the demo's, four times as fast (agreement 0.97
+    against the text's 0.07)."""
+    monkeypatch.setattr(train, "BATCH", 16)
     small = dict(vocab_size=1100, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
     teacher = EncoderDecoder(ModelArgs(d_model=64, d_ff=128, **small))
     student, control = (EncoderDecoder(ModelArgs(d_model=32, d_ff=64, **small)) for _ in range(2))
