@@ -4,11 +4,14 @@ Nothing here downloads: the tokenizer is a SentencePiece model trained on the
 Python standard library's sources, the checkpoints are random
 `T5ForConditionalGeneration`s saved as Hugging Face would publish them. A
 large `initializer_factor` keeps greedy output from collapsing to one repeated
-token. `reference_greedy` is the independent reference the tests compare with.
+token. `reference_greedy` is the independent reference the tests compare with;
+`in_float64` and `farthest_float32` how near float64 transformers' own float32 comes.
 """
 
+import copy
 import glob
 import json
+import math
 import sys
 import sysconfig
 from pathlib import Path
@@ -107,6 +110,48 @@ def reference_greedy(model: T5ForConditionalGeneration, input_ids: list[int], ma
     return decoded[1:]
 
 
+def in_float64(hf_model):
+    """A float64 copy of a transformers model: the reference both float32
+    computations are measured against. What the model computes rather than
+    stores is computed in float64 too: M2M-100's and NLLB's sinusoidal
+    position table, which transformers makes in float32 whatever the model's
+    dtype (its own float32 table is up to 7e-5 from the exact one, as ours is)."""
+    import torch
+
+    model = copy.deepcopy(hf_model).double().eval()
+    for module in model.modules():
+        if type(module).__name__ == "M2M100SinusoidalPositionalEmbedding":
+            rows, width = module.weights.shape
+            half = width // 2
+            frequencies = torch.exp(torch.arange(half, dtype=torch.float64) * -(math.log(10000) / (half - 1)))
+            angles = torch.arange(rows, dtype=torch.float64)[:, None] * frequencies[None]
+            table = torch.cat([torch.sin(angles), torch.cos(angles), torch.zeros(rows, width % 2, dtype=torch.float64)], 1)
+            table[module.padding_idx] = 0
+            module.weights = table
+    return model
+
+
+def farthest_float32(hf_model, forward, exact, samples: int = 3, seed: int = 0):
+    """transformers' float32 result farthest from float64 (exact) among its own and `samples` copies of the model with
+    each weight moved to a float32 neighbour at random (its product by 1 + u, |u| < 2**-23, rounded to float32): how
+    far a float32 computation falls by chance alone on a fixture that amplifies rounding (assert_as_near_as_transformers'
+    `chance`). Its own run may be a lucky draw: on T5 v1.0's chaotic fixture its encoder output was 9.0e-4 from
+    float64 and its copies' 9.2e-3 to 4.2e-2, ours 9.4e-3 to 1.6e-2 as the BLAS sums (BLIS's Zen 3 kernels, packed or not;
+    MKL). `forward(model)`: the output, as numpy."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    results = [forward(hf_model)]
+    for _ in range(samples):
+        noisy = copy.deepcopy(hf_model)
+        with torch.no_grad():
+            for weight in noisy.parameters():
+                factor = 1 + torch.from_numpy(rng.uniform(-2**-23, 2**-23, weight.shape))
+                weight.copy_((weight.double() * factor).float())
+        results.append(forward(noisy))
+    return max(results, key=lambda result: np.abs(np.asarray(result, np.float64) - exact).max())
+
+
 def grow_target(draft: Path, out: Path, extra_layers: int, d_ff: int, scale: float, seed: int) -> Path:
     """A Hugging Face target that embeds the draft checkpoint exactly and is
     much larger: the draft's embedding, norms and layers (FFNs zero-padded to
@@ -194,6 +239,11 @@ FAMILY_CHECKPOINTS = {
     "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", 0, {}, 2.0, 9),  # T5's layout: initializer_factor
     "ul2": ("T5Config", "T5ForConditionalGeneration", 0, {}, 2.0, 1),  # Flan-UL2's: gated SiLU, wide heads
 }
+
+
+# Prompts of ids for the families' random checkpoints (the BART family's EOS is 2; umT5's, 1, ends its prompts' second
+# token instead: no matter to the model).
+FAMILY_PROMPTS = [[5, 17, 300, 41, 99, 7, 250, 13, 600, 88, 2], [44, 9, 512, 3, 77, 2], [900, 31, 8, 8, 100, 64, 12, 2]]
 
 
 def family_checkpoint(kind: str, folder: Path, tokenizer: Path, seed: int | None = None, layers: int = 2,

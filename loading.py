@@ -53,10 +53,10 @@ def read_config(folder: str | Path, converted: bool = True) -> dict:
     return config
 
 
-def hears_speech(name: str | Path) -> bool:
+def hears_speech(name: str | Path, role: str = "target") -> bool:
     """Whether a converted model (a folder, a name under mlx_models/ or the hub id it was converted from, as load
     takes) transcribes speech (Whisper: log-mel frames in) rather than reads text; its weights are not read."""
-    return bool(read_config(resolve(name)).get("num_mel_bins"))
+    return bool(read_config(resolve(name, role)).get("num_mel_bins"))
 
 
 def could_be_hub_id(name: str) -> bool:

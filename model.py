@@ -362,25 +362,10 @@ class EncoderLayer(nn.Module):
         out, side_by_side = [], max(1, len(lanes))  # a chunk per lane: they run side by side
         for start in range(0, len(chunks), side_by_side):
             group = list(enumerate(chunks))[start : start + side_by_side]
-            attended = {i: [] for i, _ in group}
-            spans = {i: attention_spans(first, last, x.shape[1], self.attention.num_heads) for i, (first, last) in group}
-            queries = {}
+            attended = yield from self.attention_in_spans(h, (keys, values), bias_of, group, lanes)
             for i, (first, last) in group:
                 with cpu.lane(lanes, i):
-                    queries[i] = self.attention.split_heads(self.attention.q(h[:, first:last]))
-            for k in range(max(len(rows) for rows in spans.values())):
-                for i, (first, _) in group:
-                    if k < len(spans[i]):
-                        a, b = spans[i][k]
-                        with cpu.lane(lanes, i + k):  # a chunk's spans take the lanes in turn, as a span's blocks do
-                            span_bias = lambda c, d, a=a: bias_of(a + c, a + d)  # noqa: E731
-                            attended[i].append(attend(queries[i][:, :, a - first : b - first], keys, values, span_bias,
-                                                      "prompt", cpu.from_lane(lanes, i + k)))
-                if len(spans[group[0][0]]) > 1:  # (a chunk of one span: its attention goes with the rest)
-                    yield [attended[i][k] for i, _ in group if k < len(attended[i])]
-            for i, (first, last) in group:
-                with cpu.lane(lanes, i):
-                    y = x[:, first:last] + self.attention.merged_output(mx.concatenate(attended[i], axis=2))
+                    y = x[:, first:last] + self.attention.merged_output(attended[i])
                     if self.pre_norm:
                         y = clamp_float16(y)
                         out.append(clamp_float16(y + self.ffn(self.ffn_norm(y))))
@@ -389,6 +374,28 @@ class EncoderLayer(nn.Module):
                         out.append(self.ffn_norm(y + self.ffn(y)))
             yield out[-len(group):]
         return mx.concatenate(out, axis=1)
+
+    def attention_in_spans(self, h: mx.array, keys_values: tuple, bias_of, group: list, lanes: tuple) -> Pieces:
+        """The attention of a group of chunks (i, (first, last)), a chunk per lane, over every key: each chunk's
+        queries in spans (attention_spans), which take the lanes in turn. Yields a span of each chunk at a time
+        where the chunks have several (a chunk of one span: its attention goes in the piece with the rest of the
+        chunk) and returns each chunk's output (B, heads, rows, d_kv), by i."""
+        length, attended, queries = h.shape[1], {i: [] for i, _ in group}, {}
+        spans = {i: attention_spans(first, last, length, self.attention.num_heads) for i, (first, last) in group}
+        for i, (first, last) in group:
+            with cpu.lane(lanes, i):
+                queries[i] = self.attention.split_heads(self.attention.q(h[:, first:last]))
+        for k in range(max(len(rows) for rows in spans.values())):
+            for i, (first, _) in group:
+                if k < len(spans[i]):
+                    a, b = spans[i][k]
+                    with cpu.lane(lanes, i + k):  # (as a span's blocks take them)
+                        span_bias = lambda c, d, a=a: bias_of(a + c, a + d)  # noqa: E731
+                        attended[i].append(attend(queries[i][:, :, a - first : b - first], *keys_values, span_bias,
+                                                  "prompt", cpu.from_lane(lanes, i + k)))
+            if len(spans[group[0][0]]) > 1:
+                yield [spans_out[k] for spans_out in attended.values() if k < len(spans_out)]
+        return {i: mx.concatenate(spans_out, axis=2) for i, spans_out in attended.items()}
 
 
 class DecoderLayer(nn.Module):

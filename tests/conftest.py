@@ -29,12 +29,18 @@ FLAVOURS = {
 
 # The second pass, T5_MLX_PATH=accelerator, runs every test whose subject the
 # path changes: parity with transformers, speculative and batched exactness,
-# quantized models, long prompts, compiled steps, attention, the API and the
-# CLI. These it leaves to the first: the benchmarks' harness, conversion, the BLAS and the split
-# products, the demo's training and quality, float16's clamp, and the
-# statistical tests of the sampling rule (minutes; its arithmetic runs after
-# the model's, the same on both paths).
-CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py"}
+# quantized models, long prompts, compiled steps, attention, Whisper, the API,
+# the CLI and the server's answers. These it leaves to the first: the
+# benchmarks' harness, conversion, the BLAS and the split products, the demo's
+# training and quality, float16's clamp, the server's scheduling, limits,
+# budget and robustness (serving/ has no branch of its own on the path; their
+# models' branches are the other tests'), text, the vocabulary, the docs and
+# the layout, and the statistical tests of the sampling rule (its arithmetic
+# runs after the model's, the same on both paths).
+CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py",
+                 "test_server_budget.py", "test_server_limits.py", "test_server_load.py", "test_server_robust.py",
+                 "test_server_scheduling.py", "test_text.py", "test_whisper_vocabulary.py", "test_docs.py",
+                 "test_structure.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="not path-dependent: run in the CPU path's pass")
     for item in items:
-        if item.path.name in CPU_PASS_ONLY or "target_distribution" in item.name:
+        if item.path.name in CPU_PASS_ONLY or "distribution" in item.name:
             item.add_marker(skip)
 
 

@@ -1,13 +1,12 @@
 """What the tests share: token ids decoded through the engine's one factory, one chi-square check, and one rule for
 numbers compared with transformers'."""
 
-import copy
 import functools
-import math
 
 import numpy as np
 
 from batches import batch_for, drive
+from checkpoints import farthest_float32, in_float64  # noqa: F401  (the tests take them from here)
 from rows import Request
 from loading import Models
 from plans import resolve
@@ -75,48 +74,6 @@ CHANCE_MULTIPLE = 2  # past the farthest of several float32 draws (farthest_floa
 
 
 @functools.cache
-def in_float64(hf_model):
-    """A float64 copy of a transformers model: the reference both float32
-    computations are measured against. What the model computes rather than
-    stores is computed in float64 too: M2M-100's and NLLB's sinusoidal
-    position table, which transformers makes in float32 whatever the model's
-    dtype (its own float32 table is up to 7e-5 from the exact one, as ours is)."""
-    import torch
-
-    model = copy.deepcopy(hf_model).double().eval()
-    for module in model.modules():
-        if type(module).__name__ == "M2M100SinusoidalPositionalEmbedding":
-            rows, width = module.weights.shape
-            half = width // 2
-            frequencies = torch.exp(torch.arange(half, dtype=torch.float64) * -(math.log(10000) / (half - 1)))
-            angles = torch.arange(rows, dtype=torch.float64)[:, None] * frequencies[None]
-            table = torch.cat([torch.sin(angles), torch.cos(angles), torch.zeros(rows, width % 2, dtype=torch.float64)], 1)
-            table[module.padding_idx] = 0
-            module.weights = table
-    return model
-
-
-def farthest_float32(hf_model, forward, exact, samples: int = 3, seed: int = 0):
-    """transformers' float32 result farthest from float64 (exact) among its own and `samples` copies of the model with
-    each weight moved to a float32 neighbour at random (its product by 1 + u, |u| < 2**-23, rounded to float32): how
-    far a float32 computation falls by chance alone on a fixture that amplifies rounding (assert_as_near_as_transformers'
-    `chance`). Its own run may be a lucky draw: on T5 v1.0's chaotic fixture its encoder output was 9.0e-4 from
-    float64 and its copies' 9.2e-3 to 4.2e-2, ours 9.4e-3 to 1.6e-2 as the BLAS sums (BLIS's Zen 3 kernels, packed or not;
-    MKL). `forward(model)`: the output, as numpy."""
-    import torch
-
-    rng = np.random.default_rng(seed)
-    results = [forward(hf_model)]
-    for _ in range(samples):
-        noisy = copy.deepcopy(hf_model)
-        with torch.no_grad():
-            for weight in noisy.parameters():
-                factor = 1 + torch.from_numpy(rng.uniform(-2**-23, 2**-23, weight.shape))
-                weight.copy_((weight.double() * factor).float())
-        results.append(forward(noisy))
-    return max(results, key=lambda result: np.abs(np.asarray(result, np.float64) - exact).max())
-
-
 def assert_as_near_as_transformers(ours, theirs, exact, what: str = "logits", scale: float | None = None,
                                    chance=None) -> None:
     """Ours (float32) within ROUNDING_MULTIPLE times transformers' own float32

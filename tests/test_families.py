@@ -5,7 +5,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from checkpoints import FAMILY_CHECKPOINTS, family_checkpoint, reference_greedy
+from checkpoints import FAMILY_CHECKPOINTS, FAMILY_PROMPTS, family_checkpoint, reference_greedy
 
 import convert
 from conftest import ROOT
@@ -16,8 +16,7 @@ from loading import Models, load_model
 from options import Settings
 from support import assert_as_near_as_transformers, decode, farthest_float32, in_float64
 
-PROMPTS = [[5, 17, 300, 41, 99, 7, 250, 13, 600, 88, 2], [44, 9, 512, 3, 77, 2], [900, 31, 8, 8, 100, 64, 12, 2]]
-# (the BART family's EOS is 2; umT5's, 1, ends its prompts' second token instead: no matter to the model)
+PROMPTS = FAMILY_PROMPTS
 
 
 class Family:
@@ -47,7 +46,7 @@ def family(request, tmp_path_factory, tokenizer_dir):
 
 def test_logits_match_transformers(family):
     """Each prompt's logits along its greedy output, as near float64 as transformers' own float32 comes, or as its
-    float32 comes by chance: these fixtures amplify rounding (support.farthest_float32). On the Intel Xeon, mBART's
+    float32 comes by chance: these fixtures amplify rounding (checkpoints.farthest_float32). On the Intel Xeon, mBART's
     first prompt was 6.6e-4 from float64 in transformers' own run and 6.6e-4 to 8.2e-3 in ten copies of its weights
     each moved by a rounding; ours 5.4e-3, and 5.5e-4 to 7.3e-3 over the same copies (docs/DECISIONS.md)."""
     import mlx.core as mx
@@ -551,7 +550,7 @@ def m2m100_tokenizer_files(tmp_path_factory):
 @pytest.mark.parametrize("width", [64, 256, 1024, 2048])
 def test_m2m100s_position_table_is_as_near_the_exact_one_as_transformers(width):
     """M2M-100's and NLLB's sinusoids, which no checkpoint stores: as near the
-    float64 table (support.in_float64's) as transformers' float32 one, root
+    float64 table (checkpoints.in_float64's) as transformers' float32 one, root
     mean square. Numpy's float32 exp and sin, once used here, came 14-70%
     further, and differed from transformers' table in a third of the
     frequencies: the float64 reference, made then from transformers' own

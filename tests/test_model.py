@@ -34,7 +34,7 @@ def test_reference_greedy_output_is_varied_and_well_separated(checkpoint):
 @pytest.mark.parametrize("scale", ["unit", "chaotic"])
 def test_encoder_output_matches_transformers(unit_scale_checkpoint, checkpoint_by_name, scale):
     """As near float64 as transformers' own float32 comes (support.assert_as_near_as_transformers); on a chaotic
-    fixture, as its float32 may come by chance (support.farthest_float32)."""
+    fixture, as its float32 may come by chance (checkpoints.farthest_float32)."""
     checkpoint = unit_scale_checkpoint if scale == "unit" else checkpoint_by_name(unit_scale_checkpoint.name)
     model = load_model(checkpoint.mlx_dir)
     ours = model.encode(mx.array([checkpoint.prompt_ids]))
