@@ -9,6 +9,7 @@ token. `reference_greedy` is the independent reference the tests compare with;
 """
 
 import copy
+import functools
 import glob
 import json
 import math
@@ -110,6 +111,7 @@ def reference_greedy(model: T5ForConditionalGeneration, input_ids: list[int], ma
     return decoded[1:]
 
 
+@functools.cache
 def in_float64(hf_model):
     """A float64 copy of a transformers model: the reference both float32
     computations are measured against. What the model computes rather than

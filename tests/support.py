@@ -1,7 +1,6 @@
 """What the tests share: token ids decoded through the engine's one factory, one chi-square check, and one rule for
 numbers compared with transformers'."""
 
-import functools
 
 import numpy as np
 
@@ -73,7 +72,6 @@ SCALE_FLOOR = 1e-4  # and within this fraction of the values' scale always passe
 CHANCE_MULTIPLE = 2  # past the farthest of several float32 draws (farthest_float32): the tail of one more draw
 
 
-@functools.cache
 def assert_as_near_as_transformers(ours, theirs, exact, what: str = "logits", scale: float | None = None,
                                    chance=None) -> None:
     """Ours (float32) within ROUNDING_MULTIPLE times transformers' own float32

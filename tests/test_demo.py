@@ -139,7 +139,7 @@ def test_cli_demo_interactive_runs_a_demo_prompt_by_number_and_help_lists_it():
 
 
 def test_cli_demo_sweep_runs_over_the_held_out_prompts_and_repeats(capsys):
-    argv = ["--demo", "--sweep", "--num-drafts", "1,4", "--deltas", "0,1", "--max-tokens", "30", "--repeats", "2"]
+    argv = ["--demo", "--sweep", "--num-drafts", "1,4", "--deltas", "0,1", "--max-tokens", "10", "--repeats", "2"]
     assert main.main(argv) == 0
     out = capsys.readouterr().out
     assert f"{len(main.demo_prompts())} prompts" in out and "medians of 2 passes" in out
