@@ -396,7 +396,7 @@ def listen(args) -> int:
                          "files with and without --regular-decode")
     if not hears_speech(args.model):
         raise UsageError(f"{args.model} is a text model: --audio needs a converted Whisper (python convert.py --model "
-                         f"openai/whisper-small); give this one text with --prompt")
+                         "openai/whisper-small); give this one text with --prompt")
     if args.json and (args.output_format or args.output_dir):
         raise UsageError("--json prints verbose_json: drop it to choose --output-format or --output-dir")
     if args.output_dir is not None and not Path(args.output_dir).is_dir():

@@ -33,8 +33,9 @@ FLAVOURS = {
 # the CLI and the server's answers. These it leaves to the first: the
 # benchmarks' harness, conversion, the BLAS and the split products, the demo's
 # training and quality, float16's clamp, the server's scheduling, limits,
-# budget and robustness (serving/ has no branch of its own on the path; their
-# models' branches are the other tests'), text, the vocabulary, the docs and
+# budget and robustness (serving/ has no branch of its own on the path; every
+# line they ran on the accelerator's path, the tests kept ran too, or they on
+# the CPU's: a coverage comparison), text, the vocabulary, the docs and
 # the layout, and the statistical tests of the sampling rule (its arithmetic
 # runs after the model's, the same on both paths).
 CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py",
