@@ -29,17 +29,17 @@ FLAVOURS = {
 
 # The second pass, T5_MLX_PATH=accelerator, runs every test whose subject the
 # path changes: parity with transformers, speculative and batched exactness,
-# quantized models, long prompts, compiled steps, attention, Whisper, the API,
-# the CLI and the server's answers. These it leaves to the first: the
-# benchmarks' harness, conversion, the BLAS and the split products, the demo's
-# training and quality, float16's clamp, the server's scheduling, limits,
-# budget and robustness (serving/ has no branch of its own on the path; every
-# line they ran on the accelerator's path, the tests kept ran too, or they on
-# the CPU's: a coverage comparison), text, the vocabulary, the docs and
-# the layout, and the statistical tests of the sampling rule (its arithmetic
-# runs after the model's, the same on both paths).
+# quantized models, long prompts, compiled steps, attention, Whisper, the API
+# and the CLI. These it leaves to the first: the benchmarks' harness,
+# conversion, the BLAS and the split products, the demo's training and
+# quality, float16's clamp, the server (serving/ has no branch of its own on
+# the path; every line its tests ran on the accelerator's path, the tests kept
+# ran too, or they on the CPU's: a coverage comparison), text, the vocabulary,
+# the docs and the layout, and the statistical tests of the sampling rule (its
+# arithmetic runs after the model's, the same on both paths).
 CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py",
-                 "test_server_budget.py", "test_server_limits.py", "test_server_load.py", "test_server_robust.py",
+                 "test_server.py", "test_server_budget.py", "test_server_limits.py", "test_server_load.py",
+                 "test_server_robust.py",
                  "test_server_scheduling.py", "test_text.py", "test_whisper_vocabulary.py", "test_docs.py",
                  "test_structure.py"}
 
@@ -49,7 +49,8 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="not path-dependent: run in the CPU path's pass")
     for item in items:
-        if item.path.name in CPU_PASS_ONLY or "distribution" in item.name:
+        serves = "server" in item.name or {"server", "audio_server"} & set(item.fixturenames)  # (Whisper's endpoints)
+        if item.path.name in CPU_PASS_ONLY or serves or "distribution" in item.name:
             item.add_marker(skip)
 
 

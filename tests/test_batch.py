@@ -42,13 +42,27 @@ def requests_for(prompts: list[list[int]], settings: Settings) -> list[Request]:
     return [Request(prompt, settings) for prompt in prompts]
 
 
+DRAFTED = Settings(max_tokens=24, num_draft=3)
+
+
+@pytest.fixture(scope="module")
+def drafted_alone(pair, prompts) -> list[tuple[list[int], Stats]]:
+    """Each prompt drafted alone (DRAFTED): its tokens and counts, made once for every batch size."""
+    return [alone(Models(pair["target"], pair["drafts"]["close"]), p, DRAFTED) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def regular_alone(pair, prompts) -> list[list[int]]:
+    """Each prompt's 20 greedy tokens from the target alone, made once for every num-draft."""
+    return [regular(pair["target"], prompt, 20) for prompt in prompts]
+
+
 @pytest.mark.parametrize("batch_size", range(1, 9))
-def test_batched_greedy_rows_equal_each_prompt_decoded_alone(pair, prompts, batch_size):
+def test_batched_greedy_rows_equal_each_prompt_decoded_alone(pair, prompts, drafted_alone, batch_size):
     """Nine prompts of 3 to 90 tokens, more than a batch holds: rows join, accept different
     numbers of drafts and finish at different rounds, and each row's tokens and counts are
     exactly those of its prompt decoded alone (which equal transformers' greedy: test_speculative)."""
-    models, settings = Models(pair["target"], pair["drafts"]["close"]), Settings(max_tokens=24, num_draft=3)
-    expected = [alone(models, p, settings) for p in prompts]
+    models, settings, expected = Models(pair["target"], pair["drafts"]["close"]), DRAFTED, drafted_alone
     requests = requests_for(prompts, settings)
     tokens, finished = decode_batch(models, requests, batch_size)
     for i, (want, want_stats) in enumerate(expected):
@@ -59,12 +73,11 @@ def test_batched_greedy_rows_equal_each_prompt_decoded_alone(pair, prompts, batc
 
 
 @pytest.mark.parametrize("num_draft", range(1, 9))
-def test_batched_greedy_equals_alone_at_every_num_draft(pair, prompts, num_draft):
+def test_batched_greedy_equals_alone_at_every_num_draft(pair, prompts, regular_alone, num_draft):
     target, draft = pair["target"], pair["drafts"]["close"]
     requests = requests_for(prompts, Settings(max_tokens=20, num_draft=num_draft))
     tokens, _ = decode_batch(Models(target, draft), requests, 4)
-    for i, prompt in enumerate(prompts):
-        assert tokens[i] == regular(target, prompt, 20), f"prompt {i}"
+    assert tokens == regular_alone
     accepted, drafted = sum(r.stats.accepted for r in requests), sum(r.stats.drafted for r in requests)
     assert 0 < accepted < drafted, "needs acceptances and rejections"
 

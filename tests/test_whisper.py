@@ -1235,7 +1235,9 @@ def test_sampled_drafting_on_whisper_follows_the_targets_distribution_with_its_r
     first token's distribution (a timestamp no later than the first's limit),
     and the second's after the likeliest first (drafted, or the target's
     correction), pass a chi-square test against transformers' with its
-    processors; drafts are both accepted and rejected."""
+    processors; drafts are both accepted and rejected. 1,500 samples: with a
+    rejected draft resampled from the target instead of the residual, 2,000
+    gave the first token a chi-square of 102 against 22.5."""
     from options import Stats
     from speech_tokens import Whisper
 
@@ -1248,7 +1250,7 @@ def test_sampled_drafting_on_whisper_follows_the_targets_distribution_with_its_r
     source = mx.array(features)  # one array: the requests encode it once
     settings = Settings(max_tokens=4, temp=1.0, num_draft=3, delta=0.0)
     requests = [Request(source, Settings(**{**settings.__dict__, "seed": i}), opening=opening,
-                        rules=whisper.rules(opening, timestamps=True)) for i in range(2000)]
+                        rules=whisper.rules(opening, timestamps=True)) for i in range(1500)]
     tokens, _ = decode_batch(models, requests, 500)
     totals = sum((request.stats for request in requests), Stats())
     assert 0.05 < totals.acceptance_rate < 0.95
