@@ -1,10 +1,11 @@
 """Convert a Hugging Face checkpoint (hub id or local folder) of any family here to MLX weights: T5 and its
-descendants, BART, mBART, Marian, M2M-100, NLLB, Pegasus, and Whisper.
+descendants, BART, mBART, Marian, M2M-100, NLLB, Pegasus, and Whisper; and CTranslate2's Whisper folders (faster-whisper's).
 
     python convert.py --model t5-small
     python convert.py --model google/flan-t5-large --dtype float16 --out my_models/flan
     python convert.py --model t5-11b -q                      # 4-bit, groups of 64
     python convert.py --model mlx_models/t5-11b -q --q-bits 8  # from an earlier conversion
+    python convert.py --model ~/.cache/huggingface/hub/models--Systran--faster-whisper-base/snapshots/REV
 
 Memory stays bounded by about one tensor: each tensor is read, cast (or
 quantized) and appended to a safetensors shard whose header was written up
@@ -33,6 +34,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 import families
+import from_ctranslate2
 from errors import ConversionError, LoadError
 from loading import FORMAT_KEY, could_be_hub_id, read_config
 from model import EncoderDecoder, ModelArgs
@@ -56,7 +58,7 @@ SHARD_BYTES = 4 << 30
 TOKENIZER_FILES = ["spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "sentencepiece.bpe.model",  # BART's, mBART's and NLLB's
                    "source.spm", "target.spm"]  # Marian's
-CONFIG_FILES = ["config.json", "generation_config.json"]
+CONFIG_FILES = ["config.json", "generation_config.json", "preprocessor_config.json"]  # (Whisper's feature extractor)
 SAFETENSORS_PATTERNS = ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
 TORCH_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json"]
 
@@ -93,7 +95,9 @@ def download(repo_id: str) -> Path:
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=CONFIG_FILES + TOKENIZER_FILES + SAFETENSORS_PATTERNS))
         if not any(folder.glob("model*.safetensors")):
-            folder = Path(snapshot_download(repo_id, allow_patterns=CONFIG_FILES + TOKENIZER_FILES + TORCH_PATTERNS))
+            # pytorch_model.bin, or CTranslate2's model.bin (faster-whisper's repos: Systran/faster-whisper-base)
+            folder = Path(snapshot_download(repo_id, allow_patterns=CONFIG_FILES + TOKENIZER_FILES + TORCH_PATTERNS
+                                            + ["model.bin"]))
     except GatedRepoError:
         raise ConversionError(f"{repo_id} is gated on the Hugging Face hub: accept its terms and run `hf auth login`")
     except RepositoryNotFoundError:
@@ -317,9 +321,15 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
     source = resolve_source(model)
     if out.resolve() == source.resolve():
         raise ConversionError(f"--out {out} is the folder being converted: choose another")
-    config = read_source_config(source)
-    kind, files = weight_files(source)
-    reader = SafetensorsReader(files) if kind == "safetensors" else TorchReader(files)
+    written = {}  # the files written from what the source has: a CTranslate2 folder's configs
+    if from_ctranslate2.is_ctranslate2_folder(source):
+        model_bin = from_ctranslate2.ModelBin(source / "model.bin")
+        reader = from_ctranslate2.WhisperReader(model_bin)
+        config, written = from_ctranslate2.configs(source, model_bin)
+    else:
+        config = read_source_config(source)
+        kind, files = weight_files(source)
+        reader = SafetensorsReader(files) if kind == "safetensors" else TorchReader(files)
     tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
     if not tokenizer_files:
         raise ConversionError(f"{source} has no tokenizer files (spiece.model or tokenizer.json)")
@@ -345,6 +355,8 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         for file in tokenizer_files + [source / "generation_config.json", source / "preprocessor_config.json"]:
             if file.is_file():
                 shutil.copy(file, partial / file.name)
+        for name, contents in written.items():
+            (partial / name).write_text(json.dumps(contents, indent=2, ensure_ascii=False))
         tokenizer_config = read_json(source / "tokenizer_config.json")
         # Its class, where transformers' AutoTokenizer looks: tokenizer_config.json, then config.json.
         tokenizer_config["tokenizer_class"] = (tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class")
@@ -405,7 +417,8 @@ def quantization_of(args) -> Quantization | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
-                        help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder")
+                        help="Hugging Face hub id (t5-small, google/flan-t5-large, ...) or local checkpoint folder "
+                             "(a faster-whisper model's too: CTranslate2's model.bin)")
     parser.add_argument("--out", type=Path, help="output folder (default: mlx_models/<name>)")
     parser.add_argument("--dtype", choices=DTYPES, default=default_dtype(),
                         help="dtype of the weights kept in float (default: bfloat16 on a Mac's GPU, T5's training dtype; "

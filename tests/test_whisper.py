@@ -603,6 +603,85 @@ def test_a_whisper_quantizes_its_projections_and_keeps_its_convolutions_and_tabl
     assert np.abs(logits[0] - logits[1]).max() < 0.05 * np.abs(logits[0]).max()
 
 
+@pytest.fixture(scope="module")
+def ctranslate2_folders(spoken_pair, tmp_path_factory):
+    """The spoken fixture converted by CTranslate2's own converter, as faster-whisper's models are made: name ->
+    folder, for float32 and each of the types faster-whisper's models ship in."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    root, folders = spoken_pair[0], {}
+    for quantization in ("float32", "float16", "bfloat16", "int8_float32"):
+        folders[quantization] = tmp_path_factory.mktemp("ct2") / quantization
+        ctranslate2.converters.TransformersConverter(str(root / "hf"), copy_files=["tokenizer.json"]).convert(
+            str(folders[quantization]), quantization=quantization)
+    return folders
+
+
+# Half a unit in the last place of float16 and bfloat16 (relative; float16's subnormals below 6e-5 are spaced
+# 2^-24 apart), half an int8 step of a row's largest value.
+ROUNDING = {"float32": (0.0, 0.0), "float16": (2.0 ** -11, 2.0 ** -25), "bfloat16": (2.0 ** -8, 0.0)}
+
+
+def test_a_ctranslate2_whisper_converts_to_the_weights_and_configs_of_its_hugging_face_checkpoint(
+        spoken_pair, ctranslate2_folders, tmp_path):
+    """faster-whisper's layout (CTranslate2's model.bin, its config.json, the tokenizer): every weight of the
+    conversion is that of the Hugging Face checkpoint's (float32: exactly, the fused projections split in the right
+    order; float16 and bfloat16 within half a unit in their last place; int8 within half a step of its row's
+    scale), and the generation config carries the checkpoint's ids, languages, tasks and suppressions."""
+    root = spoken_pair[0]
+    ours = mx.load(str(root / "mlx" / "model.safetensors"))
+    for quantization, folder in ctranslate2_folders.items():
+        convert.convert(str(folder), tmp_path / quantization, "float32", force=False)
+        theirs = mx.load(str(tmp_path / quantization / "model.safetensors"))
+        assert set(theirs) == set(ours), quantization
+        for name, want in ours.items():
+            got, want = np.array(theirs[name]), np.array(want)
+            if quantization.startswith("int8") and want.ndim >= 2 and not name.endswith("positions.weight"):
+                step = np.abs(want.reshape(len(want), -1)).max(axis=1) / 127
+                bound = (step / 2 * 1.0001).reshape([-1] + [1] * (want.ndim - 1)) + 1e-7
+            else:
+                relative, subnormal = ROUNDING.get(quantization, (0.0, 0.0))
+                bound = relative * np.abs(want) * 1.0001 + subnormal
+            assert (np.abs(got - want) <= bound).all(), (quantization, name)
+    generation = read_generation_config(tmp_path / "float16")
+    published = json.loads((root / "hf" / "generation_config.json").read_text())
+    for key in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id", "is_multilingual",
+                "lang_to_id", "task_to_id", "suppress_tokens", "begin_suppress_tokens", "max_initial_timestamp_index"):
+        assert generation[key] == published[key], key
+    config, expected = read_config_json(tmp_path / "float16"), read_config_json(root / "mlx")
+    assert {k: config[k] for k in ("vocab_size", "d_model", "num_layers", "num_decoder_layers", "num_heads", "d_ff",
+                                   "num_mel_bins", "max_positions", "encoder_positions")} == \
+        {k: expected[k] for k in ("vocab_size", "d_model", "num_layers", "num_decoder_layers", "num_heads", "d_ff",
+                                  "num_mel_bins", "max_positions", "encoder_positions")}
+
+
+def read_config_json(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_what_is_not_a_ctranslate2_whisper_with_its_tokenizer_is_a_one_line_error_and_no_folder(
+        ctranslate2_folders, v1_1_checkpoint, tmp_path, capsys):
+    """A CTranslate2 model of another architecture (T5), a model.bin cut short, a folder without its tokenizer:
+    convert.py's one-line error, and no output folder."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    t5 = tmp_path / "t5"
+    ctranslate2.converters.TransformersConverter(str(v1_1_checkpoint.hf_dir)).convert(str(t5))
+    cut = tmp_path / "cut"
+    shutil.copytree(ctranslate2_folders["float16"], cut)
+    data = (cut / "model.bin").read_bytes()
+    (cut / "model.bin").write_bytes(data[:len(data) // 2])
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(ctranslate2_folders["float16"], untokenized)
+    (untokenized / "tokenizer.json").unlink()
+    capsys.readouterr()  # (transformers' loading bars)
+    for folder, message in ((t5, "is a CTranslate2 TransformerSpec: convert.py takes CTranslate2's Whisper"),
+                            (cut, "is truncated or not CTranslate2's model.bin"),
+                            (untokenized, "has no readable tokenizer.json")):
+        assert convert.main(["--model", str(folder), "--out", str(tmp_path / "out")]) == 2
+        error = capsys.readouterr().err
+        assert message in error and error.count("\n") == 1, error
+        assert not (tmp_path / "out").exists()
+
+
 def test_the_timestamps_check_comes_after_the_suppressions_as_transformers_orders_them():
     """A suppressed token with the text's largest logit: transformers bans it
     first, then finds the timestamps' probability together above the next
