@@ -210,8 +210,7 @@ def configs(folder: Path, model: ModelBin) -> tuple[dict, dict[str, dict]]:
         "max_target_positions": model.shape("decoder/position_encodings/encodings")[0],
         "activation_function": "gelu", "scale_embedding": False, "tie_word_embeddings": True,
         "bos_token_id": end, "eos_token_id": end, "pad_token_id": end, "decoder_start_token_id": start,
-        "suppress_tokens": suppress, "begin_suppress_tokens": begin_suppress,
-    }
+    }  # (the suppressions in the generation config alone: transformers warns when both carry them)
     # Every English-only Whisper (.en) has 51,864 tokens, the multilingual ones 51,865 or more (OpenAI's test is
     # >= 51,865); other sizes, a test's small models, are taken as multilingual, their languages in the tokenizer.
     multilingual = vocabulary != 51864
@@ -248,3 +247,19 @@ def with_timestamps(folder: Path, vocabulary: int) -> dict:
         tokenizer["added_tokens"].append({"id": i, "content": f"<|{(i - last - 1) * 0.02:.2f}|>", "single_word": False,
                                           "lstrip": False, "rstrip": False, "normalized": True, "special": False})
     return tokenizer
+
+
+def write_checkpoint(folder: Path, out: Path) -> None:
+    """The Hugging Face checkpoint a CTranslate2 Whisper was converted from, in float32 (for the references that read
+    transformers' layout: bench whisper's transformers and mlx-whisper). Holds the whole model in memory."""
+    from safetensors.numpy import save_file
+
+    model = ModelBin(folder / "model.bin")
+    reader, (config, files) = WhisperReader(model), configs(folder, model)
+    out.mkdir(parents=True)
+    save_file({name: np.ascontiguousarray(model.array(*reader.sources[name]), np.float32) for name in reader.names()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name, contents in {"config.json": config, **files}.items():
+        (out / name).write_text(json.dumps(contents, indent=2, ensure_ascii=False))
+    if (folder / "preprocessor_config.json").is_file():
+        (out / "preprocessor_config.json").write_text((folder / "preprocessor_config.json").read_text())

@@ -3,7 +3,7 @@
     python -m bench regular      # T5-large-shaped random fp32 checkpoint, 100 tokens
     python -m bench families     # BART-large and NLLB-600M shapes, against the same references
     python -m bench speculative  # the benchmark pair, on held-out demo prompts
-    python -m bench whisper      # Whisper's shapes transcribing espeak-ng's speech, 30 s and 5 minutes
+    python -m bench whisper      # real Whisper tiny.en and base transcribing espeak-ng's speech, 30 s and 5 minutes
     python -m bench rounding     # every family's logits: ours and transformers' float32 against float64
     python -m bench speech-demo  # the speech demo pair: held-out word error rate, drafts, speed, long-form
     python -m bench render       # docs/PERFORMANCE.md and the README's table, from bench/results/

