@@ -210,7 +210,9 @@ def configs(folder: Path, model: ModelBin) -> tuple[dict, dict[str, dict]]:
         "max_target_positions": model.shape("decoder/position_encodings/encodings")[0],
         "activation_function": "gelu", "scale_embedding": False, "tie_word_embeddings": True,
         "bos_token_id": end, "eos_token_id": end, "pad_token_id": end, "decoder_start_token_id": start,
-    }  # (the suppressions in the generation config alone: transformers warns when both carry them)
+        # As Hugging Face's Whisper configs carry them (else WhisperConfig's defaults, the English models' ids, stand)
+        "suppress_tokens": suppress, "begin_suppress_tokens": begin_suppress,
+    }
     # Every English-only Whisper (.en) has 51,864 tokens, the multilingual ones 51,865 or more (OpenAI's test is
     # >= 51,865); other sizes, a test's small models, are taken as multilingual, their languages in the tokenizer.
     multilingual = vocabulary != 51864
