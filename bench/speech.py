@@ -210,9 +210,12 @@ def transformers_transcriber(folder: Path, _):
 
 
 def mlx_whisper_transcriber(folder: Path, _):
-    """mlx-whisper's transcribe on the same MLX, in float32, on the checkpoint in its own layout (mlx_whisper_layout)."""
+    """mlx-whisper's transcribe on the same MLX, in float32, on the checkpoint in its own layout (mlx_whisper_layout),
+    with the BLAS ours takes (cpu.py, loaded before mlx.core: the mlx[cpu] wheel's own reference BLAS ran its
+    encoder 6x slower on the Intel Xeon)."""
     from importlib.metadata import version
 
+    import cpu
     import mlx_whisper
 
     def transcribe(samples, long, tokens):
@@ -222,7 +225,8 @@ def mlx_whisper_transcriber(folder: Path, _):
                                         without_timestamps=not long, sample_len=tokens)
         return [token for segment in result["segments"] for token in segment["tokens"]]
 
-    return transcribe, f"mlx-whisper {version('mlx-whisper')}"
+    blas = f", {cpu.ACTIVE.split()[0]}" if cpu.in_use() else ""
+    return transcribe, f"mlx-whisper {version('mlx-whisper')}{blas}"
 
 
 def faster_whisper_transcriber(folder: Path, reference: str):
