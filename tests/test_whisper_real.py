@@ -4,7 +4,6 @@ does on the same weights, written into a Hugging Face checkpoint by this file's 
 their word error rates are held, and faster-whisper on the original folders agrees on most clips."""
 
 import json
-import re
 import subprocess
 import wave
 
@@ -15,6 +14,7 @@ from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalG
 
 import audio
 import real_whisper
+from bench.speech import word_error_rate
 from from_ctranslate2 import ModelBin
 from loading import Models, load_model, load_tokenizer, read_generation_config
 
@@ -179,24 +179,6 @@ def ours(transcription) -> list[tuple[float, float, list[int]]]:
 def english(name: str) -> dict:
     """Options for English speech: a multilingual model is told the language (tiny.en knows no other)."""
     return {} if name.endswith(".en") else {"language": "en", "task": "transcribe"}
-
-
-def words_of(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9' ]", " ", text.lower()).split()
-
-
-def word_error_rate(said: list[str], heard: list[str]) -> float:
-    """Word edits (substitutions, insertions, deletions) over the words said, summed over the clips."""
-    edits = 0
-    for reference_text, hypothesis_text in zip(said, heard):
-        a, b = words_of(reference_text), words_of(hypothesis_text)
-        row = list(range(len(b) + 1))
-        for i, word in enumerate(a, 1):
-            previous, row[0] = row[0], i
-            for j, other in enumerate(b, 1):
-                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
-        edits += row[-1]
-    return edits / sum(len(words_of(text)) for text in said)
 
 
 def test_the_wheels_hold_the_pinned_whisper_weights(tmp_path_factory):
