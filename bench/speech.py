@@ -8,7 +8,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -95,24 +94,6 @@ def sentences(folder: Path, lengths: tuple[int, ...] = SECONDS) -> dict[int, tup
             file.writeframes((np.clip(samples, -1, 1) * 32767).astype(np.int16).tobytes())
         files[seconds] = (path, " ".join(said))
     return files
-
-
-def words_of(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " ")).split()
-
-
-def word_error_rate(said: list[str], heard: list[str]) -> float:
-    """Word edits (substitutions, insertions, deletions) over the words said, summed over the files."""
-    edits = 0
-    for reference_text, hypothesis_text in zip(said, heard):
-        a, b = words_of(reference_text), words_of(hypothesis_text)
-        row = list(range(len(b) + 1))
-        for i, word in enumerate(a, 1):
-            previous, row[0] = row[0], i
-            for j, other in enumerate(b, 1):
-                previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
-        edits += row[-1]
-    return edits / sum(len(words_of(text)) for text in said)
 
 
 def real_checkpoint(folder: Path, name: str) -> tuple[Path, Path]:
@@ -316,6 +297,7 @@ def ctranslate2_layout(hf: Path, folder: Path) -> None:
 
 def run_whisper(args) -> dict:
     import speech as ours_speech
+    import train_speech as ts  # the word error rate the speech demo measures too
     from loading import load
 
     import real_whisper
@@ -362,7 +344,7 @@ def run_whisper(args) -> dict:
             heard = {name: models.tokenizer.decode([t for t in timing.output if t < text_end], skip_special_tokens=True)
                      for name, timing in timings.items()}
             rows.append({"shape": shape, "real": real, "audio_seconds": seconds, "tokens": len(timings["ours"].output),
-                         **({"word_error_rate": {name: round(word_error_rate([said], [words]), 4)
+                         **({"word_error_rate": {name: round(ts.word_error_rate([said], [words]), 4)
                                                  for name, words in heard.items()}} if said else {}),
                          "same_tokens": timings["ours"].output == timings["transformers"].output,
                          "same_text_tokens": {reference: [token for token in timings[reference].output

@@ -241,9 +241,9 @@ def generation_config(tokenizer: Tokenizer) -> GenerationConfig:
 
 
 def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
-    """Word-level edit distance over the references' words, lower case, punctuation dropped."""
+    """Word edits over the references' words, in lower case, split at spaces and hyphens, other punctuation dropped."""
     def words(text):
-        return re.sub(r"[^a-z' ]", " ", text.lower()).split()
+        return re.sub(r"[^a-z0-9' ]", " ", text.lower()).split()
 
     errors = total = 0
     for reference, hypothesis in zip(references, hypotheses):

@@ -93,6 +93,7 @@ def test_word_error_rate_counts_substitutions_insertions_and_deletions_over_the_
     assert ts.word_error_rate(["Return a list."], [" return a list"]) == 0
     assert ts.word_error_rate(["a b c d"], ["a x c"]) == 2 / 4  # one substituted, one deleted
     assert ts.word_error_rate(["a b", "c d"], ["a b e", ""]) == 3 / 4
+    assert ts.word_error_rate(["one-time 2 pads"], ["one time two pads"]) == 1 / 4  # hyphens split, digits words
 
 
 def test_speech_is_espeak_ngs_at_16_khz_with_its_silence_trimmed():

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalG
 
 import audio
 import real_whisper
-from bench.speech import word_error_rate
+from train_speech import word_error_rate
 from from_ctranslate2 import ModelBin
 from loading import Models, load_model, load_tokenizer, read_generation_config
 
