@@ -34,7 +34,8 @@ FLAVOURS = {
 # conversion, the BLAS and the split products, the demo's training and
 # quality, float16's clamp, the server (serving/ has no branch of its own on
 # the path; every line its tests ran on the accelerator's path, the tests kept
-# ran too, or they on the CPU's: a coverage comparison), text, the vocabulary,
+# ran too, or they on the CPU's: a coverage comparison), text, the vocabulary
+# and the tokenizers a conversion writes, the entry points' --help,
 # the docs and the layout, and the statistical tests of the sampling rule (its
 # arithmetic runs after the model's, the same on both paths), and faster-whisper's agreement with real weights
 # (ours is held to transformers' on both paths by the tests before it). Of the real weights, the second pass takes
@@ -47,6 +48,8 @@ CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.p
                  "test_server_scheduling.py", "test_text.py", "test_whisper_vocabulary.py", "test_docs.py",
                  "test_structure.py"}
 
+CPU_PASS_NAMES = ("distribution", "faster_whisper", "convert_to_one_tokenizer", "prints_its_help")
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(cpu.PATH_SETTING, "").strip().lower() != "accelerator":
@@ -55,10 +58,11 @@ def pytest_collection_modifyitems(config, items):
     tiny_en_takes_it = pytest.mark.skip(reason="tiny.en takes base's branches on this path: run in the CPU path's pass")
     for item in items:
         serves = "server" in item.name or {"server", "audio_server"} & set(item.fixturenames)  # (Whisper's endpoints)
-        if item.path.name in CPU_PASS_ONLY or serves or "distribution" in item.name or "faster_whisper" in item.name:
+        if item.path.name in CPU_PASS_ONLY or serves or any(part in item.name for part in CPU_PASS_NAMES):
             item.add_marker(skip)
         elif item.path.name == "test_whisper_real.py" and "[base]" in item.name and "german" not in item.name:
             item.add_marker(tiny_en_takes_it)
+
 
 class Checkpoint:
     """A Hugging Face checkpoint, its transformers model and its MLX conversion."""
