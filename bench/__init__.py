@@ -4,6 +4,7 @@
     python -m bench families     # BART-large and NLLB-600M shapes, against the same references
     python -m bench speculative  # the benchmark pair, on held-out demo prompts
     python -m bench whisper      # real Whisper tiny.en and base transcribing espeak-ng's speech, 30 s and 5 minutes
+    python -m bench whisper-profile  # where a 30 s window's time goes: ours, transformers', mlx-whisper's
     python -m bench rounding     # every family's logits: ours and transformers' float32 against float64
     python -m bench speech-demo  # the speech demo pair: held-out word error rate, drafts, speed, long-form
     python -m bench render       # docs/PERFORMANCE.md and the README's table, from bench/results/
@@ -14,11 +15,12 @@ references alternate, the references in processes of their own, and every
 result names the machine it ran on. Modules by family of measurement:
 decoding.py (regular, steps, speculative, families), batching.py (batch), serve.py (serve),
 drafts.py (drafting, fresh, lookup), controls.py (processors, beams), memory.py (quantized, sizes),
-long_inputs.py (encode, attention), blas.py, speech.py (whisper), speech_demo.py, rounding.py; the checkpoints they run on are
-fixtures.py's, the references references.py's.
+long_inputs.py (encode, attention), blas.py, speech.py (whisper), speech_profile.py (whisper-profile),
+speech_demo.py, rounding.py; the checkpoints they run on are fixtures.py's, the references references.py's.
 """
 
-from bench import batching, blas, controls, decoding, drafts, long_inputs, memory, rounding, serve, speech, speech_demo
+from bench import (batching, blas, controls, decoding, drafts, long_inputs, memory, rounding, serve, speech, speech_demo,
+                   speech_profile)
 
 # name -> (what it measures, run(args) -> data, render(data) -> Markdown), in the order docs/PERFORMANCE.md shows them
 COMMANDS = {
@@ -39,6 +41,8 @@ COMMANDS = {
     "sizes": ("Model sizes", memory.run_sizes, memory.render_sizes),
     "blas": ("The BLAS", blas.run_blas, blas.render_blas),
     "whisper": ("Whisper", speech.run_whisper, speech.render_whisper),
+    "whisper-profile": ("Where a Whisper window's time goes", speech_profile.run_whisper_profile,
+                        speech_profile.render_whisper_profile),
     "speech-demo": ("The speech demo pair", speech_demo.run_speech_demo, speech_demo.render_speech_demo),
     "rounding": ("Rounding against transformers", rounding.run_rounding, rounding.render_rounding),
 }

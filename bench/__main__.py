@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--ct2-worker", help=argparse.SUPPRESS)
     parser.add_argument("--whisper-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--whisper-profile-worker", help=argparse.SUPPRESS)
     parser.add_argument("--whisper-reference", default="transformers", help=argparse.SUPPRESS)
     parser.add_argument("--references", help="whisper: only these references beside transformers (mlx-whisper, "
                         "faster-whisper; mlx-whisper on a CPU takes most of the run's time)")
@@ -56,6 +57,11 @@ def worker(args) -> bool:
         from bench import speech
 
         speech.whisper_worker(args.whisper_worker, args.whisper_reference)
+        return True
+    if args.whisper_profile_worker:
+        from bench import speech_profile
+
+        speech_profile.profile_worker(args.whisper_profile_worker, args.whisper_reference)
         return True
     if args.hf_worker or args.ct2_worker:
         from bench import references
