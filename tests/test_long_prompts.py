@@ -174,6 +174,9 @@ def peak():  # bytes. Linux's ru_maxrss counts the parent's memory from before t
     return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
 
 model = load_model("demo/target")
+# Two of its six encoder layers: a layer's attention is the peak, and the layers run one after another (the second
+# shows what one layer leaves to the next); all six took 3x as long to the same peak, within 40 MB.
+model.encoder.layers = model.encoder.layers[:2]
 encode_for([model], [list(range(3, 67))])  # warm-up: buffers, kernels
 before = peak()
 encode_for([model], [[(i * 7919) % 1000 + 3 for i in range(8191)] + [1]])
@@ -182,10 +185,10 @@ print(before, peak())
 
 
 def test_a_long_prompt_encodes_in_less_memory_than_one_full_score_matrix():
-    """The demo target given 8,192 tokens: a full (heads, L, L) float32 score
-    matrix alone would take 1.07 GB; encoding in blocks must grow the process's
-    peak resident memory by less than that, and the whole process must stay
-    under 1.5 GB (measured in a fresh process)."""
+    """The demo target (its first two encoder layers) given 8,192 tokens: a
+    full (heads, L, L) float32 score matrix alone would take 1.07 GB; encoding
+    in blocks must grow the process's peak resident memory by less than that,
+    and the whole process must stay under 1.5 GB (measured in a fresh process)."""
     heads, length = 4, 8192
     done = subprocess.run([sys.executable, "-c", MEMORY_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
     before, after = map(int, done.stdout.split()[-2:])
