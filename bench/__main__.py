@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "serve: 2,3,4, beside regular decoding and auto)")
     parser.add_argument("--pairs", help="batch, drafting, lookup, serve: only these pairs (demo, benchmark)")
     parser.add_argument("--shapes", help="steps: only these shapes (demo, small, deep, large); "
-                        "whisper: tiny.en, base (real weights, the default); random weights at tiny's, small's, large-v3-turbo's")
+                        "whisper: tiny.en, base (real weights, the default); random weights at tiny's, small's, "
+                        "large-v3-turbo's; whisper-profile: tiny.en, base")
     parser.add_argument("--clients", help="serve: concurrent client counts (default 1,4,16,64)")
     parser.add_argument("--lengths", default="128,512,2048,8192", help="encode: input lengths in tokens")
     parser.add_argument("--dir", type=Path, default=ROOT / "bench_models", help="where checkpoints are built and kept")

@@ -1,14 +1,15 @@
 """whisper-profile: where a 30 s window's time goes on real Whisper (tiny.en, base), ours beside transformers' and
 mlx-whisper's, split the same way where they can be: reading the file, the log-mel features, the encoder (its
-convolution stem apart, for ours), the cross-attention keys and values, and each decoded token: the decoder's
-layers, the vocabulary head, and what remains of a token's time (rules, host reads, the engine's bookkeeping,
-detokenizing, segments). Each part is timed alone, warm, the median of --repeats; a contender's whole
+convolution stem apart, for ours), the cross-attention keys and values, and each decoded token: a decoder step
+(its layers, read back) less the vocabulary head, the head, and what remains of a token's time (rules, the
+engine's bookkeeping, detokenizing, segments). Each part is timed alone, warm, the median of --repeats; a contender's whole
 transcription too, and its decoding per token is that whole less the parts before the first token."""
 
 import json
 import statistics
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,8 @@ def median_seconds(run, repeats: int) -> float:
 
 
 def profile_ours(mlx: Path, path: Path, repeats: int) -> dict:
-    """Our parts, timed alone on the CPU path as speech.transcribe runs them (one row)."""
+    """Our parts, timed alone on this process's path as speech.transcribe runs them (one row). The steps build their
+    cache's cross-attention keys and values first, as a transcription does: the render takes them out."""
     import audio
     import mlx.core as mx
     import speech
@@ -87,10 +89,14 @@ def profile_ours(mlx: Path, path: Path, repeats: int) -> dict:
 def profile_worker(folder: str, reference: str) -> None:
     """Persistent reference process: one profile per input line (JSON: a 16 kHz WAV file, the repeats)."""
     profile = {"transformers": transformers_profile, "mlx-whisper": mlx_whisper_profile}[reference]
-    print(json.dumps({"ready": reference}), flush=True)
+    print(json.dumps({"ready": VERSIONS[reference]()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         print(json.dumps(profile(Path(folder), Path(request["file"]), request["repeats"])), flush=True)
+
+
+VERSIONS = {"transformers": lambda: f"transformers {version('transformers')}, PyTorch {version('torch')}",
+            "mlx-whisper": lambda: f"mlx-whisper {version('mlx-whisper')}"}
 
 
 def transformers_profile(folder: Path, path: Path, repeats: int) -> dict:
@@ -106,10 +112,7 @@ def transformers_profile(folder: Path, path: Path, repeats: int) -> dict:
     extractor = WhisperFeatureExtractor.from_pretrained(folder)
     english = dict(language="en", task="transcribe") if model.generation_config.is_multilingual else {}
 
-    def read():
-        return read_wav(path)
-
-    samples = read()
+    samples = read_wav(path)
     features = extractor(samples, sampling_rate=16_000, return_tensors="pt").input_features
     hidden = torch.randn(1, 1, model.config.d_model)
 
@@ -120,11 +123,11 @@ def transformers_profile(folder: Path, path: Path, repeats: int) -> dict:
     with torch.no_grad():
         out = model.generate(features, max_new_tokens=TOKENS, **english)
         return {"tokens": int((out[0] < model.generation_config.eos_token_id).sum()),
-                "read": median_seconds(read, repeats),
+                "read": median_seconds(lambda: read_wav(path), repeats),
                 "features": median_seconds(lambda: extractor(samples, sampling_rate=16_000, return_tensors="pt"), repeats),
                 "encoder": median_seconds(lambda: model.model.encoder(features), repeats),
                 "head": median_seconds(head, repeats) / HEAD_STEPS,
-                "whole": median_seconds(lambda: model.generate(extractor(read(), sampling_rate=16_000,
+                "whole": median_seconds(lambda: model.generate(extractor(read_wav(path), sampling_rate=16_000,
                                                                          return_tensors="pt").input_features,
                                                                max_new_tokens=TOKENS, **english), repeats)}
 
@@ -169,7 +172,7 @@ def run_whisper_profile(args) -> dict:
     import real_whisper
     from bench.speech import real_checkpoint, reference_folder, sentences
 
-    rows = []
+    rows, versions = [], {}
     path, _ = sentences(args.dir / "whisper-sentences", (30,))[30]
     for name in args.shapes.split(",") if args.shapes else list(real_whisper.MODELS):
         hf, mlx = real_checkpoint(args.dir, name)
@@ -180,12 +183,13 @@ def run_whisper_profile(args) -> dict:
                 continue
             worker = Worker("--whisper-profile-worker", str(folder), "--whisper-reference", reference)
             try:
+                versions[reference] = worker.version
                 parts[reference] = worker.ask({"file": str(path), "repeats": args.repeats})
             finally:
                 worker.close()
             print(f"{name}, {reference}: done", file=sys.stderr)
         rows.append({"model": name, "parts": parts})
-    return {"repeats": args.repeats, "window_tokens": TOKENS, "rows": rows}
+    return {"repeats": args.repeats, "window_tokens": TOKENS, "versions": versions, "rows": rows}
 
 
 def before_tokens(parts: dict) -> float:
@@ -199,20 +203,27 @@ def render_whisper_profile(data: dict) -> str:
     lines = []
     for row in data["rows"]:
         ours = row["parts"]["ours"]
-        step = ours["steps"] / (ours["tokens"] + 1)  # the opening's pass and each token's
+        steps = ours["steps"] - ours["cross"]  # (they built the cross-attention keys and values first)
+        step = steps / (ours["tokens"] + 1)  # the opening's pass and each token's
+        rest = (ours["whole"] - before_tokens(ours) - steps) / ours["tokens"]
         cells = []
         for name, parts in row["parts"].items():
             per_token = (parts["whole"] - before_tokens(parts)) / max(parts["tokens"], 1)
-            cells.append([name, parts["tokens"], ms(parts.get("read")), ms(parts["features"]),
-                          ms(parts.get("stem")), ms(parts["encoder"] - parts.get("stem", 0)), ms(parts.get("cross")),
-                          ms(per_token), ms(step - ours["head"]) if name == "ours" else "-", ms(parts["head"]),
-                          ms(per_token - step) if name == "ours" else "-", ms(parts["whole"])])
+            mine = name == "ours"
+            cells.append([name, parts["tokens"], ms(parts.get("read")), ms(parts["features"]), ms(parts.get("stem")),
+                          ms(parts["encoder"] - parts.get("stem", 0)), ms(parts.get("cross")), ms(per_token),
+                          ms(step - parts["head"]) if mine else "-", ms(parts["head"]), ms(rest) if mine else "-",
+                          ms(parts["whole"])])
         lines.append(f"**{row['model']}**\n\n" + table(
-            ["", "tokens", "read", "features", "stem", "encoder", "cross K/V", "a token", "decoder layers", "head",
+            ["", "tokens", "read", "features", "stem", "encoder", "cross K/V", "a token", "a step less the head", "head",
              "the rest", "whole"], cells))
+    versions = "; ".join(data.get("versions", {}).values())
     return (f"A 30 s window of espeak-ng's Zen lines (bench whisper's), greedy, no timestamps, at most "
             f"{data['window_tokens']} tokens, float32; milliseconds, medians of {data['repeats']} warm runs of each "
-            "part alone. A token: the whole less the parts before the first token, over the tokens; for ours, its "
-            "decoder layers (a step fed the transcript's tokens, read back, less the head), the head (the vocabulary "
-            "product alone) and the rest (rules, host reads, bookkeeping, text: the token less the step). transformers' "
-            "encoder runs again inside generate, so its token carries nothing of it.\n\n" + "\n\n".join(lines))
+            "part alone. A token: the whole less the parts before the first token, over the tokens. For ours: a step "
+            "(the transcript's tokens fed back one at a time, each argmax read back) less the head: the embedding, the "
+            "decoder's layers, the argmax; the head: the vocabulary product alone; the rest: the whole's decoding less "
+            "those steps, over the tokens (rules, bookkeeping, text, host work beyond a step's read). The encoder: "
+            "ours without its stem, theirs with theirs; their token carries their cross-attention keys and values "
+            "(computed in their first step), and transformers' encoder runs again inside generate, so its token "
+            f"carries nothing of it.{' References: ' + versions + '.' if versions else ''}\n\n" + "\n\n".join(lines))

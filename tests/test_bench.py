@@ -166,16 +166,18 @@ def test_the_serve_benchs_client_reads_streamed_completions_as_the_server_counts
     assert refusal is not None and "400" in refusal and "max_tokens" in refusal
 
 
-def test_the_whisper_profile_splits_a_token_into_the_decoders_layers_the_head_and_the_rest():
-    """A token's time is the whole less what comes before the first token, over the tokens; ours splits it into the
-    decoder's layers (a step, less the head) and the rest (the token, less the step): milliseconds as rendered."""
+def test_whisper_profile_splits_a_token():
+    """A token's time is the whole less what comes before the first token, over the tokens. Ours is split into a
+    step less the head (the steps, less the cross-attention keys and values they built, over the opening's pass
+    and each token's) and the rest (the whole's decoding less the steps, over the tokens): milliseconds as rendered."""
     from bench.speech_profile import render_whisper_profile
 
     ours = {"tokens": 9, "read": 0.001, "features": 0.01, "stem": 0.02, "encoder": 0.5, "cross": 0.04,
-            "steps": 0.1, "head": 0.002, "whole": 0.731}  # a step 10 ms (the opening's and 9 tokens'), a token 20 ms
+            "steps": 0.13, "head": 0.002, "whole": 0.731}  # a step 9 ms, a token 20 ms, the rest 10 ms
     theirs = {"tokens": 10, "read": 0.001, "features": 0.009, "encoder": 0.3, "head": 0.002, "whole": 0.51}
-    text = render_whisper_profile({"repeats": 3, "window_tokens": 224,
+    text = render_whisper_profile({"repeats": 3, "window_tokens": 224, "versions": {"transformers": "transformers 5"},
                                    "rows": [{"model": "tiny.en", "parts": {"ours": ours, "transformers": theirs}}]})
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ours") or line.startswith("| transformers")]
-    assert rows[0][1:] == ["9", "1.0", "10.0", "20.0", "480.0", "40.0", "20.0", "8.0", "2.0", "10.0", "731.0 |"]
+    assert rows[0][1:] == ["9", "1.0", "10.0", "20.0", "480.0", "40.0", "20.0", "7.0", "2.0", "10.0", "731.0 |"]
     assert rows[1][1:] == ["10", "1.0", "9.0", "-", "300.0", "-", "20.0", "-", "2.0", "-", "510.0 |"]
+    assert "References: transformers 5." in text
