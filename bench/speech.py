@@ -150,6 +150,20 @@ REFERENCES = ("transformers", "mlx-whisper", "faster-whisper float32", "faster-w
 END_OF_TEXT = 50257  # every token below it is text (the others are Whisper's specials and timestamps): multilingual
 
 
+def read_wav(path) -> np.ndarray:
+    """A 16-bit 16 kHz WAV file's samples, as the references' workers read them (mlx-whisper would call ffmpeg)."""
+    with wave.open(str(path)) as file:
+        return np.frombuffer(file.readframes(file.getnframes()), np.int16).astype(np.float32) / 32768
+
+
+def mlx_whisper_options(folder: Path, long: bool, tokens: int) -> dict:
+    """mlx-whisper's transcribe options for the bench: English, greedy, no fallbacks, float32, timestamps in
+    long-form only."""
+    return dict(path_or_hf_repo=str(folder), language="en", temperature=0.0, compression_ratio_threshold=None,
+                logprob_threshold=None, no_speech_threshold=None, condition_on_previous_text=False, fp16=False,
+                without_timestamps=not long, sample_len=tokens)
+
+
 def whisper_worker(folder: str, reference: str) -> None:
     """Persistent reference process: one transcription per input line (JSON: a 16 kHz WAV file, a window's most
     tokens), timed from the file to its tokens."""
@@ -158,8 +172,7 @@ def whisper_worker(folder: str, reference: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         start = time.perf_counter()
-        with wave.open(request["file"]) as file:
-            samples = np.frombuffer(file.readframes(file.getnframes()), np.int16).astype(np.float32) / 32768
+        samples = read_wav(request["file"])
         tokens = transcriber(samples, len(samples) > 30 * 16_000, request["tokens"])  # (English: tiny.en knows no other)
         print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}), flush=True)
 
@@ -200,10 +213,7 @@ def mlx_whisper_transcriber(folder: Path, _):
     import mlx_whisper
 
     def transcribe(samples, long, tokens):
-        result = mlx_whisper.transcribe(samples, path_or_hf_repo=str(folder), language="en", temperature=0.0,
-                                        compression_ratio_threshold=None, logprob_threshold=None,
-                                        no_speech_threshold=None, condition_on_previous_text=False, fp16=False,
-                                        without_timestamps=not long, sample_len=tokens)
+        result = mlx_whisper.transcribe(samples, **mlx_whisper_options(folder, long, tokens))
         return [token for segment in result["segments"] for token in segment["tokens"]]
 
     blas = f", {cpu.ACTIVE.split()[0]}" if cpu.in_use() else ""

@@ -6,37 +6,26 @@ engine's bookkeeping, detokenizing, segments). Each part is timed alone, warm, t
 transcription too, and its decoding per token is that whole less the parts before the first token."""
 
 import json
-import statistics
 import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
 
-import numpy as np
-
-from bench.harness import Worker, table
+from bench.harness import Worker, alternate, table
+from bench.speech import mlx_whisper_options, read_wav
 
 TOKENS = 224  # at most, a window (bench whisper's REAL_WINDOW_TOKENS)
 HEAD_STEPS = 50  # vocabulary head products timed in a row
 
 
-def read_wav(path: Path) -> np.ndarray:
-    """A 16-bit 16 kHz WAV file's samples, as the references' workers read them (mlx-whisper would call ffmpeg)."""
-    import wave
-
-    with wave.open(str(path)) as file:
-        return np.frombuffer(file.readframes(file.getnframes()), np.int16).astype(np.float32) / 32768
-
-
 def median_seconds(run, repeats: int) -> float:
-    """run() once to warm, then the median of `repeats` timed runs."""
-    run()
-    seconds = []
-    for _ in range(repeats):
+    """run() warmed until its time is steady, then the median of `repeats` timed runs (the harness's alternate)."""
+    def timed():
         start = time.perf_counter()
         run()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        return time.perf_counter() - start, None
+
+    return alternate({"part": timed}, repeats)["part"].median
 
 
 def profile_ours(mlx: Path, path: Path, repeats: int) -> dict:
@@ -142,9 +131,7 @@ def mlx_whisper_profile(folder: Path, path: Path, repeats: int) -> dict:
     from mlx_whisper.load_models import load_model
 
     model = load_model(str(folder), dtype=mx.float32)
-    options = dict(path_or_hf_repo=str(folder), language="en", temperature=0.0, compression_ratio_threshold=None,
-                   logprob_threshold=None, no_speech_threshold=None, condition_on_previous_text=False, fp16=False,
-                   without_timestamps=True, sample_len=TOKENS)
+    options = mlx_whisper_options(folder, False, TOKENS)
 
     samples = read_wav(path)
 
