@@ -131,12 +131,18 @@ def load_model(folder: str | Path, one_row: bool = False) -> EncoderDecoder:
     return _mapped(Path(folder), one_row).compile_decoding()  # compiling reads every weight
 
 
-def _mapped(folder: Path, one_row: bool = False) -> EncoderDecoder:
+def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None = None) -> EncoderDecoder:
     """load_model's model before its weights are read: mx.load maps the
     safetensors lazily (never copying through numpy), so a folder is checked
-    in moments and read afterwards."""
+    in moments and read afterwards. A draft whose config names weights
+    `borrowed_from_target` (demo/train_speech.py's: the encoder and the token
+    embedding) has those modules of its target, `lender`: the same arrays."""
     config = read_config(folder)
     model = EncoderDecoder(ModelArgs.from_dict(config))
+    borrowed = config.get("borrowed_from_target") or []
+    if borrowed and lender is None:
+        raise LoadError(f"{folder} is a draft that borrows its target's {' and '.join(borrowed)}: load it as the "
+                        "draft of its target (--draft-model)")
     weights = {}
     for path in (folder / name for name in config[FORMAT_KEY]["weight_files"]):
         try:
@@ -147,6 +153,9 @@ def _mapped(folder: Path, one_row: bool = False) -> EncoderDecoder:
         q = config["quantization"]
         nn.quantize(model, q["group_size"], q["bits"], mode=q.get("mode", "affine"),
                     class_predicate=lambda path, module: f"{path}.scales" in weights)
+    for name in borrowed:
+        setattr(model, name, getattr(lender, name))
+        weights |= {f"{name}.{key}": value for key, value in tree_flatten(getattr(lender, name).parameters())}
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:  # a weight missing, extra or of the wrong shape
@@ -350,7 +359,7 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
     target_model = _mapped(target_path, one_row)
-    draft_model = _mapped(draft_path) if draft_path is not None else None
+    draft_model = _mapped(draft_path, lender=target_model) if draft_path is not None else None
     if draft_model is not None and same_encoder(target_model, draft_model):
         # distil-whisper's drafts keep their target's encoder: the draft decodes on the target's encoder output, and
         # its own copy (read once, for the comparison) is dropped

@@ -63,6 +63,7 @@ class ModelArgs:
     encoder_positions: int = 0  # absolute: the encoder's table's rows, where they differ from the decoder's (Whisper)
     forced_bos_token_id: int | None = None  # the first output token, whatever the logits (rows.forced)
     forced_eos_token_id: int | None = None  # the end of text forced at max_tokens
+    head_tokens: int = 0  # a draft's head scores these tokens alone (head_ids; FR-Spec), every other one at -inf
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
@@ -577,6 +578,9 @@ class EncoderDecoder(nn.Module):
             self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         if args.logits_bias:
             self.final_logits_bias = mx.zeros((args.vocab_size,))
+        if args.head_tokens:
+            self.head_ids = mx.zeros((args.head_tokens,), mx.int32)
+        self._head_rows = None  # the embedding's rows of head_ids, once taken (head_tokens)
         self.steps = Plain()  # how decode steps run: op by op, until compile_decoding
         self._paused = None  # the compiled steps while `compiled` is switched off
         self.cold_steps = 0  # decode steps that ran a shape for the first time, or traced it (compile_decoding)
@@ -659,10 +663,33 @@ class EncoderDecoder(nn.Module):
         x, keys, values = self.decoder(self.shared(tokens.reshape(-1)), positions, keys, values, cross_keys_values, cross_bias)
         if self.args.scale_decoder_outputs:
             x = x * self.args.d_model**-0.5
-        logits = self.shared.as_linear(x) if self.args.tie_word_embeddings else self.lm_head(x)
+        if self.args.head_tokens:
+            logits = self.scored_head(x)
+        else:
+            logits = self.shared.as_linear(x) if self.args.tie_word_embeddings else self.lm_head(x)
         if self.args.logits_bias:
             logits = logits + self.final_logits_bias
         return logits.reshape(B, L, -1), keys, values
+
+    def scored_head(self, x: mx.array) -> mx.array:
+        """A draft's logits over its head's tokens alone (a frequency-ranked subset of the vocabulary, as FR-Spec's
+        drafts have): the rest are -inf, never proposed. The target verifies over the whole vocabulary, so what the
+        draft leaves out costs acceptance, never exactness; the head's product is a fraction of the full one's."""
+        if self._head_rows is None:
+            self._head_rows = self.head_rows()
+        scored = x @ self._head_rows.T
+        logits = mx.full((*x.shape[:-1], self.args.vocab_size), -mx.inf, scored.dtype)
+        return mx.put_along_axis(logits, mx.broadcast_to(self.head_ids, scored.shape), scored, axis=-1)
+
+    def head_rows(self) -> mx.array:
+        """The output layer's rows of the head's tokens (the tied embedding's, or lm_head's), dequantized."""
+        if self.args.tie_word_embeddings:
+            return mx.contiguous(self.shared(self.head_ids))
+        head = self.lm_head
+        if hasattr(head, "scales"):
+            return mx.dequantize(head.weight[self.head_ids], head.scales[self.head_ids], head.biases[self.head_ids],
+                                 head.group_size, head.bits)
+        return mx.contiguous(head.weight[self.head_ids])
 
     def compile_decoding(self) -> "EncoderDecoder":
         """Run decode steps as compiled graphs, traced once per shape (rows,
@@ -683,6 +710,9 @@ class EncoderDecoder(nn.Module):
         step calls) call this again. Models built directly, as training
         builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
+        self._head_rows = self.head_rows() if self.args.head_tokens else None
+        if self._head_rows is not None:  # taken once, as the weights are final (a borrowed embedding too)
+            mx.eval(self._head_rows)
         cpu.prepare(self)  # the CPU path's weight views, made once rather than in every step
         self.steps, self._paused = Traced(self.decode_step), None
         return self
@@ -711,11 +741,11 @@ class EncoderDecoder(nn.Module):
         return len(self.steps.traced) if self.compiled else 0
 
     def update(self, parameters: dict, strict: bool = True) -> "EncoderDecoder":
-        self.steps, self._paused = Plain(), None
+        self.steps, self._paused, self._head_rows = Plain(), None, None
         return super().update(parameters, strict)
 
     def update_modules(self, modules: dict, strict: bool = True) -> "EncoderDecoder":
-        self.steps, self._paused = Plain(), None
+        self.steps, self._paused, self._head_rows = Plain(), None, None
         return super().update_modules(modules, strict)
 
 

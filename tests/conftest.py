@@ -43,6 +43,7 @@ FLAVOURS = {
 # its multilingual ones (detection, translation) besides; its English tests, a third of the pass's time (MLX's fused
 # attention and GELU run the encoder 3x slower on the CPU than the CPU path's own), run in the first.
 CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py",
+                 "test_train_speech.py",
                  "test_server.py", "test_server_budget.py", "test_server_limits.py", "test_server_load.py",
                  "test_server_robust.py",
                  "test_server_scheduling.py", "test_text.py", "test_whisper_vocabulary.py", "test_docs.py",

