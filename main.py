@@ -25,17 +25,15 @@ from generate import batch_generate, stream_batch_generate
 from display import announce_encoding, compare, show_batch, show_filled, show_generation, show_speedup, warm_up_aloud
 from display import show_transcription_speedup, stats_line, why_not_timed
 from interactive import Session
-from loading import REPOSITORY, hears_speech, load
+import real_whisper
+from loading import hears_speech, load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
 from plans import resolve, with_presets
 from audio import read as read_audio
 from speech import TASKS, Guards, render, stream_transcribe, transcribe, warm_up
 from sweep import check_plot_path, parse_list, sweep
 
-DEFAULT_PROMPT = (
-    "translate English to French: Let's go to the store and buy some groceries "
-    "including eggs, avocadoes, and bread."
-)
+DEFAULT_PROMPT = "translate English to French: Let's go to the store and buy some groceries including eggs, avocadoes, and bread."
 # The library's default delta is 0 (exact); at a prompt a little lenience buys speed.
 DEFAULTS = {name: getattr(Settings(), name) for name in KNOBS} | {"delta": 0.1}
 # A small target/draft pair trained on the Python standard library (demo/train.py), with held-out source code whose
@@ -44,12 +42,11 @@ DEFAULTS = {name: getattr(Settings(), name) for name in KNOBS} | {"delta": 0.1}
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_DEFAULTS = DEFAULTS | {"num_draft": 3}
 DEMO_PROMPT = 20
-# The speech pair: OpenAI's Whisper tiny.en from its pinned wheel (real_whisper.py), converted once into mlx_models,
-# and a one-layer draft trained here on its transcripts (demo/train_speech.py), with held-out clips espeak-ng spoke;
-# exact acceptance, so that what it prints is the target's own transcription.
+# The speech demo: Whisper tiny.en from its wheel (real_whisper.demo_target) and a one-layer draft trained on its
+# transcripts (demo/train_speech.py), on held-out clips; exact acceptance: it prints the target's own transcription.
 SPEECH_DIR = DEMO_DIR / "speech"
-SPEECH_TARGET = "tiny.en"
-SPEECH_DEFAULTS = DEFAULTS | {"num_draft": 3, "delta": 0.0}  # its best measured (docs/DEMO.md)
+SPEECH_DEFAULTS = DEFAULTS | {"num_draft": 1, "delta": 0.0}  # its best measured (docs/DEMO.md)
+SPEECH_CLIP = "held-out-2.wav"  # of the four, the one tiny.en hears word for word
 
 
 def file_lines(path: Path) -> list[str]:
@@ -450,23 +447,8 @@ def listen(args) -> int:
     return 0
 
 
-def speech_demo_target() -> Path:
-    """The speech demo's target, Whisper tiny.en, converted for MLX from its wheel (float32) the first time."""
-    import real_whisper
-
-    cache = REPOSITORY / "mlx_models"
-    converted = cache / f"whisper-{SPEECH_TARGET}-float32"
-    if not (converted / "config.json").is_file():
-        print(f"Converting Whisper {SPEECH_TARGET} from its wheel into {os.path.relpath(converted)} (once) ...",
-              file=sys.stderr, flush=True)
-    try:
-        return real_whisper.converted(SPEECH_TARGET, cache)
-    except real_whisper.Missing as e:
-        raise UsageError(f"--demo --audio transcribes with OpenAI's Whisper {SPEECH_TARGET}: {e}")
-
-
 def listen_demo(args) -> int:
-    """--demo --audio: the speech pair transcribes a held-out clip (the first, or the files given) with its draft; the
+    """--demo --audio: the speech pair transcribes a held-out clip (SPEECH_CLIP, or the files given) with its draft; the
     sentence spoken, the text heard, the drafts accepted and the speedup over regular decoding."""
     defaults = vars(build_parser().parse_args([]))
     others = sorted(name for name, value in vars(args).items()
@@ -476,23 +458,23 @@ def listen_demo(args) -> int:
         raise UsageError(f"--demo --audio runs the pair in demo/speech on its clips or your files, with the decoding "
                          f"knobs and --regular-decode only: drop {flags}")
     if not all((SPEECH_DIR / part).exists() for part in ("draft", "clips/clips.json")):
-        raise UsageError(f"{SPEECH_DIR} is incomplete: restore it with git checkout demo, or rebuild it with "
-                         "python demo/train_speech.py")
-    target = speech_demo_target()
-    settings = knob_settings(args, SPEECH_DEFAULTS)
-    settings = replace(settings, speculative=not args.regular_decode and settings.num_beams == 1)
+        raise UsageError(f"{SPEECH_DIR} is incomplete: git checkout demo, or rebuild it: python demo/train_speech.py")
+    try:
+        target = real_whisper.demo_target()
+    except real_whisper.Missing as e:
+        raise UsageError(f"--demo --audio transcribes with OpenAI's Whisper {real_whisper.DEMO}: {e}")
+    settings = replace(chosen := knob_settings(args, SPEECH_DEFAULTS), speculative=not args.regular_decode
+                       and chosen.num_beams == 1)
     clips = {clip["file"]: clip for clip in json.loads((SPEECH_DIR / "clips" / "clips.json").read_text())}
-    files = args.audio or [str(SPEECH_DIR / "clips" / next(iter(clips)))]
+    files = args.audio or [str(SPEECH_DIR / "clips" / SPEECH_CLIP)]
     samples = [read_audio(file) for file in files]
-    models = load(str(target), draft=str(SPEECH_DIR / "draft") if settings.speculative else None,
-                  verbose=True)
+    models = load(str(target), draft=str(SPEECH_DIR / "draft") if settings.speculative else None, verbose=True)
     options = dict(settings=settings, given={name for name in KNOBS if getattr(args, name) is not None})
     warm_up(models, settings)
     for file, clip in zip(files, samples):
         said = clips.get(Path(file).name) if Path(file).parent.resolve() == (SPEECH_DIR / "clips").resolve() else None
-        if said:
-            print(f"Held-out clip {os.path.relpath(file)} ({said['seconds']:.1f} s; espeak-ng's voice {said['voice']}, "
-                  f"{said['speed']} words a minute), which says:\n  {said['sentence']}\n")
+        print(f"Held-out clip {os.path.relpath(file)} ({said['seconds']:.1f} s; espeak-ng's voice {said['voice']}, "
+              f"{said['speed']} words a minute), which says:\n  {said['sentence']}\n\n" if said else "", end="")
         (transcription,) = transcribe(models, [clip], **options)
         print("Heard:\n  " + transcription.text)
         print(stats_line(transcription.stats, settings.speculative, f"{transcription.duration:.1f} s of audio"))

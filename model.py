@@ -580,7 +580,7 @@ class EncoderDecoder(nn.Module):
             self.final_logits_bias = mx.zeros((args.vocab_size,))
         if args.head_tokens:
             self.head_ids = mx.zeros((args.head_tokens,), mx.int32)
-        self._head_rows = None  # the embedding's rows of head_ids, once taken (head_tokens)
+        self._head_columns = None  # the output layer's rows of head_ids, once taken (head_tokens, head_columns)
         self.steps = Plain()  # how decode steps run: op by op, until compile_decoding
         self._paused = None  # the compiled steps while `compiled` is switched off
         self.cold_steps = 0  # decode steps that ran a shape for the first time, or traced it (compile_decoding)
@@ -675,21 +675,25 @@ class EncoderDecoder(nn.Module):
         """A draft's logits over its head's tokens alone (a frequency-ranked subset of the vocabulary, as FR-Spec's
         drafts have): the rest are -inf, never proposed. The target verifies over the whole vocabulary, so what the
         draft leaves out costs acceptance, never exactness; the head's product is a fraction of the full one's."""
-        if self._head_rows is None:
-            self._head_rows = self.head_rows()
-        scored = x @ self._head_rows.T
+        if self._head_columns is None:
+            self._head_columns = self.head_columns()
+        scored = x @ self._head_columns
         logits = mx.full((*x.shape[:-1], self.args.vocab_size), -mx.inf, scored.dtype)
         return mx.put_along_axis(logits, mx.broadcast_to(self.head_ids, scored.shape), scored, axis=-1)
 
-    def head_rows(self) -> mx.array:
-        """The output layer's rows of the head's tokens (the tied embedding's, or lm_head's), dequantized."""
+    def head_columns(self) -> mx.array:
+        """The output layer's rows of the head's tokens (the tied embedding's, or lm_head's, dequantized), stored
+        as the columns of a (d_model, head_tokens) matrix: a one-row product by it ran 1.6x faster than by the rows'
+        transposed view (8,192 of Whisper tiny.en's, MLX 0.32.4's CPU backend)."""
         if self.args.tie_word_embeddings:
-            return mx.contiguous(self.shared(self.head_ids))
-        head = self.lm_head
-        if hasattr(head, "scales"):
-            return mx.dequantize(head.weight[self.head_ids], head.scales[self.head_ids], head.biases[self.head_ids],
+            rows = self.shared(self.head_ids)
+        elif hasattr(self.lm_head, "scales"):
+            head = self.lm_head
+            rows = mx.dequantize(head.weight[self.head_ids], head.scales[self.head_ids], head.biases[self.head_ids],
                                  head.group_size, head.bits)
-        return mx.contiguous(head.weight[self.head_ids])
+        else:
+            rows = self.lm_head.weight[self.head_ids]
+        return mx.contiguous(rows.T)
 
     def compile_decoding(self) -> "EncoderDecoder":
         """Run decode steps as compiled graphs, traced once per shape (rows,
@@ -710,9 +714,9 @@ class EncoderDecoder(nn.Module):
         step calls) call this again. Models built directly, as training
         builds them, are not compiled."""
         mx.eval(self.parameters())  # a lazy weight would be recomputed inside every step
-        self._head_rows = self.head_rows() if self.args.head_tokens else None
-        if self._head_rows is not None:  # taken once, as the weights are final (a borrowed embedding too)
-            mx.eval(self._head_rows)
+        self._head_columns = self.head_columns() if self.args.head_tokens else None
+        if self._head_columns is not None:  # taken once, as the weights are final (a borrowed embedding too)
+            mx.eval(self._head_columns)
         cpu.prepare(self)  # the CPU path's weight views, made once rather than in every step
         self.steps, self._paused = Traced(self.decode_step), None
         return self
@@ -741,11 +745,11 @@ class EncoderDecoder(nn.Module):
         return len(self.steps.traced) if self.compiled else 0
 
     def update(self, parameters: dict, strict: bool = True) -> "EncoderDecoder":
-        self.steps, self._paused, self._head_rows = Plain(), None, None
+        self.steps, self._paused, self._head_columns = Plain(), None, None
         return super().update(parameters, strict)
 
     def update_modules(self, modules: dict, strict: bool = True) -> "EncoderDecoder":
-        self.steps, self._paused, self._head_rows = Plain(), None, None
+        self.steps, self._paused, self._head_columns = Plain(), None, None
         return super().update_modules(modules, strict)
 
 

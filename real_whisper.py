@@ -31,6 +31,10 @@ MODELS = {
 }
 
 
+DEMO = "tiny.en"  # the speech demo's target (main.py --demo --audio)
+DEMO_CACHE = Path(__file__).resolve().parent / "mlx_models"  # where it is converted, once
+
+
 class Missing(Exception):
     """A model's wheel is not installed (or holds other files than the pinned one)."""
 
@@ -88,6 +92,14 @@ def converted(name: str, cache: Path, dtype: str = "float32") -> Path:
     if not (out / "config.json").is_file():
         convert.convert(str(folder(name, cache)), out, dtype, force=True)
     return out
+
+
+def demo_target() -> Path:
+    """The speech demo's target, converted for MLX (float32) under DEMO_CACHE the first time it is asked for."""
+    if not (DEMO_CACHE / f"whisper-{DEMO}-float32" / "config.json").is_file():
+        folder(DEMO, DEMO_CACHE)  # (Missing, before a word of converting)
+        print(f"Converting Whisper {DEMO} from its wheel into {DEMO_CACHE} (once) ...", file=sys.stderr, flush=True)
+    return converted(DEMO, DEMO_CACHE)
 
 
 def main(argv=None) -> int:

