@@ -328,6 +328,9 @@ def convert(model: str, out: Path, dtype_name: str, force: bool, quantization: Q
         config, written = from_ctranslate2.configs(source, model_bin)
     else:
         config = read_source_config(source)
+        if config.get("borrowed_from_target"):  # (demo/train_speech.py's draft: no encoder or embedding of its own)
+            raise ConversionError(f"{source} is a draft that borrows its target's weights, converted already: load it "
+                                  "as the draft of its target; it cannot be converted again")
         kind, files = weight_files(source)
         reader = SafetensorsReader(files) if kind == "safetensors" else TorchReader(files)
     tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]

@@ -153,6 +153,11 @@ def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None =
         q = config["quantization"]
         nn.quantize(model, q["group_size"], q["bits"], mode=q.get("mode", "affine"),
                     class_predicate=lambda path, module: f"{path}.scales" in weights)
+    shape = ("d_model", "vocab_size", "num_layers", "num_heads", "d_kv", "d_ff", "num_mel_bins", "encoder_positions")
+    if borrowed and any(getattr(model.args, key) != getattr(lender.args, key) for key in shape):
+        key = next(key for key in shape if getattr(model.args, key) != getattr(lender.args, key))
+        raise LoadError(f"{folder} borrows its target's {' and '.join(borrowed)}, but its {key} is "
+                        f"{getattr(model.args, key)} and the target's {getattr(lender.args, key)}: not its target")
     for name in borrowed:
         setattr(model, name, getattr(lender, name))
         weights |= {f"{name}.{key}": value for key, value in tree_flatten(getattr(lender, name).parameters())}

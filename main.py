@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transcribe these audio files (WAV, mp3, m4a, flac, ogg, webm; of any length: the model's windows, "
                         "30 s in every public Whisper) "
                         "with a converted Whisper --model, drafted by --draft-model if given; --task transcribe or "
-                        "translate; with --demo, the speech pair in demo/speech, by default on its first held-out clip")
+                        "translate; with --demo, Whisper tiny.en and the draft in demo/speech, by default on a held-out clip")
     p.add_argument("--language", help="--audio: the language spoken (en, fr, ...; default: detected from the audio)")
     p.add_argument("--timestamps", action="store_true", help="--audio: segments with their start and end")
     p.add_argument("--word-timestamps", action="store_true",

@@ -689,8 +689,9 @@ class EncoderDecoder(nn.Module):
             rows = self.shared(self.head_ids)
         elif hasattr(self.lm_head, "scales"):
             head = self.lm_head
-            rows = mx.dequantize(head.weight[self.head_ids], head.scales[self.head_ids], head.biases[self.head_ids],
-                                 head.group_size, head.bits)
+            biases = head.get("biases")
+            rows = mx.dequantize(head.weight[self.head_ids], head.scales[self.head_ids],
+                                 None if biases is None else biases[self.head_ids], head.group_size, head.bits, mode=head.mode)
         else:
             rows = self.lm_head.weight[self.head_ids]
         return mx.contiguous(rows.T)

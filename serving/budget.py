@@ -199,8 +199,9 @@ def machine_memory() -> int:
 
 
 def weights_bytes(models) -> int:
-    """The models' weights, as loaded."""
+    """The models' weights, as loaded (an array a draft borrows from its target counted once)."""
     from mlx.utils import tree_flatten
 
-    return sum(array.nbytes for model in (models.target, models.draft) if model is not None
-               for _, array in tree_flatten(model.parameters()))
+    arrays = {id(array): array for model in (models.target, models.draft) if model is not None
+              for _, array in tree_flatten(model.parameters())}
+    return sum(array.nbytes for array in arrays.values())

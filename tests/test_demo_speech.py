@@ -114,3 +114,35 @@ def test_a_draft_that_borrows_its_targets_weights_cannot_load_alone():
 
     with pytest.raises(LoadError, match="borrows its target's encoder"):
         load_model(SPEECH / "draft")
+
+
+def test_a_draft_that_borrows_its_targets_weights_refuses_a_target_of_another_shape(pair, tmp_path):
+    """A Whisper with tiny.en's tokenizer but narrower layers would lend arrays the draft's layers cannot read: the
+    load fails in one line, naming what differs, before any decoding."""
+    import shutil
+
+    import torch
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    import convert
+    from errors import LoadError
+
+    ids = {key: getattr(pair.target.args, key) for key in ("decoder_start_token_id", "eos_token_id", "pad_token_id")}
+    config = WhisperConfig(vocab_size=51_864, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, bos_token_id=ids["eos_token_id"],
+                           **ids)
+    torch.manual_seed(0)
+    WhisperForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "preprocessor_config.json", "generation_config.json"):
+        shutil.copy(real_whisper.demo_target() / name, tmp_path / "hf" / name)
+    convert.convert(str(tmp_path / "hf"), tmp_path / "narrow", "float32", force=True)
+    with pytest.raises(LoadError, match="its d_model is 384 and the target's 64: not its target"):
+        load(str(tmp_path / "narrow"), draft=str(SPEECH / "draft"))
+
+
+def test_a_draft_that_borrows_its_targets_weights_is_not_converted_again(tmp_path):
+    import convert
+    from errors import ConversionError
+
+    with pytest.raises(ConversionError, match="borrows its target's weights"):
+        convert.convert(str(SPEECH / "draft"), tmp_path / "again", "float32", force=True)

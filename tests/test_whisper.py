@@ -805,7 +805,7 @@ def test_a_long_file_decodes_window_by_window_as_transformers_long_form_generate
 
 def test_a_whisper_of_a_shorter_window_is_decoded_a_window_of_its_own_at_a_time_as_transformers_does(
         spoken_pair, long_file, tmp_path):
-    """A Whisper made with max_source_positions 500 (a 10 s window, as the speech demo pair's): a 5 s file is padded
+    """A Whisper made with max_source_positions 500 (a 10 s window): a 5 s file is padded
     to its window and the 75 s file moves by its windows, segment for segment as transformers' generate, which reads
     the window from the same field."""
     import speech
