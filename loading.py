@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from errors import LoadError, ModelNotFound
 from languages import Languages
 from model import EncoderDecoder, ModelArgs
+import pipeline
 
 FORMAT_KEY = "mlx_conversion"  # marks a config.json written by convert.py
 MODELS_DIR = Path("mlx_models")  # where convert.py writes by default
@@ -131,15 +132,21 @@ def load_model(folder: str | Path, one_row: bool = False) -> EncoderDecoder:
     return _mapped(Path(folder), one_row).compile_decoding()  # compiling reads every weight
 
 
-def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None = None) -> EncoderDecoder:
+def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None = None, link=None,
+            split: list[int] | None = None) -> EncoderDecoder:
     """load_model's model before its weights are read: mx.load maps the
     safetensors lazily (never copying through numpy), so a folder is checked
     in moments and read afterwards. A draft whose config names weights
     `borrowed_from_target` (demo/train_speech.py's: the encoder and the token
-    embedding) has those modules of its target, `lender`: the same arrays."""
+    embedding) has those modules of its target, `lender`: the same arrays.
+    With a `link` (pipeline.join), only this rank's stage of the layers, cut as evenly as `split` (each stage's
+    layer count) or the layers' bytes say."""
     config = read_config(folder)
-    model = EncoderDecoder(ModelArgs.from_dict(config))
+    model = (pipeline.Pipeline if link and link.rank == 0 else EncoderDecoder)(ModelArgs.from_dict(config))
     borrowed = config.get("borrowed_from_target") or []
+    if borrowed and getattr(lender, "link", None) is not None:
+        raise LoadError(f"{folder} borrows its target's {' and '.join(borrowed)}, which is split into stages here: "
+                        "run it on one machine, or give a draft of its own")
     if borrowed and lender is None:
         raise LoadError(f"{folder} is a draft that borrows its target's {' and '.join(borrowed)}: load it as the "
                         "draft of its target (--draft-model)")
@@ -149,6 +156,9 @@ def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None =
             weights.update(mx.load(str(path)))
         except RuntimeError as e:  # missing, truncated or corrupt
             raise LoadError(f"{path} cannot be read ({e}): convert the model again")
+    if link is not None:
+        weights = pipeline.place(model, weights, link, split)
+        model.link = link
     if "quantization" in config:
         q = config["quantization"]
         nn.quantize(model, q["group_size"], q["bits"], mode=q.get("mode", "affine"),
@@ -343,13 +353,18 @@ def tokenizer_difference(target_config: dict, target_tokenizer, draft_config: di
 _warned_slow_blas = False
 
 
-def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False, one_row: bool = False) -> Models:
+def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False, one_row: bool = False,
+         stages: int | list[int] | None = None) -> Models:
     """Load a converted target (and draft) by folder, name under mlx_models/,
     or the hub id it was converted from. Every weight is read now (verbose:
     saying so on stderr), so the first generation's time is decoding, not
     disk reads. A draft must share the target's tokenizer; that is checked
     before any weights load. `one_row`: the target will decode one row a
-    step, regular decoding of one prompt at a time (load_model)."""
+    step, regular decoding of one prompt at a time (load_model).
+    `stages`: the target split over that many ranks of `mlx.launch` (or
+    stages of these layer counts: encoder layers, then decoder layers),
+    pipeline.py. On rank 0 this returns as ever; on the others it computes
+    its stage until rank 0's program ends, then ends the process."""
     global _warned_slow_blas
     target_path = resolve(target, "target")
     draft_path = resolve(draft, "draft") if draft is not None else None
@@ -363,7 +378,10 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         _warned_slow_blas = True
         advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
-    target_model = _mapped(target_path, one_row)
+    link = pipeline.join(target_path, stages) if stages else None
+    target_model = _mapped(target_path, one_row, link=link, split=stages if isinstance(stages, (list, tuple)) else None)
+    if link is not None and link.rank > 0:  # a stage that only computes: never returns
+        pipeline.serve_or_exit(target_model.compile_decoding(), link)
     draft_model = _mapped(draft_path, lender=target_model) if draft_path is not None else None
     if draft_model is not None and same_encoder(target_model, draft_model):
         # distil-whisper's drafts keep their target's encoder: the draft decodes on the target's encoder output, and
@@ -383,6 +401,8 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         if model is not None:
             model.compile_decoding()  # reads every weight
             check_fit(path, model, tokenizer)
+    if link is not None:
+        pipeline.serve_or_exit(target_model, link)
     config = read_config(target_path)
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve(),
                   tasks=config.get("task_specific_params") or {}, languages=Languages.of(config, tokenizer),

@@ -462,7 +462,12 @@ def embedded(stack: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
 class Stack(nn.Module):
     """What the encoder and the decoder share: the positions (T5's relative
     bias, here or in each layer, or a table), the embeddings' norm, the layers
-    and the final norm."""
+    and the final norm.
+    Split into pipeline stages (pipeline.py), a stack holds some of its layers:
+    the stage that `starts` it embeds its input, the one that `ends` it
+    normalises its output; the others take and give hidden states."""
+
+    starts = ends = True
 
     def __init__(self, args: ModelArgs, layer, count: int, bidirectional: bool, positions: int = 0):
         super().__init__()
@@ -478,7 +483,7 @@ class Stack(nn.Module):
             self.final_norm = make_norm(args)
 
     def finish(self, x: mx.array) -> mx.array:
-        return self.final_norm(x) if self.args.final_norm else x
+        return self.final_norm(x) if self.args.final_norm and self.ends else x
 
 
 class Encoder(Stack):
@@ -491,7 +496,7 @@ class Encoder(Stack):
         length, not with its square. Yields the work in pieces (each layer's)
         and returns the output."""
         B, L = x.shape[:2]
-        x = embedded(self, x, mx.arange(L))
+        x = embedded(self, x, mx.arange(L)) if self.starts else x
         padding = padding_bias(mask, x.dtype)
         heads = self.args.num_heads
 
@@ -524,7 +529,7 @@ class Decoder(Stack):
         row's stale or empty positions, so the shapes (and the compiled graph)
         change only when the storage grows by a block."""
         capacity = keys[0].shape[2]
-        x = embedded(self, x, positions.reshape(-1))
+        x = embedded(self, x, positions.reshape(-1)) if self.starts else x
         unseen = mx.arange(capacity) > positions[..., None]
 
         def masked(relative: RelativePositionBias | None) -> mx.array:
@@ -658,9 +663,12 @@ class EncoderDecoder(nn.Module):
         """decode as a function of arrays alone, whose shapes decide its graph:
         tokens (B, L) of rows whose caches hold offsets (B,) positions ->
         logits, and each layer's storage with the new positions written in."""
-        B, L = tokens.shape
+        B, L = tokens.shape[:2]
         positions = offsets[:, None] + mx.arange(L)
-        x, keys, values = self.decoder(self.shared(tokens.reshape(-1)), positions, keys, values, cross_keys_values, cross_bias)
+        x = self.shared(tokens.reshape(-1)) if self.decoder.starts else tokens.reshape(B * L, -1)  # (a stage's input)
+        x, keys, values = self.decoder(x, positions, keys, values, cross_keys_values, cross_bias)
+        if not self.decoder.ends:  # a pipeline stage's hidden states, for the next (pipeline.py)
+            return x.reshape(B, L, -1), keys, values
         if self.args.scale_decoder_outputs:
             x = x * self.args.d_model**-0.5
         if self.args.head_tokens:

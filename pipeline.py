@@ -1,0 +1,308 @@
+"""A target split into pipeline stages over MLX's distributed engine, for a model too big for one machine.
+
+    mlx.launch --hosts mac1,mac2 -- python main.py --model t5-11b --stages 2 ...
+
+Each rank (`mlx.launch` starts one per host) holds a contiguous run of the target's layers: the encoder's, then the
+decoder's, cut where the ranks' weights come out about even (or where `--stages` says), each rank with at least one
+decoder layer. It reads only its own layers' weights from the converted folder (mapped lazily: no rank ever holds
+the whole model) and keeps the caches of its own layers.
+
+Rank 0 runs the program: its command line, its server, its Python, its draft (whole, on rank 0 alone), every
+decoding rule. Its target is a `Pipeline`: the same model, whose encoding, caches and decode steps go through the
+stages. The other ranks only compute (`work`): they take commands in order from the rank before them, apply them to
+their layers and their caches, and pass them on; the last stage's output (the encoder's, or the logits) comes back
+to rank 0. So every decoding path is the one-process one, token for token, and a speculative round's verify of k
+drafts is one trip through the stages, as a regular step is: drafting saves trips, which is why it pays more here.
+
+A rank that fails, or loses a peer, ends its process with one line naming the rank (MLX's ring backend notices a
+closed connection within about a second, so no rank waits on a dead one).
+"""
+
+import atexit
+import hashlib
+import sys
+
+import cpu  # before mlx.core
+import mlx.core as mx
+
+from cache import DecoderCache
+from errors import LoadError
+from model import EncoderDecoder, drained
+
+# Commands, as rank 0 sends them down the stages.
+ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, EXIT = range(9)
+DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32)
+HEADER = 8  # int32s: command, cache, three sizes, count of ints that follow, payload dtype, a flag
+
+
+class StageError(RuntimeError):
+    """A rank failed, or lost a peer: the message names the rank."""
+
+
+class Link:
+    """This rank's place among the stages, and the commands that travel between them."""
+
+    def __init__(self, group):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.parts = None  # each rank's (encoder layers, decoder layers), as ranges: place()
+        self.caches = 0  # the last cache id handed out (rank 0)
+        self.dropped = []  # caches rank 0 let go of, dropped on the stages with the next command
+
+    def send(self, to: int, header: list, ints=(), payloads=()) -> None:
+        arrays = [mx.array(list(header) + [0] * (HEADER - len(header)), mx.int32)]
+        arrays += [mx.array(list(ints), mx.int32)] if ints else []
+        arrays += list(payloads)
+        for a in arrays:  # one at a time: sends evaluated together may leave in any order
+            self.checked(to, lambda: mx.eval(mx.distributed.send(a, to, group=self.group)))
+
+    def receive(self, source: int, shape, dtype=mx.int32) -> mx.array:
+        return self.checked(source, lambda: mx.eval(x := mx.distributed.recv(tuple(shape), dtype, source, group=self.group)) or x)
+
+    def checked(self, peer: int, work):
+        try:
+            return work()
+        except RuntimeError as e:  # the ring backend's lost connection
+            raise StageError(f"stage rank {self.rank} lost rank {peer} ({e})") from None
+
+    def command(self, op: int, cache: int = 0, sizes=(0, 0, 0), ints=(), payloads=(), dtype=mx.float32, flag=0) -> None:
+        """A command to every other stage, down the line (rank 1 passes it to rank 2, ...)."""
+        if self.dropped and op != DROP:
+            dropped, self.dropped = self.dropped, []
+            self.command(DROP, ints=dropped)
+        header = [op, cache, *sizes, len(ints), DTYPES.index(dtype), flag]
+        self.send(1, header, ints, payloads)
+
+    def close(self) -> None:
+        """The other stages' end, as rank 0's program ends (unless one of them is gone already)."""
+        try:
+            self.command(EXIT)
+        except StageError:
+            pass
+
+    def next_command(self):
+        """The next command from the rank before: (op, cache, sizes, ints, dtype, flag)."""
+        op, cache, a, b, c, count, dtype, flag = self.receive(self.rank - 1, (HEADER,)).tolist()
+        ints = self.receive(self.rank - 1, (count,)).tolist() if count else []
+        return op, cache, (a, b, c), ints, DTYPES[dtype], flag
+
+    @property
+    def last_encoder(self) -> int:
+        """The stage that ends the encoder."""
+        return max(rank for rank, (encoder, _) in enumerate(self.parts) if len(encoder))
+
+    def reply(self, out: mx.array) -> None:
+        """The last stage's output, back to rank 0."""
+        self.checked(0, lambda: mx.eval(mx.distributed.send(out, 0, group=self.group)))
+
+    def pass_on(self, op, cache, sizes, ints, dtype, flag, payloads=()) -> None:
+        if self.rank + 1 < self.size:
+            self.send(self.rank + 1, [op, cache, *sizes, len(ints), DTYPES.index(dtype), flag], ints, payloads)
+
+
+def join(folder, stages) -> Link:
+    """This process's link to the others `mlx.launch` started, checked: as many ranks as `stages` asks (a count, or
+    each stage's layer counts), every rank on the same converted folder (its config's hash)."""
+    group = mx.distributed.init()
+    link = Link(group)
+    wanted = len(stages) if isinstance(stages, (list, tuple)) else int(stages)
+    if link.size != wanted:
+        raise LoadError(f"{wanted} stages need {wanted} ranks; this run has {link.size} "
+                        f"(start it with: mlx.launch -n {wanted} ... or --hosts of {wanted} machines)")
+    digest = hashlib.sha256((folder / "config.json").read_bytes()).digest()
+    mine = mx.array(list(digest), mx.uint8)
+    every = link.checked(-1, lambda: mx.eval(x := mx.distributed.all_gather(mine[None], group=group)) or x)
+    for rank, theirs in enumerate(every.tolist()):
+        if theirs != list(digest):
+            raise LoadError(f"stage rank {rank} holds another model than rank {link.rank} ({folder}): "
+                            "every rank must load the same converted folder")
+    return link
+
+
+def layer_bytes(weights: dict, stack: str, count: int) -> list[int]:
+    return [sum(a.nbytes for name, a in weights.items() if name.startswith(f"{stack}.layers.{i}.")) for i in range(count)]
+
+
+def even(sizes: list[int], ranks: int, least: int) -> list[int]:
+    """Where each of `ranks` contiguous runs of layers ends, each of at least `least` layers, the heaviest run
+    (in bytes) as light as it can be."""
+    total = [0]
+    for size in sizes:
+        total.append(total[-1] + size)
+    best = {(0, i): (total[i], [i]) for i in range(least, len(sizes) + 1)}  # (heaviest, ends) of r + 1 runs over i layers
+    for r in range(1, ranks):
+        for i in range((r + 1) * least, len(sizes) + 1):
+            best[r, i] = min((max(best[r - 1, j][0], total[i] - total[j]), best[r - 1, j][1] + [i])
+                             for j in range(r * least, i - least + 1))
+    return best[ranks - 1, len(sizes)][1]
+
+
+def split(encoder_sizes: list[int], decoder_sizes: list[int], ranks: int, given=None) -> list[tuple[range, range]]:
+    """Each stage's encoder layers and decoder layers: both stacks cut into `ranks` contiguous runs as even in
+    bytes as they go (every stage with a decoder layer; with encoder layers, where there are as many as stages),
+    or as `given`: each stage's (encoder layers, decoder layers) counts."""
+    E, D = len(encoder_sizes), len(decoder_sizes)
+    if given is not None:
+        counts = [tuple(stage) for stage in given]
+        if sum(e for e, _ in counts) != E or sum(d for _, d in counts) != D or any(e < 0 or d < 1 for e, d in counts):
+            raise LoadError(f"stages of {','.join(f'{e}:{d}' for e, d in counts)} (encoder:decoder layers) do not split "
+                            f"this model's {E} encoder and {D} decoder layers, each stage with a decoder layer")
+        encoder_ends = [sum(e for e, _ in counts[: i + 1]) for i in range(ranks)]
+        decoder_ends = [sum(d for _, d in counts[: i + 1]) for i in range(ranks)]
+    else:
+        if D < ranks:
+            raise LoadError(f"{ranks} stages need {ranks} decoder layers; this model has {D}")
+        encoder_ends = even(encoder_sizes, ranks, 1 if E >= ranks else 0)
+        decoder_ends = even(decoder_sizes, ranks, 1)
+    return [(range(e0, e1), range(d0, d1)) for e0, e1, d0, d1 in
+            zip([0] + encoder_ends[:-1], encoder_ends, [0] + decoder_ends[:-1], decoder_ends)]
+
+
+def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
+    """Cut `model` to this rank's layers, and `weights` to theirs (renumbered); the other ranks' are never read."""
+    args = model.args
+    link.parts = split(layer_bytes(weights, "encoder", args.num_layers),
+                       layer_bytes(weights, "decoder", args.num_decoder_layers), link.size, given)
+    own_encoder, own_decoder = link.parts[link.rank]
+    model.encoder.layers = [model.encoder.layers[i] for i in own_encoder]
+    model.decoder.layers = [model.decoder.layers[i] for i in own_decoder]
+    model.encoder.starts, model.encoder.ends = link.rank == 0, link.rank == link.last_encoder
+    model.decoder.starts, model.decoder.ends = link.rank == 0, link.rank == link.size - 1
+    if not model.decoder.ends:  # the head is the last stage's
+        for name in ("lm_head", "final_logits_bias"):
+            if name in model:
+                del model[name]
+    owned = {"encoder": own_encoder, "decoder": own_decoder}
+    kept = {}
+    for name, array in weights.items():
+        parts = name.split(".")
+        if parts[0] in owned and parts[1] == "layers":
+            layers = owned[parts[0]]
+            if int(parts[2]) not in layers:
+                continue
+            name = ".".join([parts[0], "layers", str(int(parts[2]) - layers.start), *parts[3:]])
+        elif name.startswith(("lm_head.", "final_logits_bias")) and not model.decoder.ends:
+            continue
+        kept[name] = array
+    return kept
+
+
+class Pipeline(EncoderDecoder):
+    """Rank 0's target: its own stage, and the others' through the link. Encoding, caches and decode steps are
+    EncoderDecoder's, carried down the stages."""
+
+    link: Link
+
+    def encoding(self, source: mx.array, mask: mx.array | None = None, lanes: tuple | None = None):
+        x = yield from super().encoding(source, mask, lanes)
+        if self.encoder.ends:
+            return x
+        B, S, d = x.shape
+        mask = mx.ones((B, S), mx.int32) if mask is None else mask.astype(mx.int32)
+        self.link.command(ENCODE, sizes=(B, S, d), payloads=(x, mask), dtype=x.dtype)
+        return self.link.receive(self.link.last_encoder, (B, S, d), x.dtype)
+
+    def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None, lanes: tuple | None = None):
+        B, S, d = encoder_output.shape
+        mask = mx.ones((B, S), mx.int32) if mask is None else mask.astype(mx.int32)
+        own = super().make_cache(encoder_output, mask, lanes)
+        self.link.caches += 1
+        cache = StagedCache(self.link, self.link.caches, own.cross_keys_values, own.cross_bias)
+        self.link.command(CACHE, cache.id, (B, S, d), payloads=(encoder_output, mask), dtype=encoder_output.dtype)
+        return cache
+
+    def decode(self, tokens: mx.array, cache: "StagedCache") -> mx.array:
+        hidden = super().decode(tokens, cache)
+        B, L, d = hidden.shape
+        self.link.command(DECODE, cache.id, (B, L, d), payloads=(hidden,), dtype=hidden.dtype)
+        return self.link.receive(self.link.size - 1, (B, L, self.args.vocab_size), hidden.dtype)
+
+    @property
+    def cache_bytes_per_token(self) -> int:  # rank 0's own layers: what its memory holds of each token
+        return super().cache_bytes_per_token * len(self.decoder.layers) // self.args.num_decoder_layers
+
+
+class StagedCache(DecoderCache):
+    """Rank 0's cache of its own layers; each change to it is made to the other stages' caches of the same id."""
+
+    def __init__(self, link: Link, id: int, cross_keys_values: list, cross_bias):
+        super().__init__(cross_keys_values, cross_bias)
+        self.link, self.id = link, id
+
+    def trim(self, n: int | list[int]) -> None:
+        super().trim(n)
+        self.link.command(TRIM, self.id, ints=n if isinstance(n, list) else [n] * len(self.offsets))
+
+    def keep(self, rows: list[int], cross_length: int | None = None) -> None:
+        super().keep(rows, cross_length)
+        self.link.command(KEEP, self.id, (-1 if cross_length is None else cross_length, 0, 0), ints=rows)
+
+    def reorder(self, rows: list[int]) -> None:
+        super().reorder(rows)
+        self.link.command(REORDER, self.id, ints=rows)
+
+    def extend(self, other: "StagedCache") -> None:
+        super().extend(other)
+        self.link.command(EXTEND, self.id, (other.id, 0, 0))
+        other.id = None
+
+    def __del__(self):
+        if getattr(self, "id", None) is not None:
+            self.link.dropped.append(self.id)
+
+
+def work(model: EncoderDecoder, link: Link) -> None:
+    """A stage other than rank 0: apply rank 0's commands to this rank's layers and caches, in order, until it
+    exits; what the last stage makes (the encoder's output, the logits) goes back to rank 0."""
+    caches = {}
+    while True:
+        op, id, sizes, ints, dtype, flag = command = link.next_command()
+        if op == EXIT:
+            link.pass_on(*command)
+            return
+        if op in (ENCODE, CACHE, DECODE):
+            B, S, d = sizes
+            x = link.receive(link.rank - 1, (B, S, d), dtype)
+            mask = link.receive(link.rank - 1, (B, S)) if op != DECODE else None
+        if op == ENCODE:  # (never passed past the encoder's last stage)
+            out = drained(model.encoder.pieces(x, mask, cpu.lanes()))
+            if link.rank == link.last_encoder:
+                link.reply(out)
+            else:
+                link.pass_on(*command, payloads=(out, mask))
+            continue
+        if op == CACHE:
+            caches[id] = model.make_cache(x, mask)
+            link.pass_on(*command, payloads=(x, mask))
+        elif op == DECODE:
+            out = model.decode(x, caches[id])
+            if link.rank == link.size - 1:
+                link.reply(out)
+            else:
+                link.pass_on(*command, payloads=(out,))
+        else:
+            if op == TRIM:
+                caches[id].trim(ints)
+            elif op == KEEP:
+                caches[id].keep(ints, None if sizes[0] < 0 else sizes[0])
+            elif op == REORDER:
+                caches[id].reorder(ints)
+            elif op == EXTEND:
+                caches[id].extend(caches.pop(sizes[0]))
+            elif op == DROP:
+                for dropped in ints:
+                    caches.pop(dropped, None)
+            link.pass_on(*command)
+
+
+def serve_or_exit(model: EncoderDecoder, link: Link) -> None:
+    """On rank 0, send EXIT down the stages when the program ends; on the others, work until then and end the
+    process (what a launched rank is for), with one line on stderr if a stage fails."""
+    if link.rank == 0:
+        atexit.register(link.close)
+        return
+    try:
+        work(model, link)
+    except Exception as e:  # one line naming the rank: nothing hangs, no traceback per rank
+        print(f"stage rank {link.rank}: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    sys.exit(0)
