@@ -8,6 +8,7 @@ Each is a `T5Error`, printed as one line by the command line and the server:
     │   └── ModelNotFound   no converted model by that name (it says which role: target or draft)
     ├── ConversionError   a checkpoint convert.py cannot convert, or cannot find
     ├── UsageError    command-line input that cannot run (main.py)
+    ├── StageError    a pipeline stage that failed or lost a peer (pipeline.py): it names the rank
     └── SweepError    a sweep that cannot run or be plotted (sweep.py)
 """
 
@@ -36,6 +37,10 @@ class ModelNotFound(LoadError):
 
 class ConversionError(T5Error):
     """A checkpoint convert.py cannot find or convert."""
+
+
+class StageError(T5Error):
+    """A pipeline stage that failed, or lost a peer; the message names the rank."""
 
 
 class UsageError(T5Error):

@@ -378,7 +378,7 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         _warned_slow_blas = True
         advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
-    link = pipeline.join(target_path, stages) if stages else None
+    link = pipeline.join(target_path, stages) if pipeline.count(stages) > 1 else None  # (one stage: the whole target)
     target_model = _mapped(target_path, one_row, link=link, split=stages if isinstance(stages, (list, tuple)) else None)
     if link is not None and link.rank > 0:  # a stage that only computes: never returns
         pipeline.serve_or_exit(target_model.compile_decoding(), link)

@@ -28,6 +28,7 @@ from interactive import Session
 import real_whisper
 from loading import hears_speech, load
 from options import AUTO, BATCH_SIZE, KNOBS, LISTS, Settings
+from pipeline import stages_option
 from plans import resolve, with_presets
 from audio import read as read_audio
 from speech import TASKS, Guards, render, stream_transcribe, transcribe, warm_up
@@ -60,15 +61,10 @@ def file_lines(path: Path) -> list[str]:
     return lines
 
 
-def prompt_lines(path: Path) -> list[str]:
-    """The non-blank lines of a prompts file, stripped."""
-    return [line for line in file_lines(path) if line]
-
-
 def demo_prompts() -> list[str]:
     path = DEMO_DIR / "prompts.txt"
     try:
-        return prompt_lines(path)
+        return [line for line in file_lines(path) if line]
     except OSError:
         raise UsageError(f"{path} is missing: restore demo/ with git checkout demo, or rebuild it with "
                          "python demo/train.py (about 50 minutes on 2 cores)")
@@ -154,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     guards.add_argument("--temperature-increment-on-fallback", type=float, metavar="STEP",
                         help="the temperatures a window is decoded at again: from --temp up to 1 by STEP")
     p.add_argument("--regular-decode", action="store_true", help="decode with the target alone")
+    p.add_argument("--stages", type=stages_option, help="split the target over this many machines (run under "
+                   "mlx.launch, one rank each), or stages of these encoder:decoder layers (14:6,10:18): docs/SERVING.md")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the text before this string (repeat the option for several)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming; "
@@ -198,6 +196,7 @@ class Plan:
     repeats: int = 1
     task: str | None = None
     given: frozenset = frozenset()  # the knobs given as flags, which a task's options do not override
+    stages: int | list | None = None  # the target split over this many ranks of mlx.launch (pipeline.py)
 
 
 def knob_settings(args, defaults: dict) -> Settings:
@@ -279,7 +278,8 @@ def check_usage(args) -> Plan:
         raise UsageError(f"--task sets decoding options itself: --{mode} measures speculative decoding at yours")
     given = frozenset(name for name in KNOBS if getattr(args, name) is not None)
     return Plan(settings, mode, model, None if args.prompt_lookup else draft_model, prompt, args.prompt is not None,
-                prompts, lines, examples, batch_size, args.json, args.demo, **grid, task=args.task, given=given)
+                prompts, lines, examples, batch_size, args.json, args.demo, **grid, task=args.task, given=given,
+                stages=args.stages)
 
 
 def load_models(plan: Plan, one_row: bool = False):
@@ -288,7 +288,7 @@ def load_models(plan: Plan, one_row: bool = False):
                          f"python main.py --model {plan.model} --audio FILE")
     drafts = (plan.settings.speculative and plan.settings.num_beams == 1) or plan.mode == "sweep"  # (beams: no draft)
     try:
-        return load(plan.model, draft=plan.draft_model if drafts else None, verbose=True, one_row=one_row)
+        return load(plan.model, draft=plan.draft_model if drafts else None, verbose=True, one_row=one_row, stages=plan.stages)
     except ModelNotFound as e:
         if e.role == "draft":
             raise UsageError(f"{e} (or pass --regular-decode to run the target alone)")
@@ -409,7 +409,7 @@ def listen(args) -> int:
                        and settings.num_beams == 1)
     given = {name for name in KNOBS if getattr(args, name) is not None}
     samples = [read_audio(file) for file in args.audio]  # a file that is not audio fails before loading
-    models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True)
+    models = load(args.model, draft=args.draft_model if settings.speculative else None, verbose=True, stages=args.stages)
     form = {"txt": "text", "json": "verbose_json"}.get(args.output_format, args.output_format)
     timestamps = args.timestamps or form in ("srt", "vtt")
     options = dict(language=args.language, task=args.task or "transcribe", timestamps=timestamps, settings=settings,

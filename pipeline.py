@@ -18,25 +18,25 @@ A rank that fails, or loses a peer, ends its process with one line naming the ra
 closed connection within about a second, so no rank waits on a dead one).
 """
 
+import argparse
 import atexit
 import hashlib
+import os
 import sys
+import threading
 
 import cpu  # before mlx.core
 import mlx.core as mx
 
 from cache import DecoderCache
-from errors import LoadError
+from errors import LoadError, StageError
 from model import EncoderDecoder, drained
 
 # Commands, as rank 0 sends them down the stages.
 ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, EXIT = range(9)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32)
+CONNECT_SECONDS = 30  # how long a rank waits for the others at start (T5_MLX_CONNECT_SECONDS)
 HEADER = 8  # int32s: command, cache, three sizes, count of ints that follow, payload dtype, a flag
-
-
-class StageError(RuntimeError):
-    """A rank failed, or lost a peer: the message names the rank."""
 
 
 class Link:
@@ -58,18 +58,19 @@ class Link:
     def receive(self, source: int, shape, dtype=mx.int32) -> mx.array:
         return self.checked(source, lambda: mx.eval(x := mx.distributed.recv(tuple(shape), dtype, source, group=self.group)) or x)
 
-    def checked(self, peer: int, work):
+    def checked(self, peer: int | None, work):
         try:
             return work()
         except RuntimeError as e:  # the ring backend's lost connection
-            raise StageError(f"stage rank {self.rank} lost rank {peer} ({e})") from None
+            lost = "a peer" if peer is None else f"rank {peer}"
+            raise StageError(f"stage rank {self.rank} lost {lost} ({' '.join(str(e).split())})") from None
 
-    def command(self, op: int, cache: int = 0, sizes=(0, 0, 0), ints=(), payloads=(), dtype=mx.float32, flag=0) -> None:
+    def command(self, op: int, cache: int = 0, sizes=(0, 0, 0), ints=(), payloads=(), dtype=mx.float32, flag: int = 0) -> None:
         """A command to every other stage, down the line (rank 1 passes it to rank 2, ...)."""
         if self.dropped and op != DROP:
             dropped, self.dropped = self.dropped, []
             self.command(DROP, ints=dropped)
-        header = [op, cache, *sizes, len(ints), DTYPES.index(dtype), flag]
+        header = [op, cache, *sizes, len(ints), DTYPES.index(dtype), int(flag)]
         self.send(1, header, ints, payloads)
 
     def close(self) -> None:
@@ -99,22 +100,65 @@ class Link:
             self.send(self.rank + 1, [op, cache, *sizes, len(ints), DTYPES.index(dtype), flag], ints, payloads)
 
 
+def stages_option(text: str) -> int | list[tuple[int, int]]:
+    """--stages: a count of stages ("2"), or each stage's encoder:decoder layer counts ("14:6,10:18")."""
+    try:
+        if ":" not in text:
+            count = int(text)
+            if count >= 1:
+                return count
+            raise ValueError
+        return [(int(e), int(d)) for e, d in (stage.split(":") for stage in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of stages (2) nor each stage's "
+                                         "encoder:decoder layers (14:6,10:18)") from None
+
+
+def connected(seconds: float | None = None):
+    """MLX's distributed group, once every rank has answered: a rank that waits longer than `seconds` for the others
+    (a host down or unreachable, a rank that never started) ends its process with one line naming it."""
+    seconds = float(os.environ.get("T5_MLX_CONNECT_SECONDS", CONNECT_SECONDS)) if seconds is None else seconds
+    rank = os.environ.get("MLX_RANK", "?")
+
+    def give_up():
+        print(f"stage rank {rank}: the other ranks did not answer in {seconds:g} s (a host down or unreachable, "
+              "or a rank not started: mlx.launch starts them all)", file=sys.stderr, flush=True)
+        os._exit(1)
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        return mx.distributed.init()
+    finally:
+        timer.cancel()
+
+
+def rank() -> int:
+    """This process's rank among those mlx.launch started (0 without it)."""
+    return connected().rank()
+
+
+def count(stages) -> int:
+    """How many stages `stages` asks for: a count, each stage's layers, or None (one)."""
+    return len(stages) if isinstance(stages, (list, tuple)) else int(stages or 1)
+
+
 def join(folder, stages) -> Link:
     """This process's link to the others `mlx.launch` started, checked: as many ranks as `stages` asks (a count, or
-    each stage's layer counts), every rank on the same converted folder (its config's hash)."""
-    group = mx.distributed.init()
-    link = Link(group)
-    wanted = len(stages) if isinstance(stages, (list, tuple)) else int(stages)
+    each stage's layer counts), every rank on the same converted folder (its config's hash) and the same stages."""
+    link = Link(connected())
+    wanted = count(stages)
     if link.size != wanted:
         raise LoadError(f"{wanted} stages need {wanted} ranks; this run has {link.size} "
                         f"(start it with: mlx.launch -n {wanted} ... or --hosts of {wanted} machines)")
-    digest = hashlib.sha256((folder / "config.json").read_bytes()).digest()
-    mine = mx.array(list(digest), mx.uint8)
-    every = link.checked(-1, lambda: mx.eval(x := mx.distributed.all_gather(mine[None], group=group)) or x)
-    for rank, theirs in enumerate(every.tolist()):
-        if theirs != list(digest):
-            raise LoadError(f"stage rank {rank} holds another model than rank {link.rank} ({folder}): "
-                            "every rank must load the same converted folder")
+    for what, mine in (("another model", (folder / "config.json").read_bytes()), ("other stages", repr(stages).encode())):
+        digest = list(hashlib.sha256(mine).digest())
+        every = link.checked(None, lambda: mx.eval(x := mx.distributed.all_gather(mx.array([digest], mx.uint8),
+                                                                                  group=link.group)) or x)
+        for other, theirs in enumerate(every.tolist()):
+            if theirs != digest:
+                raise LoadError(f"stage rank {other} has {what} than rank {link.rank} ({folder}, stages {stages}): "
+                                "every rank must load the same converted folder, split the same way")
     return link
 
 
@@ -186,6 +230,12 @@ def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
     return kept
 
 
+def with_mask(x: mx.array, mask: mx.array | None) -> tuple:
+    """A command's payloads: hidden states, and the padding mask if there is one (a mask of ones would change the
+    attention's kernel, and so its rounding, from the one process's)."""
+    return (x,) if mask is None else (x, mask.astype(mx.int32))
+
+
 class Pipeline(EncoderDecoder):
     """Rank 0's target: its own stage, and the others' through the link. Encoding, caches and decode steps are
     EncoderDecoder's, carried down the stages."""
@@ -197,17 +247,16 @@ class Pipeline(EncoderDecoder):
         if self.encoder.ends:
             return x
         B, S, d = x.shape
-        mask = mx.ones((B, S), mx.int32) if mask is None else mask.astype(mx.int32)
-        self.link.command(ENCODE, sizes=(B, S, d), payloads=(x, mask), dtype=x.dtype)
+        self.link.command(ENCODE, sizes=(B, S, d), payloads=with_mask(x, mask), dtype=x.dtype, flag=mask is not None)
         return self.link.receive(self.link.last_encoder, (B, S, d), x.dtype)
 
     def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None, lanes: tuple | None = None):
         B, S, d = encoder_output.shape
-        mask = mx.ones((B, S), mx.int32) if mask is None else mask.astype(mx.int32)
         own = super().make_cache(encoder_output, mask, lanes)
         self.link.caches += 1
         cache = StagedCache(self.link, self.link.caches, own.cross_keys_values, own.cross_bias)
-        self.link.command(CACHE, cache.id, (B, S, d), payloads=(encoder_output, mask), dtype=encoder_output.dtype)
+        self.link.command(CACHE, cache.id, (B, S, d), payloads=with_mask(encoder_output, mask), dtype=encoder_output.dtype,
+                          flag=mask is not None)
         return cache
 
     def decode(self, tokens: mx.array, cache: "StagedCache") -> mx.array:
@@ -262,17 +311,17 @@ def work(model: EncoderDecoder, link: Link) -> None:
         if op in (ENCODE, CACHE, DECODE):
             B, S, d = sizes
             x = link.receive(link.rank - 1, (B, S, d), dtype)
-            mask = link.receive(link.rank - 1, (B, S)) if op != DECODE else None
+            mask = link.receive(link.rank - 1, (B, S)) if flag else None  # (a padding mask, where rank 0's had one)
         if op == ENCODE:  # (never passed past the encoder's last stage)
             out = drained(model.encoder.pieces(x, mask, cpu.lanes()))
             if link.rank == link.last_encoder:
                 link.reply(out)
             else:
-                link.pass_on(*command, payloads=(out, mask))
+                link.pass_on(*command, payloads=with_mask(out, mask))
             continue
         if op == CACHE:
             caches[id] = model.make_cache(x, mask)
-            link.pass_on(*command, payloads=(x, mask))
+            link.pass_on(*command, payloads=with_mask(x, mask))
         elif op == DECODE:
             out = model.decode(x, caches[id])
             if link.rank == link.size - 1:

@@ -43,6 +43,8 @@ from batches import batch_for, drive
 from errors import OptionError, T5Error
 from rows import Request
 from loading import load
+import pipeline
+from pipeline import stages_option
 from options import KNOBS, Settings
 from plans import resolve, with_presets
 from text import plural
@@ -185,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model",
                    help="draft model for speculative decoding (without it: prompt lookup if asked, else the target alone)")
     p.add_argument("--prompt-lookup", action="store_true", help="draft by prompt lookup unless a request says otherwise")
+    p.add_argument("--stages", type=stages_option, help="split the target over this many machines, run under mlx.launch "
+                   "(rank 0 serves, the others compute), or stages of these encoder:decoder layers: docs/SERVING.md")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model names clients may give, the first in answers (default: --model as given; "
                         "'default' is always accepted)")
@@ -330,6 +334,8 @@ def main(argv=None) -> int:
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     try:
         defaults = check_options(args)
+        if args.stages and pipeline.rank() > 0:  # a stage that only computes: load() works until rank 0 ends
+            load(args.model, stages=args.stages)
         sock = listen(args.host, args.port)
     except T5Error as e:
         print(f"error: {e}", file=sys.stderr)
@@ -338,7 +344,7 @@ def main(argv=None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
     try:
-        models = load(args.model, draft=args.draft_model, verbose=True)
+        models = load(args.model, draft=args.draft_model, verbose=True, stages=args.stages)
         # The model's generation defaults under the flags given; beams only where a request asks (use_beam_search).
         given = {name for name in SERVER_KNOBS if getattr(args, name) is not None}
         _, defaults, _ = with_presets(models, defaults, given, search=False)

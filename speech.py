@@ -271,6 +271,8 @@ class Listening:
         whisper = Whisper.of(models)
         if words and not whisper.alignment_heads:
             raise OptionError("this model's generation config names no alignment_heads: it times no words", "words")
+        if words and getattr(models.target, "link", None) is not None:  # (token_times reads rank 0's layers alone)
+            raise OptionError("word times read the alignment heads of every stage: not yet with --stages", "words")
         args = models.target.args
         if any(not (0 <= layer < args.num_decoder_layers and 0 <= head < args.num_heads)
                for layer, head in whisper.alignment_heads):
