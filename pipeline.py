@@ -22,18 +22,20 @@ import argparse
 import atexit
 import hashlib
 import os
+import subprocess
 import sys
-import threading
 
 import cpu  # before mlx.core
 import mlx.core as mx
 
 from cache import DecoderCache
 from errors import LoadError, StageError
+from mlx.utils import tree_flatten
+
 from model import EncoderDecoder, drained
 
 # Commands, as rank 0 sends them down the stages.
-ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, EXIT = range(9)
+ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, MEMORY, EXIT = range(10)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32)
 CONNECT_SECONDS = 30  # how long a rank waits for the others at start (T5_MLX_CONNECT_SECONDS)
 HEADER = 8  # int32s: command, cache, three sizes, count of ints that follow, payload dtype, a flag
@@ -47,6 +49,7 @@ class Link:
         self.parts = None  # each rank's (encoder layers, decoder layers), as ranges: place()
         self.caches = 0  # the last cache id handed out (rank 0)
         self.dropped = []  # caches rank 0 let go of, dropped on the stages with the next command
+        self.broken = False  # a peer was lost: nothing more is sent (it could wait forever)
 
     def send(self, to: int, header: list, ints=(), payloads=()) -> None:
         arrays = [mx.array(list(header) + [0] * (HEADER - len(header)), mx.int32)]
@@ -62,6 +65,7 @@ class Link:
         try:
             return work()
         except RuntimeError as e:  # the ring backend's lost connection
+            self.broken = True
             lost = "a peer" if peer is None else f"rank {peer}"
             raise StageError(f"stage rank {self.rank} lost {lost} ({' '.join(str(e).split())})") from None
 
@@ -75,10 +79,11 @@ class Link:
 
     def close(self) -> None:
         """The other stages' end, as rank 0's program ends (unless one of them is gone already)."""
-        try:
-            self.command(EXIT)
-        except StageError:
-            pass
+        if not self.broken:
+            try:
+                self.command(EXIT)
+            except StageError:
+                pass
 
     def next_command(self):
         """The next command from the rank before: (op, cache, sizes, ints, dtype, flag)."""
@@ -114,23 +119,32 @@ def stages_option(text: str) -> int | list[tuple[int, int]]:
                                          "encoder:decoder layers (14:6,10:18)") from None
 
 
+# Watches a rank's start from a process of its own: MLX's init holds the interpreter until every rank has come, so
+# no thread of the rank's can give up on them.
+WATCHDOG = """
+import os, select, signal, sys
+pid, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    print(message, file=sys.stderr, flush=True)
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
 def connected(seconds: float | None = None):
     """MLX's distributed group, once every rank has answered: a rank that waits longer than `seconds` for the others
-    (a host down or unreachable, a rank that never started) ends its process with one line naming it."""
+    (a host down or unreachable, a rank that never started) is ended, with one line naming it."""
+    if mx.distributed.is_available() and "MLX_RANK" not in os.environ:  # not started by mlx.launch: a group of one
+        return mx.distributed.init()
     seconds = float(os.environ.get("T5_MLX_CONNECT_SECONDS", CONNECT_SECONDS)) if seconds is None else seconds
-    rank = os.environ.get("MLX_RANK", "?")
-
-    def give_up():
-        print(f"stage rank {rank}: the other ranks did not answer in {seconds:g} s (a host down or unreachable, "
-              "or a rank not started: mlx.launch starts them all)", file=sys.stderr, flush=True)
-        os._exit(1)
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
+    message = (f"stage rank {os.environ['MLX_RANK']}: the other ranks did not answer in {seconds:g} s (a host down or "
+               "unreachable, or a rank not started: mlx.launch starts them all)")
+    watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(seconds), message],
+                                stdin=subprocess.PIPE)
     try:
         return mx.distributed.init()
     finally:
-        timer.cancel()
+        watchdog.stdin.close()
+        watchdog.wait()
 
 
 def rank() -> int:
@@ -211,10 +225,12 @@ def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
     model.decoder.layers = [model.decoder.layers[i] for i in own_decoder]
     model.encoder.starts, model.encoder.ends = link.rank == 0, link.rank == link.last_encoder
     model.decoder.starts, model.decoder.ends = link.rank == 0, link.rank == link.size - 1
-    if not model.decoder.ends:  # the head is the last stage's
-        for name in ("lm_head", "final_logits_bias"):
-            if name in model:
-                del model[name]
+    unused = [] if model.decoder.ends else ["lm_head", "final_logits_bias"]  # the head is the last stage's
+    if link.rank > 0 and not (model.decoder.ends and args.tie_word_embeddings):  # the embedding: rank 0's, and a tied head's
+        unused.append("shared")
+    for name in unused:
+        if name in model:
+            del model[name]
     owned = {"encoder": own_encoder, "decoder": own_decoder}
     kept = {}
     for name, array in weights.items():
@@ -224,7 +240,7 @@ def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
             if int(parts[2]) not in layers:
                 continue
             name = ".".join([parts[0], "layers", str(int(parts[2]) - layers.start), *parts[3:]])
-        elif name.startswith(("lm_head.", "final_logits_bias")) and not model.decoder.ends:
+        elif name.split(".")[0] in unused:
             continue
         kept[name] = array
     return kept
@@ -265,6 +281,13 @@ class Pipeline(EncoderDecoder):
         self.link.command(DECODE, cache.id, (B, L, d), payloads=(hidden,), dtype=hidden.dtype)
         return self.link.receive(self.link.size - 1, (B, L, self.args.vocab_size), hidden.dtype)
 
+    def memory(self) -> list[dict]:
+        """Each stage's memory, rank by rank, in bytes: its weights, what MLX holds now and the most it has held."""
+        self.link.command(MEMORY, ints=own_memory(self))
+        every = self.link.receive(self.link.size - 1, (3 * self.link.size,)).tolist()
+        return [dict(zip(("weights", "active", "peak"), (kib * 1024 for kib in every[i : i + 3])))
+                for i in range(0, len(every), 3)]
+
     @property
     def cache_bytes_per_token(self) -> int:  # rank 0's own layers: what its memory holds of each token
         return super().cache_bytes_per_token * len(self.decoder.layers) // self.args.num_decoder_layers
@@ -297,6 +320,12 @@ class StagedCache(DecoderCache):
     def __del__(self):
         if getattr(self, "id", None) is not None:
             self.link.dropped.append(self.id)
+
+
+def own_memory(model: EncoderDecoder) -> list[int]:
+    """This stage's weights, active and peak memory, in KiB (int32 holds 2 TiB of them)."""
+    weights = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+    return [weights // 1024, mx.get_active_memory() // 1024, mx.get_peak_memory() // 1024]
 
 
 def work(model: EncoderDecoder, link: Link) -> None:
@@ -340,7 +369,12 @@ def work(model: EncoderDecoder, link: Link) -> None:
             elif op == DROP:
                 for dropped in ints:
                     caches.pop(dropped, None)
-            link.pass_on(*command)
+            elif op == MEMORY:  # each stage's figures, added in turn; the last stage's list goes back to rank 0
+                ints = ints + own_memory(model)
+                if link.rank == link.size - 1:
+                    link.reply(mx.array(ints, mx.int32))
+                    continue
+            link.pass_on(op, id, sizes, ints, dtype, flag)
 
 
 def serve_or_exit(model: EncoderDecoder, link: Link) -> None:
@@ -351,7 +385,10 @@ def serve_or_exit(model: EncoderDecoder, link: Link) -> None:
         return
     try:
         work(model, link)
-    except Exception as e:  # one line naming the rank: nothing hangs, no traceback per rank
+    except StageError as e:  # one line naming the rank: nothing hangs, no traceback per rank
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception as e:
         print(f"stage rank {link.rank}: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
         sys.exit(1)
     sys.exit(0)

@@ -47,7 +47,7 @@ CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.p
                  "test_server.py", "test_server_budget.py", "test_server_limits.py", "test_server_load.py",
                  "test_server_robust.py",
                  "test_server_scheduling.py", "test_text.py", "test_whisper_vocabulary.py", "test_docs.py",
-                 "test_structure.py"}
+                 "test_structure.py", "test_pipeline.py"}
 
 BASES_OWN = "test_base_hears_german_french_and_spanish_and_translates_them_as_transformers"  # (base's languages)
 CPU_PASS_NAMES = ("distribution", "faster_whisper", "convert_to_one_tokenizer", "prints_its_help")

@@ -1,0 +1,61 @@
+"""What each rank of tests/test_pipeline.py's runs, as mlx.launch would run it on several machines:
+
+    python tests/stage_rank.py TARGET DRAFT|- STAGES text|speech
+
+Every rank loads the target split into STAGES (a count, or each stage's [encoder, decoder] layers, as JSON); rank 0
+decodes every path and prints their tokens and each stage's memory (once loaded, and after) as one JSON
+line; the other ranks compute their
+stages and end with rank 0. `outputs` is also the tests' one-process reference."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+CLIP = ROOT / "demo" / "speech" / "clips" / "held-out-2.wav"
+PROMPTS = ["translate English to French: Let's go to the store and buy some groceries including eggs.",
+           "summarize: the cat sat on the mat and looked at the birds outside", "hello there"]
+# Every text path, as batch_generate's options (those that draft, where a draft is loaded).
+TEXT_PATHS = {
+    "greedy": dict(speculative=False),
+    "drafted": dict(num_draft=3),
+    "auto": dict(num_draft="auto"),
+    "sampled": dict(temp=0.8, seed=3, speculative=False),
+    "sampled drafted": dict(temp=1.0, seed=5, num_draft=2),
+    "beams": dict(num_beams=3, speculative=False),
+}
+SPEECH_PATHS = {"greedy": {}, "timestamps": dict(timestamps=True), "beams": dict(num_beams=3), "sampled": dict(temp=0.6, seed=4)}
+
+
+def outputs(models, kind: str) -> dict:
+    """Every path's tokens: each prompt's (text), or each segment's of a held-out clip (speech)."""
+    if kind == "speech":
+        from options import Settings
+        from speech import transcribe
+
+        found = {}
+        for name, options in SPEECH_PATHS.items():
+            options = dict(options)
+            timestamps = options.pop("timestamps", False)
+            (heard,) = transcribe(models, [str(CLIP)], settings=Settings(**options), timestamps=timestamps)
+            found[name] = [segment["tokens"] for segment in heard.segments]
+        return found
+    from generate import batch_generate
+
+    drafts = models.draft is not None
+    found = {name: [g.tokens for g in batch_generate(models, PROMPTS, max_tokens=16, **options)]
+             for name, options in TEXT_PATHS.items() if drafts or options.get("speculative", True) is False}
+    found["one at a time"] = [g.tokens for g in batch_generate(models, PROMPTS, batch_size=1, max_tokens=12,
+                                                              **(dict(num_draft=2) if drafts else dict(speculative=False)))]
+    return found
+
+
+if __name__ == "__main__":
+    from loading import load
+
+    target, draft, stages, kind = sys.argv[1:5]
+    models = load(target, draft=None if draft == "-" else draft, stages=json.loads(stages))
+    loaded = models.target.memory()
+    print(json.dumps(outputs(models, kind) | {"loaded": loaded, "memory": models.target.memory()}), flush=True)
