@@ -7,6 +7,7 @@
     python -m bench whisper-profile  # where a 30 s window's time goes: ours, transformers', mlx-whisper's
     python -m bench rounding     # every family's logits: ours and transformers' float32 against float64
     python -m bench speech-demo  # the speech demo pair: held-out word error rate, drafts, speed, long-form
+    python -m bench stages       # the benchmark pair's target over 1, 2 and 3 ranks (pipeline.py); T5-11B on paper
     python -m bench render       # docs/PERFORMANCE.md and the README's table, from bench/results/
 
 Each command is a `run` that measures and returns plain data, and a `render`
@@ -15,12 +16,12 @@ references alternate, the references in processes of their own, and every
 result names the machine it ran on. Modules by family of measurement:
 decoding.py (regular, steps, speculative, families), batching.py (batch), serve.py (serve),
 drafts.py (drafting, fresh, lookup), controls.py (processors, beams), memory.py (quantized, sizes),
-long_inputs.py (encode, attention), blas.py, speech.py (whisper), speech_profile.py (whisper-profile),
+long_inputs.py (encode, attention), blas.py, stages.py, speech.py (whisper), speech_profile.py (whisper-profile),
 speech_demo.py, rounding.py; the checkpoints they run on are fixtures.py's, the references references.py's.
 """
 
 from bench import (batching, blas, controls, decoding, drafts, long_inputs, memory, rounding, serve, speech, speech_demo,
-                   speech_profile)
+                   speech_profile, stages)
 
 # name -> (what it measures, run(args) -> data, render(data) -> Markdown), in the order docs/PERFORMANCE.md shows them
 COMMANDS = {
@@ -40,6 +41,7 @@ COMMANDS = {
     "quantized": ("Quantized models", memory.run_quantized, memory.render_quantized),
     "sizes": ("Model sizes", memory.run_sizes, memory.render_sizes),
     "blas": ("The BLAS", blas.run_blas, blas.render_blas),
+    "stages": ("Across machines: pipeline stages", stages.run_stages, stages.render_stages),
     "whisper": ("Whisper", speech.run_whisper, speech.render_whisper),
     "whisper-profile": ("Where a Whisper window's time goes", speech_profile.run_whisper_profile,
                         speech_profile.render_whisper_profile),

@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=100,
                         help="tokens to generate (speculative, fresh's one-shot runs: at most, EOS stops)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-draft", type=int, default=4, help="speculative, fresh, serve: draft tokens per verify step")
+    parser.add_argument("--num-draft", type=int, default=4,
+                        help="speculative, fresh, serve, stages: draft tokens per verify step")
     parser.add_argument("--prompts", type=int,
                         help="speculative, fresh's one-shot runs: how many held-out demo prompts (default 6); "
                         "batch: how many prompts (default 32, the demo's repeated)")
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--assistant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-fix", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--decode-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--stages-worker", help=argparse.SUPPRESS)
     parser.add_argument("--encode-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--blas-worker", action="store_true", help=argparse.SUPPRESS)
@@ -72,13 +74,15 @@ def worker(args) -> bool:
         else:
             references.ct2_worker(args.ct2_worker)
         return True
-    if not (args.blas_worker or args.encode_worker or args.decode_worker):
+    if not (args.blas_worker or args.encode_worker or args.decode_worker or args.stages_worker):
         return False
     import cpu  # noqa: F401  (before mlx.core)
 
-    from bench import blas, long_inputs, memory
+    from bench import blas, long_inputs, memory, stages
 
-    if args.blas_worker:
+    if args.stages_worker:
+        stages.stages_worker(args.stages_worker)
+    elif args.blas_worker:
         blas.blas_worker()
     elif args.encode_worker:
         long_inputs.encode_worker(args.encode_worker, args.tokens, args.hf)

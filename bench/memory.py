@@ -155,10 +155,11 @@ MAC_WORKING_SET_GIB = {8: 5.33, 16: 10.67, 24: 16.0, 32: 21.33, 48: 37.44, 64: 4
 BITS = {"float32": None, "bfloat16": None, "8-bit": 8, "4-bit": 4}
 
 
-def weight_bytes(shapes: dict, format: str, group_size: int = 64) -> int:
+def weight_bytes(shapes: dict, format: str, group_size: int = 64, only: tuple | None = None) -> int:
     """Bytes of a converted model's weights: projections and the embedding are
     quantized (with a bfloat16 scale and bias per group), the rest stays float.
-    shapes: a v1.0 T5's, or a public config with its model_type."""
+    shapes: a v1.0 T5's, or a public config with its model_type; `only`: the
+    weights whose names start so (("decoder.", "shared."): what a decode step reads)."""
     from convert import Quantization
     from mlx.utils import tree_flatten
 
@@ -172,7 +173,7 @@ def weight_bytes(shapes: dict, format: str, group_size: int = 64) -> int:
     model = EncoderDecoder(args)  # lazy: only shapes are read
     bits, total = BITS[format], 0
     for name, array in tree_flatten(model.parameters()):
-        if shapes.get(SHARED_ENCODER) and name.startswith(("encoder.", "stem.")):  # the target's, shared
+        if shapes.get(SHARED_ENCODER) and name.startswith(("encoder.", "stem.")) or only and not name.startswith(only):
             continue
         if bits and Quantization(bits, group_size).applies(name, array.shape):
             total += array.size * bits // 8 + 2 * 2 * array.size // group_size
