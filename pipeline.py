@@ -1,21 +1,21 @@
 """A target split into pipeline stages over MLX's distributed engine, for a model too big for one machine.
 
-    mlx.launch --hosts mac1,mac2 -- python main.py --model t5-11b --stages 2 ...
+    mlx.launch --backend ring --hosts mac1,mac2 python main.py --model t5-11b-8bit --stages 2
 
-Each rank (`mlx.launch` starts one per host) holds a contiguous run of the target's layers: the encoder's, then the
-decoder's, cut where the ranks' weights come out about even (or where `--stages` says), each rank with at least one
-decoder layer. It reads only its own layers' weights from the converted folder (mapped lazily: no rank ever holds
-the whole model) and keeps the caches of its own layers.
+Each rank (`mlx.launch` starts one a host) holds a contiguous run of the encoder's layers and one of the decoder's,
+cut where the ranks' weights come out even (or as `--stages 14:6,10:18` says), each with a decoder layer. It reads
+only its own weights from the converted folder (mapped lazily: no rank ever holds the whole model) and keeps its
+own layers' caches.
 
-Rank 0 runs the program: its command line, its server, its Python, its draft (whole, on rank 0 alone), every
-decoding rule. Its target is a `Pipeline`: the same model, whose encoding, caches and decode steps go through the
-stages. The other ranks only compute (`work`): they take commands in order from the rank before them, apply them to
-their layers and their caches, and pass them on; the last stage's output (the encoder's, or the logits) comes back
-to rank 0. So every decoding path is the one-process one, token for token, and a speculative round's verify of k
-drafts is one trip through the stages, as a regular step is: drafting saves trips, which is why it pays more here.
+Rank 0 runs the program: the command line, the server or a script, the draft (whole, on rank 0 alone), every
+decoding rule. Its target is a `Pipeline`, whose encoding, caches and decode steps go through the stages; the other
+ranks only compute (`work`): they take rank 0's commands in order from the rank before them, apply them to their
+layers and caches, and pass them on, and the last stage's output (the encoder's, or the logits) comes back to rank 0.
+So every decoding path is the one process's, token for token, and a speculative round's verify of k drafts is one
+trip through the stages, as a regular step is.
 
 A rank that fails, or loses a peer, ends its process with one line naming the rank (MLX's ring backend notices a
-closed connection within about a second, so no rank waits on a dead one).
+closed connection within about a second); a rank the others never reach ends after CONNECT_SECONDS.
 """
 
 import argparse
@@ -24,25 +24,45 @@ import hashlib
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 
 import cpu  # before mlx.core
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from cache import DecoderCache
 from errors import LoadError, StageError
-from mlx.utils import tree_flatten
-
 from model import EncoderDecoder, drained
 
 # Commands, as rank 0 sends them down the stages.
 ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, MEMORY, EXIT = range(10)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32)
 CONNECT_SECONDS = 30  # how long a rank waits for the others at start (T5_MLX_CONNECT_SECONDS)
-HEADER = 8  # int32s: command, cache, three sizes, count of ints that follow, payload dtype, a flag
+
+
+@dataclass(frozen=True)
+class Command:
+    """What rank 0 asks of the stages: `op`, on the cache `cache`, with `sizes` (the payload's (B, L, d); or what
+    the op needs), `ints` (rows, trims, ids), and the payload's dtype; `masked`: a padding mask follows the payload."""
+
+    op: int
+    cache: int = 0
+    sizes: tuple = (0, 0, 0)
+    ints: tuple = ()
+    dtype: mx.Dtype = mx.float32
+    masked: bool = False
+
+    def header(self) -> mx.array:
+        return mx.array([self.op, self.cache, *self.sizes, len(self.ints), DTYPES.index(self.dtype), int(self.masked)],
+                        mx.int32)
+
+
+HEADER = 8  # int32s: Command.header
 
 
 class Link:
-    """This rank's place among the stages, and the commands that travel between them."""
+    """This rank's place among the stages, and the commands that travel between them: down the line from rank 0 to
+    the last rank, each rank taking them from the one before; outputs back to rank 0 from the stage that made them."""
 
     def __init__(self, group):
         self.group, self.rank, self.size = group, group.rank(), group.size()
@@ -51,17 +71,8 @@ class Link:
         self.dropped = []  # caches rank 0 let go of, dropped on the stages with the next command
         self.broken = False  # a peer was lost: nothing more is sent (it could wait forever)
 
-    def send(self, to: int, header: list, ints=(), payloads=()) -> None:
-        arrays = [mx.array(list(header) + [0] * (HEADER - len(header)), mx.int32)]
-        arrays += [mx.array(list(ints), mx.int32)] if ints else []
-        arrays += list(payloads)
-        for a in arrays:  # one at a time: sends evaluated together may leave in any order
-            self.checked(to, lambda: mx.eval(mx.distributed.send(a, to, group=self.group)))
-
-    def receive(self, source: int, shape, dtype=mx.int32) -> mx.array:
-        return self.checked(source, lambda: mx.eval(x := mx.distributed.recv(tuple(shape), dtype, source, group=self.group)) or x)
-
     def checked(self, peer: int | None, work):
+        """work(), with MLX's error for a lost connection as a StageError naming the peer."""
         try:
             return work()
         except RuntimeError as e:  # the ring backend's lost connection
@@ -69,40 +80,58 @@ class Link:
             lost = "a peer" if peer is None else f"rank {peer}"
             raise StageError(f"stage rank {self.rank} lost {lost} ({' '.join(str(e).split())})") from None
 
-    def command(self, op: int, cache: int = 0, sizes=(0, 0, 0), ints=(), payloads=(), dtype=mx.float32, flag: int = 0) -> None:
-        """A command to every other stage, down the line (rank 1 passes it to rank 2, ...)."""
-        if self.dropped and op != DROP:
-            dropped, self.dropped = self.dropped, []
-            self.command(DROP, ints=dropped)
-        header = [op, cache, *sizes, len(ints), DTYPES.index(dtype), int(flag)]
-        self.send(1, header, ints, payloads)
+    def send(self, to: int, *arrays: mx.array) -> None:
+        for a in arrays:  # one at a time: sends evaluated together may leave in any order
+            self.checked(to, lambda: mx.eval(mx.distributed.send(a, to, group=self.group)))
+
+    def receive(self, source: int, shape, dtype=mx.int32) -> mx.array:
+        def received():
+            x = mx.distributed.recv(tuple(shape), dtype, source, group=self.group)
+            mx.eval(x)
+            return x
+        return self.checked(source, received)
+
+    def pass_on(self, command: Command, *payloads: mx.array) -> None:
+        """A command, and its payloads, to the next stage (if any)."""
+        if self.rank + 1 < self.size:
+            ints = (mx.array(command.ints, mx.int32),) if command.ints else ()
+            self.send(self.rank + 1, command.header(), *ints, *payloads)
+
+    def command(self, command: Command, *payloads: mx.array) -> None:
+        """Rank 0's command to every other stage (after the caches it dropped since the last one)."""
+        if self.dropped:
+            dropped, self.dropped = tuple(self.dropped), []
+            self.pass_on(Command(DROP, ints=dropped))
+        self.pass_on(command, *payloads)
+
+    def next_command(self) -> tuple[Command, list[mx.array]]:
+        """The next command from the rank before, and its payloads."""
+        op, cache, a, b, c, count, dtype, masked = self.receive(self.rank - 1, (HEADER,)).tolist()
+        ints = tuple(self.receive(self.rank - 1, (count,)).tolist()) if count else ()
+        command = Command(op, cache, (a, b, c), ints, DTYPES[dtype], bool(masked))
+        payloads = []
+        if op in (ENCODE, CACHE, DECODE):
+            payloads.append(self.receive(self.rank - 1, (a, b, c), command.dtype))
+            if masked:
+                payloads.append(self.receive(self.rank - 1, (a, b)))
+        return command, payloads
+
+    def reply(self, out: mx.array) -> None:
+        """The last stage's output, back to rank 0."""
+        self.send(0, out)
 
     def close(self) -> None:
         """The other stages' end, as rank 0's program ends (unless one of them is gone already)."""
         if not self.broken:
             try:
-                self.command(EXIT)
+                self.command(Command(EXIT))
             except StageError:
                 pass
-
-    def next_command(self):
-        """The next command from the rank before: (op, cache, sizes, ints, dtype, flag)."""
-        op, cache, a, b, c, count, dtype, flag = self.receive(self.rank - 1, (HEADER,)).tolist()
-        ints = self.receive(self.rank - 1, (count,)).tolist() if count else []
-        return op, cache, (a, b, c), ints, DTYPES[dtype], flag
 
     @property
     def last_encoder(self) -> int:
         """The stage that ends the encoder."""
         return max(rank for rank, (encoder, _) in enumerate(self.parts) if len(encoder))
-
-    def reply(self, out: mx.array) -> None:
-        """The last stage's output, back to rank 0."""
-        self.checked(0, lambda: mx.eval(mx.distributed.send(out, 0, group=self.group)))
-
-    def pass_on(self, op, cache, sizes, ints, dtype, flag, payloads=()) -> None:
-        if self.rank + 1 < self.size:
-            self.send(self.rank + 1, [op, cache, *sizes, len(ints), DTYPES.index(dtype), flag], ints, payloads)
 
 
 def stages_option(text: str) -> int | list[tuple[int, int]]:
@@ -262,28 +291,26 @@ class Pipeline(EncoderDecoder):
         x = yield from super().encoding(source, mask, lanes)
         if self.encoder.ends:
             return x
-        B, S, d = x.shape
-        self.link.command(ENCODE, sizes=(B, S, d), payloads=with_mask(x, mask), dtype=x.dtype, flag=mask is not None)
-        return self.link.receive(self.link.last_encoder, (B, S, d), x.dtype)
+        self.link.command(Command(ENCODE, sizes=x.shape, dtype=x.dtype, masked=mask is not None), *with_mask(x, mask))
+        return self.link.receive(self.link.last_encoder, x.shape, x.dtype)
 
     def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None, lanes: tuple | None = None):
-        B, S, d = encoder_output.shape
         own = super().make_cache(encoder_output, mask, lanes)
         self.link.caches += 1
         cache = StagedCache(self.link, self.link.caches, own.cross_keys_values, own.cross_bias)
-        self.link.command(CACHE, cache.id, (B, S, d), payloads=with_mask(encoder_output, mask), dtype=encoder_output.dtype,
-                          flag=mask is not None)
+        self.link.command(Command(CACHE, cache.id, encoder_output.shape, dtype=encoder_output.dtype,
+                                  masked=mask is not None), *with_mask(encoder_output, mask))
         return cache
 
     def decode(self, tokens: mx.array, cache: "StagedCache") -> mx.array:
         hidden = super().decode(tokens, cache)
-        B, L, d = hidden.shape
-        self.link.command(DECODE, cache.id, (B, L, d), payloads=(hidden,), dtype=hidden.dtype)
+        self.link.command(Command(DECODE, cache.id, hidden.shape, dtype=hidden.dtype), hidden)
+        B, L, _ = hidden.shape
         return self.link.receive(self.link.size - 1, (B, L, self.args.vocab_size), hidden.dtype)
 
     def memory(self) -> list[dict]:
         """Each stage's memory, rank by rank, in bytes: its weights, what MLX holds now and the most it has held."""
-        self.link.command(MEMORY, ints=own_memory(self))
+        self.link.command(Command(MEMORY, ints=own_memory(self)))
         every = self.link.receive(self.link.size - 1, (3 * self.link.size,)).tolist()
         return [dict(zip(("weights", "active", "peak"), (kib * 1024 for kib in every[i : i + 3])))
                 for i in range(0, len(every), 3)]
@@ -302,19 +329,19 @@ class StagedCache(DecoderCache):
 
     def trim(self, n: int | list[int]) -> None:
         super().trim(n)
-        self.link.command(TRIM, self.id, ints=n if isinstance(n, list) else [n] * len(self.offsets))
+        self.link.command(Command(TRIM, self.id, ints=tuple(n) if isinstance(n, list) else (n,) * len(self.offsets)))
 
     def keep(self, rows: list[int], cross_length: int | None = None) -> None:
         super().keep(rows, cross_length)
-        self.link.command(KEEP, self.id, (-1 if cross_length is None else cross_length, 0, 0), ints=rows)
+        self.link.command(Command(KEEP, self.id, (-1 if cross_length is None else cross_length, 0, 0), tuple(rows)))
 
     def reorder(self, rows: list[int]) -> None:
         super().reorder(rows)
-        self.link.command(REORDER, self.id, ints=rows)
+        self.link.command(Command(REORDER, self.id, ints=tuple(rows)))
 
     def extend(self, other: "StagedCache") -> None:
         super().extend(other)
-        self.link.command(EXTEND, self.id, (other.id, 0, 0))
+        self.link.command(Command(EXTEND, self.id, (other.id, 0, 0)))
         other.id = None
 
     def __del__(self):
@@ -322,59 +349,51 @@ class StagedCache(DecoderCache):
             self.link.dropped.append(self.id)
 
 
-def own_memory(model: EncoderDecoder) -> list[int]:
+def own_memory(model: EncoderDecoder) -> tuple[int, ...]:
     """This stage's weights, active and peak memory, in KiB (int32 holds 2 TiB of them)."""
     weights = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
-    return [weights // 1024, mx.get_active_memory() // 1024, mx.get_peak_memory() // 1024]
+    return weights // 1024, mx.get_active_memory() // 1024, mx.get_peak_memory() // 1024
 
 
 def work(model: EncoderDecoder, link: Link) -> None:
     """A stage other than rank 0: apply rank 0's commands to this rank's layers and caches, in order, until it
-    exits; what the last stage makes (the encoder's output, the logits) goes back to rank 0."""
-    caches = {}
+    exits; what the last stage makes (the encoder's output, the logits, every stage's memory) goes back to rank 0."""
+    caches, last = {}, link.rank == link.size - 1
     while True:
-        op, id, sizes, ints, dtype, flag = command = link.next_command()
-        if op == EXIT:
-            link.pass_on(*command)
-            return
-        if op in (ENCODE, CACHE, DECODE):
-            B, S, d = sizes
-            x = link.receive(link.rank - 1, (B, S, d), dtype)
-            mask = link.receive(link.rank - 1, (B, S)) if flag else None  # (a padding mask, where rank 0's had one)
-        if op == ENCODE:  # (never passed past the encoder's last stage)
-            out = drained(model.encoder.pieces(x, mask, cpu.lanes()))
+        command, payloads = link.next_command()
+        op, cache = command.op, caches.get(command.cache)
+        if op == ENCODE:  # (never sent past the encoder's last stage)
+            out = drained(model.encoder.pieces(payloads[0], payloads[1] if command.masked else None, cpu.lanes()))
             if link.rank == link.last_encoder:
                 link.reply(out)
             else:
-                link.pass_on(*command, payloads=with_mask(out, mask))
+                link.pass_on(command, out, *payloads[1:])
             continue
-        if op == CACHE:
-            caches[id] = model.make_cache(x, mask)
-            link.pass_on(*command, payloads=with_mask(x, mask))
-        elif op == DECODE:
-            out = model.decode(x, caches[id])
-            if link.rank == link.size - 1:
-                link.reply(out)
-            else:
-                link.pass_on(*command, payloads=(out,))
-        else:
-            if op == TRIM:
-                caches[id].trim(ints)
-            elif op == KEEP:
-                caches[id].keep(ints, None if sizes[0] < 0 else sizes[0])
-            elif op == REORDER:
-                caches[id].reorder(ints)
-            elif op == EXTEND:
-                caches[id].extend(caches.pop(sizes[0]))
-            elif op == DROP:
-                for dropped in ints:
-                    caches.pop(dropped, None)
-            elif op == MEMORY:  # each stage's figures, added in turn; the last stage's list goes back to rank 0
-                ints = ints + own_memory(model)
-                if link.rank == link.size - 1:
-                    link.reply(mx.array(ints, mx.int32))
-                    continue
-            link.pass_on(op, id, sizes, ints, dtype, flag)
+        if op == DECODE:
+            out = model.decode(payloads[0], cache)
+            link.reply(out) if last else link.pass_on(command, out)
+            continue
+        if op == MEMORY:  # each stage's figures, added in turn
+            command = replace(command, ints=command.ints + own_memory(model))
+            if last:
+                link.reply(mx.array(command.ints, mx.int32))
+                continue
+        elif op == CACHE:
+            caches[command.cache] = model.make_cache(payloads[0], payloads[1] if command.masked else None)
+        elif op == TRIM:
+            cache.trim(list(command.ints))
+        elif op == KEEP:
+            cache.keep(list(command.ints), None if command.sizes[0] < 0 else command.sizes[0])
+        elif op == REORDER:
+            cache.reorder(list(command.ints))
+        elif op == EXTEND:
+            cache.extend(caches.pop(command.sizes[0]))
+        elif op == DROP:
+            for dropped in command.ints:
+                caches.pop(dropped, None)
+        link.pass_on(command, *payloads)
+        if op == EXIT:
+            return
 
 
 def serve_or_exit(model: EncoderDecoder, link: Link) -> None:

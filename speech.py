@@ -266,8 +266,7 @@ class Listening:
 
     @classmethod
     def of(cls, models, language: str | None, task: str, timestamps: bool, guards: Guards, prompt: str | None,
-           settings: Settings | None, given, options: dict, words: bool = False,
-           condition: bool = False) -> "Listening":
+           settings: Settings | None, given, options: dict, words: bool = False, condition: bool = False) -> "Listening":
         whisper = Whisper.of(models)
         if words and not whisper.alignment_heads:
             raise OptionError("this model's generation config names no alignment_heads: it times no words", "words")

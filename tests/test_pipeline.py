@@ -131,7 +131,7 @@ def test_each_rank_reads_its_share_of_the_weights_and_no_more(tmp_path, text_pai
     target, _, _ = text_pair
     total = sum(a.nbytes for _, a in tree_flatten(load(target).target.parameters()))
     found = staged(tmp_path, 3, target, None, "text")
-    assert total <= sum(rank["weights"] for rank in found["loaded"]) <= total + 3 * 2**10  # (the norms and biases each stage needs)
+    assert total <= sum(rank["weights"] for rank in found["loaded"]) <= total + 3 * 2**10  # (norms, biases: each stage)
     for loaded, after in zip(found["loaded"], found["memory"]):
         assert loaded["weights"] < 0.5 * total
         assert loaded["peak"] <= loaded["weights"] + 64 * 2**10
