@@ -20,6 +20,7 @@ closed connection within about a second); a rank the others never reach ends aft
 
 import argparse
 import atexit
+import collections
 import hashlib
 import os
 import subprocess
@@ -68,7 +69,7 @@ class Link:
         self.group, self.rank, self.size = group, group.rank(), group.size()
         self.parts = None  # each rank's (encoder layers, decoder layers), as ranges: place()
         self.caches = 0  # the last cache id handed out (rank 0)
-        self.dropped = []  # caches rank 0 let go of, dropped on the stages with the next command
+        self.dropped = collections.deque()  # caches rank 0 let go of (any thread's), dropped with the next command
         self.broken = False  # a peer was lost: nothing more is sent (it could wait forever)
 
     def checked(self, peer: int | None, work):
@@ -99,9 +100,11 @@ class Link:
 
     def command(self, command: Command, *payloads: mx.array) -> None:
         """Rank 0's command to every other stage (after the caches it dropped since the last one)."""
-        if self.dropped:
-            dropped, self.dropped = tuple(self.dropped), []
-            self.pass_on(Command(DROP, ints=dropped))
+        dropped = []
+        while self.dropped:  # (a deque's popleft and append are atomic: garbage collection may add to it meanwhile)
+            dropped.append(self.dropped.popleft())
+        if dropped:
+            self.pass_on(Command(DROP, ints=tuple(dropped)))
         self.pass_on(command, *payloads)
 
     def next_command(self) -> tuple[Command, list[mx.array]]:

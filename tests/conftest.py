@@ -39,18 +39,36 @@ FLAVOURS = {
 # the docs and the layout, and the statistical tests of the sampling rule (its
 # arithmetic runs after the model's, the same on both paths), and faster-whisper's agreement with real weights
 # (ours is held to transformers' on both paths by the tests before it). Of the real weights, the second pass takes
-# tiny.en's tests and base's languages: base takes the branches tiny.en takes (the same layers, wider), and only
-# its multilingual ones (detection, translation) besides; its English tests, a third of the pass's time (MLX's fused
-# attention and GELU run the encoder 3x slower on the CPU than the CPU path's own), run in the first.
+# tiny.en's tests: base takes the branches tiny.en takes (the same layers, wider), and its multilingual ones
+# (detection, translation) are rules over the logits; its tests, a third of the pass's time (MLX's fused attention and
+# GELU run the encoder 3x slower on the CPU than the CPU path's own), run in the first. So do the speech demo's (its
+# draft's head and borrowed encoder take no branch of the path: test_drafting's head tests take the head on both),
+# and Whisper's tests of rules over the logits (CPU_PASS_TESTS), whose model the tests kept on the path run in every
+# configuration the rules put it in: a file, files of several lengths together, timestamps, long form, beams, drafts,
+# word times.
 CPU_PASS_ONLY = {"test_bench.py", "test_convert.py", "test_cpu.py", "test_demo.py", "test_train.py", "test_float16.py",
-                 "test_train_speech.py",
+                 "test_train_speech.py", "test_demo_speech.py",
                  "test_server.py", "test_server_budget.py", "test_server_limits.py", "test_server_load.py",
                  "test_server_robust.py",
                  "test_server_scheduling.py", "test_text.py", "test_whisper_vocabulary.py", "test_docs.py",
                  "test_structure.py", "test_pipeline.py"}
-
-BASES_OWN = "test_base_hears_german_french_and_spanish_and_translates_them_as_transformers"  # (base's languages)
 CPU_PASS_NAMES = ("distribution", "faster_whisper", "convert_to_one_tokenizer", "prints_its_help")
+CPU_PASS_TESTS = {  # test_whisper.py's rules: language detection, fallbacks and skips, openings, lengths, output
+    "test_without_a_language_the_spoken_one_is_detected_as_transformers_detects_it",
+    "test_by_default_the_output_takes_the_positions_the_opening_leaves",
+    "test_a_window_failing_a_threshold_is_decoded_again_at_the_next_temperature",
+    "test_a_beam_searched_window_that_fails_a_threshold_is_sampled_again_with_one_beam",
+    "test_the_windows_figures_are_transformers_and_a_silent_window_is_skipped_by_its_threshold",
+    "test_a_file_of_silence_whose_every_window_is_skipped_has_no_segments",
+    "test_conditioned_on_the_text_before_each_window_opens_as_transformers_condition_on_prev_tokens",
+    "test_a_prompt_opens_every_window_as_transformers_prompt_ids_do",
+    "test_a_long_file_beam_searched_is_transformers_long_form_with_its_words",
+    "test_a_files_segments_stream_as_their_closing_timestamps_are_decided",
+    "test_the_command_line_transcribes_files_and_prints_openais_verbose_json",
+    "test_the_command_line_prints_a_files_segments_as_they_are_decided_with_the_guards_it_is_given",
+    "test_the_command_line_writes_subtitles_beside_each_other_in_a_folder",
+    "test_the_command_line_prints_each_words_times_under_its_segment",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,9 +78,10 @@ def pytest_collection_modifyitems(config, items):
     tiny_en_takes_it = pytest.mark.skip(reason="tiny.en takes base's branches on this path: run in the CPU path's pass")
     for item in items:
         serves = "server" in item.name or {"server", "audio_server"} & set(item.fixturenames)  # (Whisper's endpoints)
-        if item.path.name in CPU_PASS_ONLY or serves or any(part in item.name for part in CPU_PASS_NAMES):
+        if item.path.name in CPU_PASS_ONLY or serves or any(part in item.name for part in CPU_PASS_NAMES) or \
+                item.originalname in CPU_PASS_TESTS:
             item.add_marker(skip)
-        elif item.path.name == "test_whisper_real.py" and "[base]" in item.name and item.originalname != BASES_OWN:
+        elif item.path.name == "test_whisper_real.py" and "[base]" in item.name:
             item.add_marker(tiny_en_takes_it)
 
 

@@ -127,7 +127,7 @@ def test_whisper_tiny_en_transcribes_over_two_stages_as_on_one_process(tmp_path)
 def test_each_rank_reads_its_share_of_the_weights_and_no_more(tmp_path, text_pair):
     """Once loaded, a rank's peak memory is its own weights (the converted folder is mapped lazily: the other ranks'
     are never read), and the ranks' weights add up to the model's (the embedding on rank 0 alone, the untied head on
-    the last rank); decoding adds its caches and activations, a fixed amount."""
+    the last rank); decoding adds its caches and activations, a fixed amount, and leaves no cache behind."""
     target, _, _ = text_pair
     total = sum(a.nbytes for _, a in tree_flatten(load(target).target.parameters()))
     found = staged(tmp_path, 3, target, None, "text")
@@ -136,6 +136,7 @@ def test_each_rank_reads_its_share_of_the_weights_and_no_more(tmp_path, text_pai
         assert loaded["weights"] < 0.5 * total
         assert loaded["peak"] <= loaded["weights"] + 64 * 2**10
         assert after["peak"] <= after["weights"] + 4 * 2**20
+        assert after["active"] <= after["weights"] + 64 * 2**10  # every cache rank 0 let go of is gone from each stage
 
 
 def test_the_command_line_runs_over_stages_under_mlx_launch_as_on_one_process(tmp_path, text_pair):

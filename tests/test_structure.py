@@ -140,3 +140,11 @@ def test_pip_install_makes_every_module_importable():
 def test_no_tracked_file_is_ignored():
     done = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == "", done.stdout
+
+
+def test_the_tests_the_second_pass_leaves_to_the_first_exist():
+    """conftest's CPU_PASS_TESTS names test_whisper.py's tests: a renamed one would run in both passes unnoticed."""
+    from conftest import CPU_PASS_TESTS
+
+    defined = set(re.findall(r"^def (test_\w+)", (ROOT / "tests" / "test_whisper.py").read_text(), re.M))
+    assert CPU_PASS_TESTS <= defined, sorted(CPU_PASS_TESTS - defined)
