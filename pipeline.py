@@ -179,6 +179,29 @@ def connected(seconds: float | None = None):
         watchdog.wait()
 
 
+def local_ranks(count: int, argv, folder, env: dict | None = None, started: int | None = None) -> list:
+    """`count` ranks on this machine over the ring backend, as `mlx.launch --hosts 127.0.0.1 -n COUNT` starts them
+    (whose relay of their output keeps a core busy: the tests and `bench stages` start them so instead), each running
+    `python ARGV` (or argv[rank], one list per rank) in this repository, with its output on pipes; the hostfile is
+    written in `folder`. Only the first `started` are started (the others: a host that never answers)."""
+    import json
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    hosts = [[f"127.0.0.1:{s.getsockname()[1]}"] for s in sockets]
+    for s in sockets:
+        s.close()
+    hostfile = folder / f"hosts-{os.getpid()}-{hosts[0][0].split(':')[1]}.json"
+    hostfile.write_text(json.dumps(hosts))
+    return [subprocess.Popen([sys.executable, *map(str, argv[rank] if isinstance(argv[0], list) else argv)],
+                             env=os.environ | {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)} | (env or {}),
+                             cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for rank in range(count if started is None else started)]
+
+
 def rank() -> int:
     """This process's rank among those mlx.launch started (0 without it)."""
     return connected().rank()

@@ -4,10 +4,13 @@ a model on paper of what a link between Macs adds, and what that leaves for T5-1
 16 GB Macs."""
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+import pipeline
 
 from bench import fixtures, memory
 from bench.harness import ROOT, table
@@ -55,12 +58,6 @@ def stages_worker(spec: str) -> None:
                       "ranks": ranks}), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_stages(args) -> dict:
     pair = fixtures.benchmark_pair(args.dir)
     prompts = fixtures.held_out_prompts(args.prompts or 4)
@@ -68,12 +65,17 @@ def run_stages(args) -> dict:
     for ranks in RANKS:
         spec = dict(target=str(pair["target"]), draft=str(pair["draft"]), ranks=ranks, prompts=prompts,
                     tokens=args.tokens, num_draft=args.num_draft or NUM_DRAFT, repeats=args.repeats)
-        command = [sys.executable, "-m", "bench", "--stages-worker", json.dumps(spec)]
-        if ranks > 1:
-            command = ["mlx.launch", "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
-                       "-p", str(free_port()), *command]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
-        runs[ranks] = json.loads(done.stdout.strip().splitlines()[-1])
+        argv = ["-m", "bench", "--stages-worker", json.dumps(spec)]
+        if ranks > 1:  # as mlx.launch starts them, without its relay of their output, which keeps a core busy
+            with tempfile.TemporaryDirectory() as folder:
+                processes = pipeline.local_ranks(ranks, argv, Path(folder))
+                outputs = [process.communicate() for process in processes]
+            if any(process.returncode for process in processes):
+                raise RuntimeError(f"a rank failed: {[err[-1000:] for _, err in outputs]}")
+            out = outputs[0][0]
+        else:
+            out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        runs[ranks] = json.loads(out.strip().splitlines()[-1])
     return {"prompts": len(prompts), "max_tokens": args.tokens, "num_draft": args.num_draft or NUM_DRAFT,
             "repeats": args.repeats, "runs": runs, "on_paper": on_paper()}
 
@@ -136,7 +138,8 @@ def render_stages(data: dict) -> str:
                "regular tokens/s", f"drafted tokens/s at acceptance {acceptances}"]
     return (f"{data['prompts']} held-out demo prompts, at most {data['max_tokens']} tokens each, one at a time, "
             f"medians of {data['repeats']}; the benchmark pair's target split over the ranks of this one machine "
-            "(the ring backend over 127.0.0.1: no link's latency is in these figures, and the ranks share its cores)."
+            "(the ring backend over 127.0.0.1: no link's latency is in these figures; the ranks share its cores, and a "
+            "rank waiting for another keeps one busy: MLX's ring backend polls its sockets)."
             f"\n\n{measured}\n\n"
             f"On paper: T5-11B split over two 16 GB Macs ({paper['working_set_gib']} GiB of GPU working set each), "
             f"drafted by T5-small on rank 0, num-draft {paper['num_draft']}; a decode step reads the decoder's weights "

@@ -6,7 +6,6 @@ that never comes, or ranks on different folders end every rank in seconds with o
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -39,15 +38,7 @@ def free_ports(count: int) -> list[int]:
 def start(tmp_path: Path, ranks: int, argv: list, started: int | None = None, env: dict | None = None) -> list:
     """`ranks` processes of `argv` (a list, or one per rank) on the ring backend over 127.0.0.1, as mlx.launch
     starts them; only the first `started` are started (the rest: a host that never answers)."""
-    hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]))
-    processes = []
-    for rank in range(ranks if started is None else started):
-        command = argv[rank] if isinstance(argv[0], list) else argv
-        environment = os.environ | {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)} | (env or {})
-        processes.append(subprocess.Popen([sys.executable, *map(str, command)], env=environment, cwd=ROOT,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return processes
+    return pipeline.local_ranks(ranks, argv, tmp_path, env, started)
 
 
 def finish(processes: list, timeout: float) -> list[tuple[int, str, str]]:
