@@ -26,7 +26,7 @@ TEXT_PATHS = {
     "sampled drafted": dict(temp=1.0, seed=5, num_draft=2),
     "beams": dict(num_beams=3, speculative=False),
 }
-SPEECH_PATHS = {"greedy": {}, "timestamps": dict(timestamps=True), "beams": dict(num_beams=3), "sampled": dict(temp=0.6, seed=4)}
+SPEECH_PATHS = {"timestamps": dict(timestamps=True), "beams": dict(num_beams=3), "sampled": dict(temp=0.6, seed=4)}
 
 
 def outputs(models, kind: str) -> dict:
