@@ -158,6 +158,12 @@ class DecoderCache:
         if self.cross_bias is not None:
             self.cross_bias = self.cross_bias[index, ..., cut]
 
+    def row(self, row: int) -> "DecoderCache":
+        """A cache of one row's cross-attention alone (its keys, values and bias; no positions of its own): what a
+        pass over that row's tokens attends to (speech_tokens.token_times, as the row ends)."""
+        return DecoderCache([(k[row : row + 1], v[row : row + 1]) for k, v in self.cross_keys_values],
+                            None if self.cross_bias is None else self.cross_bias[row : row + 1])
+
     def reorder(self, rows: list[int]) -> None:
         """The self-attention caches of these rows, in this order, rows
         repeated or dropped (beam search's beams, each the continuation of a

@@ -26,7 +26,7 @@ import cpu  # must precede mlx.core: picks a fast BLAS on Linux
 import mlx.core as mx
 import mlx.nn as nn
 
-from attention import attend, block_rows, exp_below_zero, prompt_values
+from attention import attend, block_rows, cross_weights, exp_below_zero, prompt_values
 from cache import DecoderCache, write
 
 
@@ -678,6 +678,20 @@ class EncoderDecoder(nn.Module):
         if self.args.logits_bias:
             logits = logits + self.final_logits_bias
         return logits.reshape(B, L, -1), keys, values
+
+    def cross_attention_weights(self, tokens: mx.array, cache: DecoderCache, layers: set[int]) -> dict:
+        """The cross-attention weights (B, H, L, S) of these decoder layers, by layer, in one pass of tokens (B, L)
+        from position 0 over `cache`'s cross-attention (speech_tokens.token_times' alignment heads)."""
+        return self.capturing_pass(tokens, cache, layers)[1]
+
+    def capturing_pass(self, tokens: mx.array, cache: DecoderCache, layers: set[int]) -> tuple[mx.array, dict]:
+        """cross_attention_weights' pass, uncompiled (a compiled step keeps no weights): its output (logits, or a
+        stage's hidden states), and the weights."""
+        keys, values = cache.reserve(tokens.shape[1])
+        with cross_weights(layers) as captured:
+            out, _, _ = self.decode_step(tokens, mx.zeros((tokens.shape[0],), mx.int32), keys, values,
+                                         cache.cross_keys_values, cache.cross_bias)
+        return out, {layer: captured[layer] for layer in layers}
 
     def scored_head(self, x: mx.array) -> mx.array:
         """A draft's logits over its head's tokens alone (a frequency-ranked subset of the vocabulary, as FR-Spec's

@@ -35,8 +35,9 @@ from cache import DecoderCache
 from errors import LoadError, StageError
 from model import EncoderDecoder, drained
 
-# Commands, as rank 0 sends them down the stages.
-ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, MEMORY, EXIT = range(10)
+# Commands, as rank 0 sends them down the stages (ROW: one row's cross-attention as a cache of its own; WEIGHTS: a
+# pass over it capturing the alignment heads' layers, for Whisper's word times).
+ENCODE, CACHE, DECODE, TRIM, KEEP, REORDER, EXTEND, DROP, MEMORY, EXIT, ROW, WEIGHTS = range(12)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32)
 CONNECT_SECONDS = 30  # how long a rank waits for the others at start (T5_MLX_CONNECT_SECONDS)
 
@@ -113,7 +114,7 @@ class Link:
         ints = tuple(self.receive(self.rank - 1, (count,)).tolist()) if count else ()
         command = Command(op, cache, (a, b, c), ints, DTYPES[dtype], bool(masked))
         payloads = []
-        if op in (ENCODE, CACHE, DECODE):
+        if op in (ENCODE, CACHE, DECODE, WEIGHTS):
             payloads.append(self.receive(self.rank - 1, (a, b, c), command.dtype))
             if masked:
                 payloads.append(self.receive(self.rank - 1, (a, b)))
@@ -334,6 +335,22 @@ class Pipeline(EncoderDecoder):
         B, L, _ = hidden.shape
         return self.link.receive(self.link.size - 1, (B, L, self.args.vocab_size), hidden.dtype)
 
+    def cross_attention_weights(self, tokens: mx.array, cache: "StagedCache", layers: set[int]) -> dict:
+        """As EncoderDecoder's, each stage capturing its own layers' (the decoder's layers counted over all stages),
+        which come back to rank 0 stage by stage."""
+        own = range(len(self.decoder.layers))
+        hidden, found = self.capturing_pass(tokens, cache, {layer for layer in layers if layer in own})
+        wanted = tuple(sorted(layers))
+        self.link.command(Command(WEIGHTS, cache.id, hidden.shape, wanted, hidden.dtype), hidden)
+        B, L, _ = hidden.shape
+        S, H = cache.cross_keys_values[0][0].shape[2], self.args.num_heads
+        for rank, (_, decoder) in enumerate(self.link.parts[1:], 1):
+            theirs = [layer for layer in wanted if layer in decoder]
+            if theirs:
+                weights = self.link.receive(rank, (len(theirs), B, H, L, S), mx.float32)
+                found |= dict(zip(theirs, weights))
+        return found
+
     def memory(self) -> list[dict]:
         """Each stage's memory, rank by rank, in bytes: its weights, what MLX holds now and the most it has held."""
         self.link.command(Command(MEMORY, ints=own_memory(self)))
@@ -361,6 +378,13 @@ class StagedCache(DecoderCache):
         super().keep(rows, cross_length)
         self.link.command(Command(KEEP, self.id, (-1 if cross_length is None else cross_length, 0, 0), tuple(rows)))
 
+    def row(self, row: int) -> "StagedCache":
+        one = super().row(row)
+        self.link.caches += 1
+        cache = StagedCache(self.link, self.link.caches, one.cross_keys_values, one.cross_bias)
+        self.link.command(Command(ROW, self.id, (cache.id, row, 0)))
+        return cache
+
     def reorder(self, rows: list[int]) -> None:
         super().reorder(rows)
         self.link.command(Command(REORDER, self.id, ints=tuple(rows)))
@@ -381,6 +405,17 @@ def own_memory(model: EncoderDecoder) -> tuple[int, ...]:
     return weights // 1024, mx.get_active_memory() // 1024, mx.get_peak_memory() // 1024
 
 
+def cross_weights_stage(model: EncoderDecoder, link: Link, command: Command, hidden: mx.array, cache) -> mx.array:
+    """A stage's part of Pipeline.cross_attention_weights: its layers' pass over the hidden states (returned, for
+    the next stage), the wanted layers among them captured and sent to rank 0."""
+    start = link.parts[link.rank][1].start
+    own = [layer for layer in command.ints if layer - start in range(len(model.decoder.layers))]
+    out, captured = model.capturing_pass(hidden, cache, {layer - start for layer in own})
+    if own:
+        link.reply(mx.stack([captured[layer - start].astype(mx.float32) for layer in own]))
+    return out
+
+
 def work(model: EncoderDecoder, link: Link) -> None:
     """A stage other than rank 0: apply rank 0's commands to this rank's layers and caches, in order, until it
     exits; what the last stage makes (the encoder's output, the logits, every stage's memory) goes back to rank 0."""
@@ -399,11 +434,18 @@ def work(model: EncoderDecoder, link: Link) -> None:
             out = model.decode(payloads[0], cache)
             link.reply(out) if last else link.pass_on(command, out)
             continue
+        if op == WEIGHTS:  # a pass over one row's tokens, each stage's wanted layers' weights back to rank 0
+            out = cross_weights_stage(model, link, command, payloads[0], cache)
+            if not last:
+                link.pass_on(command, out)
+            continue
         if op == MEMORY:  # each stage's figures, added in turn
             command = replace(command, ints=command.ints + own_memory(model))
             if last:
                 link.reply(mx.array(command.ints, mx.int32))
                 continue
+        elif op == ROW:
+            caches[command.sizes[0]] = cache.row(command.sizes[1])
         elif op == CACHE:
             caches[command.cache] = model.make_cache(payloads[0], payloads[1] if command.masked else None)
         elif op == TRIM:

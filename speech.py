@@ -221,13 +221,11 @@ def listen(tracks: list[Track]) -> Iterator[tuple[Track, dict]]:
                         joining.append(track)
 
 
-def row_cross(batch, request) -> tuple:
-    """A request's row's cross-attention keys and values (each layer's) and bias in its batch's target cache: what
-    token_times reads, taken as the row ends, before it leaves (a beam search's row: its first beam's, the same)."""
-    cache = batch.caches[0]
+def row_cross(batch, request):
+    """A request's row's cross-attention in its batch's target cache (DecoderCache.row): what token_times reads,
+    taken as the row ends, before it leaves (a beam search's row: its first beam's, the same)."""
     row = [row.request for row in batch.rows].index(request) * getattr(batch, "width", 1)  # (BeamBatch: beams a row)
-    keys_values = [(keys[row : row + 1], values[row : row + 1]) for keys, values in cache.cross_keys_values]
-    return keys_values, None if cache.cross_bias is None else cache.cross_bias[row : row + 1]
+    return batch.caches[0].row(row)
 
 
 def open_windows(models, cache, tracks: list[Track]) -> None:
@@ -270,8 +268,6 @@ class Listening:
         whisper = Whisper.of(models)
         if words and not whisper.alignment_heads:
             raise OptionError("this model's generation config names no alignment_heads: it times no words", "words")
-        if words and getattr(models.target, "link", None) is not None:  # (token_times reads rank 0's layers alone)
-            raise OptionError("word times read the alignment heads of every stage: not yet with --stages", "words")
         args = models.target.args
         if any(not (0 <= layer < args.num_decoder_layers and 0 <= head < args.num_heads)
                for layer, head in whisper.alignment_heads):
@@ -386,7 +382,7 @@ class Listening:
         track.sent = max(track.sent, len(final))
         return new
 
-    def ended(self, track: Track, finish: str, cross: tuple | None = None) -> list[dict]:
+    def ended(self, track: Track, finish: str, cross=None) -> list[dict]:
         """The track's window is done: the segments it decided that were not
         given out yet, and the file moves on (or the window is decoded again
         hotter, or passed over as silence). With words, `cross` is its row's
@@ -419,11 +415,11 @@ class Listening:
         names = {token: code.strip("<|>") for code, token in self.whisper.languages.items()}
         return names.get(track.language, None if self.whisper.multilingual else "en")
 
-    def timed(self, segments: list[dict], window: Window, frames: int, cross: tuple, track: Track) -> None:
+    def timed(self, segments: list[dict], window: Window, frames: int, cross, track: Track) -> None:
         """Each segment's tokens' times and its words (token_times, words_of: transformers' token timestamps)."""
         opening = list(window.request.opening.start)
         ended = [self.whisper.end] if window.request.end_logprob is not None else []
-        times = token_times(self.models.target, *cross, opening + window.tokens + ended, len(opening),
+        times = token_times(self.models.target, cross, opening + window.tokens + ended, len(opening),
                             list(self.whisper.alignment_heads), frames)
         times = [round(self.offset(window) + time, 2) for time in times]
         times += times[-1:]  # (a window's last token ends where it starts)

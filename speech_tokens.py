@@ -222,8 +222,7 @@ def compression_ratio(tokens: list[int], vocabulary: int) -> float:
 MEDIAN_FILTER_WIDTH = 7  # transformers' WhisperConfig default, and every public checkpoint's
 
 
-def token_times(target, cross_keys_values: list, cross_bias, tokens: list[int], opened: int,
-                heads: list[tuple[int, int]], frames: int) -> list[float]:
+def token_times(target, cross, tokens: list[int], opened: int, heads: list[tuple[int, int]], frames: int) -> list[float]:
     """Each output token's time in its window, in seconds, as transformers'
     return_token_timestamps finds it: the alignment heads' cross-attention
     weights, from one pass of the decoder over the window's opening and
@@ -231,20 +230,14 @@ def token_times(target, cross_keys_values: list, cross_bias, tokens: list[int], 
     them, a step a token), normalised over the tokens, median-filtered over
     time and averaged over the heads, then dynamic time warping from tokens
     to the audio's frames (`frames` of the window hold audio: the rest is
-    cut). `tokens` is the opening and the output; `cross_keys_values` and
-    `cross_bias`, one row's. The last token, with no row of its own, takes
+    cut). `tokens` is the opening and the output; `cross`, one row's cache
+    (DecoderCache.row). The last token, with no row of its own, takes
     the time of the one before; with one output token, every time is 0."""
-    from attention import cross_weights
-    from cache import DecoderCache
-
     inputs = tokens[:-1]
     if len(inputs) <= opened:
         return [0.0] * (len(tokens) - opened)
-    cache = DecoderCache(cross_keys_values, cross_bias)
-    keys, values = cache.reserve(len(inputs))
-    with cross_weights({layer for layer, _ in heads}) as captured:  # (only the alignment heads' layers are kept)
-        target.decode_step(mx.array([inputs]), mx.array([0]), keys, values, cache.cross_keys_values, cache.cross_bias)
-        weights = mx.stack([captured[layer][0, head] for layer, head in heads])  # (heads, inputs, positions)
+    captured = target.cross_attention_weights(mx.array([inputs]), cross, {layer for layer, _ in heads})
+    weights = mx.stack([captured[layer][0, head] for layer, head in heads])  # (heads, inputs, positions)
     length = max(1, min(audio_positions(target), frames // 2))
     weights = np.array(weights[:, opened:, :length].astype(mx.float32))
     with np.errstate(invalid="ignore", divide="ignore"):  # one row: a deviation of 0, as transformers divides by it

@@ -26,11 +26,13 @@ TEXT_PATHS = {
     "sampled drafted": dict(temp=1.0, seed=5, num_draft=2),
     "beams": dict(num_beams=3, speculative=False),
 }
-SPEECH_PATHS = {"timestamps": dict(timestamps=True), "beams": dict(num_beams=3), "sampled": dict(temp=0.6, seed=4)}
+SPEECH_PATHS = {"timestamps": dict(timestamps=True), "words": dict(words=True), "beams": dict(num_beams=3),
+                "sampled": dict(temp=0.6, seed=4)}
 
 
 def outputs(models, kind: str) -> dict:
-    """Every path's tokens: each prompt's (text), or each segment's of a held-out clip (speech)."""
+    """Every path's tokens: each prompt's (text), or each segment's of a held-out clip (speech; with its words' times
+    where they are asked)."""
     if kind == "speech":
         from options import Settings
         from speech import transcribe
@@ -38,9 +40,11 @@ def outputs(models, kind: str) -> dict:
         found = {}
         for name, options in SPEECH_PATHS.items():
             options = dict(options)
-            timestamps = options.pop("timestamps", False)
-            (heard,) = transcribe(models, [str(CLIP)], settings=Settings(**options), timestamps=timestamps)
+            timestamps, words = options.pop("timestamps", False), options.pop("words", False)
+            (heard,) = transcribe(models, [str(CLIP)], settings=Settings(**options), timestamps=timestamps, words=words)
             found[name] = [segment["tokens"] for segment in heard.segments]
+            if words:  # each word, and its times
+                found[name] += [[[w["word"], w["start"], w["end"]] for w in segment["words"]] for segment in heard.segments]
         return found
     from generate import batch_generate
 
