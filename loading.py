@@ -133,7 +133,7 @@ def load_model(folder: str | Path, one_row: bool = False) -> EncoderDecoder:
 
 
 def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None = None, link=None,
-            split: list[int] | None = None) -> EncoderDecoder:
+            split: list[tuple[int, int]] | None = None) -> EncoderDecoder:
     """load_model's model before its weights are read: mx.load maps the
     safetensors lazily (never copying through numpy), so a folder is checked
     in moments and read afterwards. A draft whose config names weights
@@ -354,7 +354,7 @@ _warned_slow_blas = False
 
 
 def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool = False, one_row: bool = False,
-         stages: int | list[int] | None = None) -> Models:
+         stages: int | list[tuple[int, int]] | None = None) -> Models:
     """Load a converted target (and draft) by folder, name under mlx_models/,
     or the hub id it was converted from. Every weight is read now (verbose:
     saying so on stderr), so the first generation's time is decoding, not
@@ -362,11 +362,17 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
     before any weights load. `one_row`: the target will decode one row a
     step, regular decoding of one prompt at a time (load_model).
     `stages`: the target split over that many ranks of `mlx.launch` (or
-    stages of these layer counts: encoder layers, then decoder layers),
-    pipeline.py. On rank 0 this returns as ever; on the others it computes
-    its stage until rank 0's program ends, then ends the process."""
+    stages of these (encoder layers, decoder layers) counts), pipeline.py.
+    On rank 0 this returns as ever; on the others it computes its stage
+    until rank 0's program ends, then ends the process."""
     global _warned_slow_blas
     target_path = resolve(target, "target")
+    link = pipeline.join(target_path, stages) if pipeline.count(stages) > 1 else None  # (one stage: the whole target)
+    split = stages if isinstance(stages, (list, tuple)) else None
+    if link is not None:  # rank 0 ends the others as its program ends; they compute their stage until then
+        if link.rank > 0:  # (no draft, no tokenizer: those are rank 0's)
+            pipeline.serve_or_exit(_mapped(target_path, one_row, link=link, split=split).compile_decoding(), link)
+        pipeline.serve_or_exit(None, link)
     draft_path = resolve(draft, "draft") if draft is not None else None
     tokenizer = load_tokenizer(target_path)
     if draft_path is not None:
@@ -378,10 +384,7 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         _warned_slow_blas = True
         advice = ": several times slower; import this project's modules before mlx.core" if cpu.ACTIVE == cpu.MLX_FIRST else ""
         warnings.warn(f"MLX's CPU backend runs on its {cpu.ACTIVE}{advice}", RuntimeWarning, stacklevel=2)
-    link = pipeline.join(target_path, stages) if pipeline.count(stages) > 1 else None  # (one stage: the whole target)
-    target_model = _mapped(target_path, one_row, link=link, split=stages if isinstance(stages, (list, tuple)) else None)
-    if link is not None and link.rank > 0:  # a stage that only computes: never returns
-        pipeline.serve_or_exit(target_model.compile_decoding(), link)
+    target_model = _mapped(target_path, one_row, link=link, split=split)
     draft_model = _mapped(draft_path, lender=target_model) if draft_path is not None else None
     if draft_model is not None and same_encoder(target_model, draft_model):
         # distil-whisper's drafts keep their target's encoder: the draft decodes on the target's encoder output, and
@@ -401,8 +404,6 @@ def load(target: str | Path, *, draft: str | Path | None = None, verbose: bool =
         if model is not None:
             model.compile_decoding()  # reads every weight
             check_fit(path, model, tokenizer)
-    if link is not None:
-        pipeline.serve_or_exit(target_model, link)
     config = read_config(target_path)
     return Models(target_model, draft_model, tokenizer, target_path.resolve(), draft_path and draft_path.resolve(),
                   tasks=config.get("task_specific_params") or {}, languages=Languages.of(config, tokenizer),

@@ -601,8 +601,13 @@ class EncoderDecoder(nn.Module):
         """What a row's cache holds for each of its tokens in every decoder
         layer: a prompt token's cross-attention keys and values, or an output
         token's own (the same size)."""
+        return self.args.num_decoder_layers * self.cache_bytes_per_layer
+
+    @property
+    def cache_bytes_per_layer(self) -> int:
+        """cache_bytes_per_token's share of one decoder layer."""
         activations = getattr(self.shared, "scales", self.shared.weight).dtype  # a quantized embedding's: its scales'
-        return self.args.num_decoder_layers * 2 * self.args.num_heads * self.args.d_kv * activations.size
+        return 2 * self.args.num_heads * self.args.d_kv * activations.size
 
     def encode(self, source: mx.array, mask: mx.array | None = None, lanes: tuple | None = None) -> mx.array:
         """(B, S) prompt ids, or (B, S, F) features (rows.Request.source), and an

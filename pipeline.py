@@ -83,6 +83,7 @@ class Link:
             raise StageError(f"stage rank {self.rank} lost {lost} ({' '.join(str(e).split())})") from None
 
     def send(self, to: int, *arrays: mx.array) -> None:
+        mx.eval(*arrays)  # computed first: a failure here is this rank's own, and leaves nothing half sent
         for a in arrays:  # one at a time: sends evaluated together may leave in any order
             self.checked(to, lambda: mx.eval(mx.distributed.send(a, to, group=self.group)))
 
@@ -96,11 +97,14 @@ class Link:
     def pass_on(self, command: Command, *payloads: mx.array) -> None:
         """A command, and its payloads, to the next stage (if any)."""
         if self.rank + 1 < self.size:
+            mx.eval(*payloads)  # (before the header leaves: see send)
             ints = (mx.array(command.ints, mx.int32),) if command.ints else ()
             self.send(self.rank + 1, command.header(), *ints, *payloads)
 
     def command(self, command: Command, *payloads: mx.array) -> None:
         """Rank 0's command to every other stage (after the caches it dropped since the last one)."""
+        if self.broken:  # a stage is gone: nothing can be decoded any more
+            raise StageError(f"stage rank {self.rank} lost a peer earlier: the stages must be started again")
         dropped = []
         while self.dropped:  # (a deque's popleft and append are atomic: garbage collection may add to it meanwhile)
             dropped.append(self.dropped.popleft())
@@ -121,7 +125,8 @@ class Link:
         return command, payloads
 
     def reply(self, out: mx.array) -> None:
-        """The last stage's output, back to rank 0."""
+        """The last stage's output, back to rank 0 (its neighbour in the ring, to which alone the ring backend sends:
+        every output comes back from the last stage)."""
         self.send(0, out)
 
     def close(self) -> None:
@@ -166,7 +171,7 @@ if not select.select([sys.stdin], [], [], seconds)[0]:
 def connected(seconds: float | None = None):
     """MLX's distributed group, once every rank has answered: a rank that waits longer than `seconds` for the others
     (a host down or unreachable, a rank that never started) is ended, with one line naming it."""
-    if mx.distributed.is_available() and "MLX_RANK" not in os.environ:  # not started by mlx.launch: a group of one
+    if "MLX_RANK" not in os.environ:  # not started by mlx.launch: a group of one
         return mx.distributed.init()
     seconds = float(os.environ.get("T5_MLX_CONNECT_SECONDS", CONNECT_SECONDS)) if seconds is None else seconds
     message = (f"stage rank {os.environ['MLX_RANK']}: the other ranks did not answer in {seconds:g} s (a host down or "
@@ -175,6 +180,8 @@ def connected(seconds: float | None = None):
                                 stdin=subprocess.PIPE)
     try:
         return mx.distributed.init()
+    except RuntimeError as e:  # a hostfile MLX cannot read, an address not this machine's
+        raise StageError(f"stage rank {os.environ['MLX_RANK']}: {' '.join(str(e).split())}") from None
     finally:
         watchdog.stdin.close()
         watchdog.wait()
@@ -281,12 +288,21 @@ def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
     model.decoder.layers = [model.decoder.layers[i] for i in own_decoder]
     model.encoder.starts, model.encoder.ends = link.rank == 0, link.rank == link.last_encoder
     model.decoder.starts, model.decoder.ends = link.rank == 0, link.rank == link.size - 1
-    unused = [] if model.decoder.ends else ["lm_head", "final_logits_bias"]  # the head is the last stage's
-    if link.rank > 0 and not (model.decoder.ends and args.tie_word_embeddings):  # the embedding: rank 0's, and a tied head's
+    # What one stage alone uses: the input layers (rank 0's), each stack's final norm (the stage that ends it), the
+    # head (the last stage's; a tied head is the embedding, which the last stage then keeps too).
+    unused = [] if model.decoder.ends else ["lm_head", "final_logits_bias"]
+    if link.rank > 0 and not (model.decoder.ends and args.tie_word_embeddings):
         unused.append("shared")
+    for stack in ("encoder", "decoder"):
+        module = model[stack]
+        unused += [f"{stack}.{name}" for name in ("positions", "embedding_norm") if not module.starts and name in module]
+        unused += [f"{stack}.final_norm"] if not module.ends and "final_norm" in module else []
+    unused += ["stem"] if link.rank > 0 and "stem" in model else []
     for name in unused:
-        if name in model:
-            del model[name]
+        *parent, leaf = name.split(".")
+        owner = model[parent[0]] if parent else model
+        if leaf in owner:
+            del owner[leaf]
     owned = {"encoder": own_encoder, "decoder": own_decoder}
     kept = {}
     for name, array in weights.items():
@@ -296,7 +312,7 @@ def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
             if int(parts[2]) not in layers:
                 continue
             name = ".".join([parts[0], "layers", str(int(parts[2]) - layers.start), *parts[3:]])
-        elif name.split(".")[0] in unused:
+        elif any(name == gone or name.startswith(gone + ".") for gone in unused):
             continue
         kept[name] = array
     return kept
@@ -319,7 +335,7 @@ class Pipeline(EncoderDecoder):
         if self.encoder.ends:
             return x
         self.link.command(Command(ENCODE, sizes=x.shape, dtype=x.dtype, masked=mask is not None), *with_mask(x, mask))
-        return self.link.receive(self.link.last_encoder, x.shape, x.dtype)
+        return self.link.receive(self.link.size - 1, x.shape, x.dtype)
 
     def make_cache(self, encoder_output: mx.array, mask: mx.array | None = None, lanes: tuple | None = None):
         own = super().make_cache(encoder_output, mask, lanes)
@@ -342,13 +358,11 @@ class Pipeline(EncoderDecoder):
         hidden, found = self.capturing_pass(tokens, cache, {layer for layer in layers if layer in own})
         wanted = tuple(sorted(layers))
         self.link.command(Command(WEIGHTS, cache.id, hidden.shape, wanted, hidden.dtype), hidden)
-        B, L, _ = hidden.shape
-        S, H = cache.cross_keys_values[0][0].shape[2], self.args.num_heads
-        for rank, (_, decoder) in enumerate(self.link.parts[1:], 1):
-            theirs = [layer for layer in wanted if layer in decoder]
-            if theirs:
-                weights = self.link.receive(rank, (len(theirs), B, H, L, S), mx.float32)
-                found |= dict(zip(theirs, weights))
+        theirs = [layer for layer in wanted if layer not in own]
+        if theirs:  # (gathered down the stages, from the last)
+            B, L, _ = hidden.shape
+            S, H = cache.cross_keys_values[0][0].shape[2], self.args.num_heads
+            found |= dict(zip(theirs, self.link.receive(self.link.size - 1, (len(theirs), B, H, L, S), mx.float32)))
         return found
 
     def memory(self) -> list[dict]:
@@ -359,8 +373,10 @@ class Pipeline(EncoderDecoder):
                 for i in range(0, len(every), 3)]
 
     @property
-    def cache_bytes_per_token(self) -> int:  # rank 0's own layers: what its memory holds of each token
-        return super().cache_bytes_per_token * len(self.decoder.layers) // self.args.num_decoder_layers
+    def cache_bytes_per_token(self) -> int:
+        """What the stage holding the most decoder layers keeps of each token (the server's budget bounds each
+        stage's caches by it)."""
+        return max(len(decoder) for _, decoder in self.link.parts) * self.cache_bytes_per_layer
 
 
 class StagedCache(DecoderCache):
@@ -405,15 +421,24 @@ def own_memory(model: EncoderDecoder) -> tuple[int, ...]:
     return weights // 1024, mx.get_active_memory() // 1024, mx.get_peak_memory() // 1024
 
 
-def cross_weights_stage(model: EncoderDecoder, link: Link, command: Command, hidden: mx.array, cache) -> mx.array:
-    """A stage's part of Pipeline.cross_attention_weights: its layers' pass over the hidden states (returned, for
-    the next stage), the wanted layers among them captured and sent to rank 0."""
+def cross_weights_stage(model: EncoderDecoder, link: Link, command: Command, hidden: mx.array, cache) -> None:
+    """A stage's part of Pipeline.cross_attention_weights: its layers' pass over the hidden states, for the next
+    stage, and the wanted layers' weights among them added to those of the stages before (received here); the last
+    stage sends them all to rank 0."""
+    before = [layer for layer in command.ints if link.parts[0][1].stop <= layer < link.parts[link.rank][1].start]
+    B, L, _ = hidden.shape
+    S, H = cache.cross_keys_values[0][0].shape[2], model.args.num_heads
+    gathered = [link.receive(link.rank - 1, (len(before), B, H, L, S), mx.float32)] if before else []
     start = link.parts[link.rank][1].start
     own = [layer for layer in command.ints if layer - start in range(len(model.decoder.layers))]
     out, captured = model.capturing_pass(hidden, cache, {layer - start for layer in own})
-    if own:
-        link.reply(mx.stack([captured[layer - start].astype(mx.float32) for layer in own]))
-    return out
+    gathered += [mx.stack([captured[layer - start].astype(mx.float32) for layer in own])] if own else []
+    weights = mx.concatenate(gathered) if gathered else None
+    if link.rank == link.size - 1:
+        if weights is not None:
+            link.reply(weights)
+    else:
+        link.pass_on(command, out, *([] if weights is None else [weights]))
 
 
 def work(model: EncoderDecoder, link: Link) -> None:
@@ -423,21 +448,16 @@ def work(model: EncoderDecoder, link: Link) -> None:
     while True:
         command, payloads = link.next_command()
         op, cache = command.op, caches.get(command.cache)
-        if op == ENCODE:  # (never sent past the encoder's last stage)
+        if op == ENCODE:  # (the stages past the encoder's last pass its output on as it is)
             out = drained(model.encoder.pieces(payloads[0], payloads[1] if command.masked else None, cpu.lanes()))
-            if link.rank == link.last_encoder:
-                link.reply(out)
-            else:
-                link.pass_on(command, out, *payloads[1:])
+            link.reply(out) if last else link.pass_on(command, out, *payloads[1:])
             continue
         if op == DECODE:
             out = model.decode(payloads[0], cache)
             link.reply(out) if last else link.pass_on(command, out)
             continue
-        if op == WEIGHTS:  # a pass over one row's tokens, each stage's wanted layers' weights back to rank 0
-            out = cross_weights_stage(model, link, command, payloads[0], cache)
-            if not last:
-                link.pass_on(command, out)
+        if op == WEIGHTS:  # a pass over one row's tokens, the wanted layers' weights gathered down the stages
+            cross_weights_stage(model, link, command, payloads[0], cache)
             continue
         if op == MEMORY:  # each stage's figures, added in turn
             command = replace(command, ints=command.ints + own_memory(model))
@@ -464,9 +484,10 @@ def work(model: EncoderDecoder, link: Link) -> None:
             return
 
 
-def serve_or_exit(model: EncoderDecoder, link: Link) -> None:
-    """On rank 0, send EXIT down the stages when the program ends; on the others, work until then and end the
-    process (what a launched rank is for), with one line on stderr if a stage fails."""
+def serve_or_exit(model: EncoderDecoder | None, link: Link) -> None:
+    """On rank 0, send EXIT down the stages when the program ends (registered as soon as the ranks have joined:
+    a rank 0 that fails to load still ends the others); on the others, work until then and end the process (what a
+    launched rank is for), with one line on stderr if a stage fails."""
     if link.rank == 0:
         atexit.register(link.close)
         return

@@ -40,7 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from dataclasses import replace
 
 from batches import batch_for, drive
-from errors import OptionError, T5Error
+from errors import OptionError, StageError, T5Error
 from rows import Request
 from loading import load
 import pipeline
@@ -162,7 +162,12 @@ def serve(engine: Engine, app: FastAPI, sock: socket.socket, grace: float, read_
     gc.collect()
     gc.freeze()
     http.start()
-    engine.run(lambda: not http.is_alive() or engine.draining and (not engine.busy or time.perf_counter() > deadline[0]))
+    try:
+        engine.run(lambda: not http.is_alive() or engine.draining and (not engine.busy or time.perf_counter() > deadline[0]))
+    except StageError as e:  # a pipeline stage lost: nothing more can be decoded
+        log.error("error: %s", e)
+        server.should_exit = True
+        return 1
     if not http.is_alive():
         log.error("the HTTP server stopped")
         return 1

@@ -1,7 +1,7 @@
 """`stages`: the benchmark pair's target split over 1, 2 and 3 ranks of this machine (pipeline.py, MLX's ring
-backend over 127.0.0.1, started by mlx.launch), regular and drafted: tokens a second and each rank's memory; then
-a model on paper of what a link between Macs adds, and what that leaves for T5-11B drafted by T5-small on two
-16 GB Macs."""
+backend over 127.0.0.1, the ranks started as mlx.launch starts them: pipeline.local_ranks), regular and drafted:
+tokens a second and each rank's memory; then a model on paper of what a link between Macs adds, and what that
+leaves for T5-11B drafted by T5-small on two 16 GB Macs."""
 
 import json
 import statistics

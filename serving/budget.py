@@ -70,7 +70,7 @@ class Budget:
         # bound); read once, here: `used` runs on the metrics' thread, which does not call into MLX
         loaded = [model for model in (models.target, models.draft) if model is not None]
         self.per_position = sum(model.cache_bytes_per_token for model in loaded)
-        self.layer_position = max(model.cache_bytes_per_token // model.args.num_decoder_layers for model in loaded)
+        self.layer_position = max(model.cache_bytes_per_layer for model in loaded)
         self.held: dict[int, Footprint] = {}  # id(job) -> its footprint, while it has rows
         self.encoding: set[int] = set()  # id(job) of those among them being encoded
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from batches import batch_for, warm_up
 from generate import encoding_flops
-from errors import T5Error
+from errors import StageError, T5Error
 from model import ROWS_PER_CHUNK
 from rows import Encoding
 from loading import Models
@@ -98,6 +98,13 @@ def size_class(prompt_length: int, max_tokens: int) -> tuple[int, int]:
     """How long a prompt is, then how many tokens its request asks for, on a doubling scale (one class for prompts of
     up to a chunk of rows): jobs of one class encode together, and the smaller classes first."""
     return 0 if prompt_length <= ROWS_PER_CHUNK else prompt_length.bit_length(), max_tokens.bit_length()
+
+
+def fatal(error: Exception) -> None:
+    """Raise what no request can survive: a pipeline stage lost (errors.StageError), which ends the engine's run and
+    the server with one line, rather than failing every request after it."""
+    if isinstance(error, StageError):
+        raise error
 
 
 class Engine:
@@ -296,6 +303,7 @@ class Engine:
                     if isinstance(joining.kind, Express):  # its rows decode now: the oldest's piece, at most, first
                         budget = 0.0
             except Exception as e:  # encoding failed: these jobs only
+                fatal(e)
                 log.exception("encoding failed")
                 self.joining.remove(joining)
                 for job in joining.jobs:
@@ -390,6 +398,7 @@ class Engine:
                         job.ending(batch, request)
                     accepted = job.accept(token, finish)
                 except Exception as e:
+                    fatal(e)
                     log.exception("a job's work on its tokens failed")
                     accepted, failure = False, (f"decoding failed: {e}", 400 if isinstance(e, T5Error) else 500)
                 else:
@@ -411,6 +420,7 @@ class Engine:
                 elif job.stream.finish_reason:  # a stop string: the row leaves before the next round
                     job.cancelled = True
         except Exception as e:
+            fatal(e)
             log.exception("a decoding round failed")
             del self.batches[kind]
             jobs = [self.jobs.pop(id(row.request)) for row in batch.rows if id(row.request) in self.jobs]
@@ -441,6 +451,7 @@ class Engine:
             if not job.cancelled and job.follow() is not None:
                 return [job]
         except Exception as e:
+            fatal(e)
             log.exception("a job's next request failed")
             job.fail(f"decoding failed: {e}", 400 if isinstance(e, T5Error) else 500)
             self.record_end(job, "error")

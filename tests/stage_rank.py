@@ -26,8 +26,7 @@ TEXT_PATHS = {
     "sampled drafted": dict(temp=1.0, seed=5, num_draft=2),
     "beams": dict(num_beams=3, speculative=False),
 }
-SPEECH_PATHS = {"timestamps": dict(timestamps=True), "words": dict(words=True), "beams": dict(num_beams=3),
-                "sampled": dict(temp=0.6, seed=4)}
+SPEECH_PATHS = {"timestamps": dict(timestamps=True), "words": dict(words=True), "beams": dict(num_beams=3)}
 
 
 def outputs(models, kind: str) -> dict:
@@ -46,13 +45,27 @@ def outputs(models, kind: str) -> dict:
             if words:  # each word, and its times
                 found[name] += [[[w["word"], w["start"], w["end"]] for w in segment["words"]] for segment in heard.segments]
         return found
+    from dataclasses import replace
+
+    from batches import batch_for, drive
     from generate import batch_generate
+    from options import Settings
+    from rows import Request
 
     drafts = models.draft is not None
     found = {name: [g.tokens for g in batch_generate(models, PROMPTS, max_tokens=16, **options)]
              for name, options in TEXT_PATHS.items() if drafts or options.get("speculative", True) is False}
     found["one at a time"] = [g.tokens for g in batch_generate(models, PROMPTS, batch_size=1, max_tokens=12,
                                                               **(dict(num_draft=2) if drafts else dict(speculative=False)))]
+    # Rows of several lengths two at a time: as one leaves (its cross-attention cut to the longest prompt left),
+    # the next joins (its caches appended to the batch's).
+    settings = Settings(max_tokens=16, num_draft=2) if drafts else Settings(max_tokens=16, speculative=False)
+    ids = [models.tokenizer.encode(prompt) for prompt in PROMPTS + PROMPTS[:1]]
+    requests = [Request(prompt, replace(settings, max_tokens=n)) for prompt, n in zip(ids, (5, 14, 8, 11))]
+    tokens = {id(request): [] for request in requests}
+    for request, token, _ in drive(batch_for(models, settings, 2), requests):
+        tokens[id(request)] += [] if token is None else [token]
+    found["rows joining and leaving"] = [tokens[id(request)] for request in requests]
     return found
 
 

