@@ -81,7 +81,7 @@ def text_pair(tmp_path_factory, tokenizer_dir):
     return root / "target", root / "draft", reference
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 4])  # (3: the given splits below, and a rank dying)
 def test_every_text_path_gives_one_process_tokens_over_the_stages(tmp_path, text_pair, ranks):
     target, draft, reference = text_pair
     found = staged(tmp_path, ranks, target, draft, "text")
