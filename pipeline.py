@@ -88,11 +88,9 @@ class Link:
             self.checked(to, lambda: mx.eval(mx.distributed.send(a, to, group=self.group)))
 
     def receive(self, source: int, shape, dtype=mx.int32) -> mx.array:
-        def received():
-            x = mx.distributed.recv(tuple(shape), dtype, source, group=self.group)
-            mx.eval(x)
-            return x
-        return self.checked(source, received)
+        x = mx.distributed.recv(tuple(shape), dtype, source, group=self.group)
+        self.checked(source, lambda: mx.eval(x))
+        return x
 
     def pass_on(self, command: Command, *payloads: mx.array) -> None:
         """A command, and its payloads, to the next stage (if any)."""
@@ -136,11 +134,6 @@ class Link:
                 self.command(Command(EXIT))
             except StageError:
                 pass
-
-    @property
-    def last_encoder(self) -> int:
-        """The stage that ends the encoder."""
-        return max(rank for rank, (encoder, _) in enumerate(self.parts) if len(encoder))
 
 
 def stages_option(text: str) -> int | list[tuple[int, int]]:
@@ -286,7 +279,8 @@ def place(model: EncoderDecoder, weights: dict, link: Link, given=None) -> dict:
     own_encoder, own_decoder = link.parts[link.rank]
     model.encoder.layers = [model.encoder.layers[i] for i in own_encoder]
     model.decoder.layers = [model.decoder.layers[i] for i in own_decoder]
-    model.encoder.starts, model.encoder.ends = link.rank == 0, link.rank == link.last_encoder
+    last_encoder = max(rank for rank, (encoder, _) in enumerate(link.parts) if len(encoder))
+    model.encoder.starts, model.encoder.ends = link.rank == 0, link.rank == last_encoder
     model.decoder.starts, model.decoder.ends = link.rank == 0, link.rank == link.size - 1
     # What one stage alone uses: the input layers (rank 0's), each stack's final norm (the stage that ends it), the
     # head (the last stage's; a tied head is the embedding, which the last stage then keeps too).

@@ -26,7 +26,7 @@ TEXT_PATHS = {
     "sampled drafted": dict(temp=1.0, seed=5, num_draft=2),
     "beams": dict(num_beams=3, speculative=False),
 }
-SPEECH_PATHS = {"timestamps": dict(timestamps=True), "words": dict(words=True), "beams": dict(num_beams=3)}
+SPEECH_PATHS = {"words": dict(words=True)}  # greedy, with each word's times (beams and timestamps: the text's paths)
 
 
 def outputs(models, kind: str) -> dict:

