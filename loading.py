@@ -139,8 +139,8 @@ def _mapped(folder: Path, one_row: bool = False, lender: EncoderDecoder | None =
     in moments and read afterwards. A draft whose config names weights
     `borrowed_from_target` (demo/train_speech.py's: the encoder and the token
     embedding) has those modules of its target, `lender`: the same arrays.
-    With a `link` (pipeline.join), only this rank's stage of the layers, cut as evenly as `split` (each stage's
-    layer count) or the layers' bytes say."""
+    With a `link` (pipeline.join), only this rank's stage of the layers, cut as `split` says (each stage's
+    (encoder, decoder) layer counts) or, without one, where the layers' bytes come out even."""
     config = read_config(folder)
     model = (pipeline.Pipeline if link and link.rank == 0 else EncoderDecoder)(ModelArgs.from_dict(config))
     borrowed = config.get("borrowed_from_target") or []

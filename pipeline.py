@@ -95,7 +95,6 @@ class Link:
     def pass_on(self, command: Command, *payloads: mx.array) -> None:
         """A command, and its payloads, to the next stage (if any)."""
         if self.rank + 1 < self.size:
-            mx.eval(*payloads)  # (before the header leaves: see send)
             ints = (mx.array(command.ints, mx.int32),) if command.ints else ()
             self.send(self.rank + 1, command.header(), *ints, *payloads)
 

@@ -44,7 +44,6 @@ from errors import OptionError, StageError, T5Error
 from rows import Request
 from loading import load
 import pipeline
-from pipeline import stages_option
 from options import KNOBS, Settings
 from plans import resolve, with_presets
 from text import plural
@@ -192,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model",
                    help="draft model for speculative decoding (without it: prompt lookup if asked, else the target alone)")
     p.add_argument("--prompt-lookup", action="store_true", help="draft by prompt lookup unless a request says otherwise")
-    p.add_argument("--stages", type=stages_option, help="split the target over this many machines, run under mlx.launch "
+    p.add_argument("--stages", type=pipeline.stages_option, help="split the target over this many machines, run under mlx.launch "
                    "(rank 0 serves, the others compute), or stages of these encoder:decoder layers: docs/SERVING.md")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model names clients may give, the first in answers (default: --model as given; "
